@@ -1,0 +1,81 @@
+"""Attention over the paged KV cache: the metadata the model runner builds once per
+step, and the backends every attention layer calls.
+
+Token layout of one step (flattened, prefills first):
+
+    | prefill seq A (chunk) | prefill seq B | decode | decode | decode |
+    |<-- num_prefill_tokens -------------->|<-- one token each ------>|
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from kernels import reference
+
+
+@dataclass
+class PrefillSpan:
+    query_start: int
+    num_queries: int
+    context_len: int  # tokens cached before this step + num_queries
+    block_table: torch.Tensor  # [num_blocks_of_seq] int64
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    num_prefill_tokens: int
+    prefills: list[PrefillSpan]
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64
+    decode_context_lens: torch.Tensor  # [num_decodes] int64
+
+
+class TorchAttentionBackend:
+    """Reference backend: gather K/V by block table, then SDPA. Runs everywhere."""
+
+    name = "torch"
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float, sliding_window: int | None = None) -> torch.Tensor:
+        """query [T, Hq, D], key/value [T, Hkv, D], caches [num_blocks, block_size, Hkv, D] -> [T, Hq, D]"""
+        reference.store_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+        out = torch.empty_like(query)
+        for span in meta.prefills:
+            rows = slice(span.query_start, span.query_start + span.num_queries)
+            if span.context_len == span.num_queries:  # nothing cached: use the fresh K/V directly
+                keys, values = key[rows], value[rows]
+            else:
+                keys = reference.gather_kv(key_cache, span.block_table, span.context_len)
+                values = reference.gather_kv(value_cache, span.block_table, span.context_len)
+            out[rows] = reference.prefill_attention(query[rows], keys, values, scale, sliding_window)
+        if meta.num_prefill_tokens < query.shape[0]:
+            decodes = slice(meta.num_prefill_tokens, None)
+            out[decodes] = reference.paged_decode_attention(
+                query[decodes], key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens,
+                scale, sliding_window)
+        return out
+
+
+def select_backend(name: str, device: torch.device):
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return TorchAttentionBackend()
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("attention_backend='triton' needs a CUDA device; on the CPU it runs only under "
+                         "TRITON_INTERPRET=1 (set before kernels are imported), which is for tests")
+    raise ValueError("attention_backend='triton' is not built yet; use 'torch'")
+
+
+@dataclass
+class ForwardContext:
+    """What every attention layer needs for one step, passed down the forward call."""
+
+    meta: AttentionMetadata
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [num_blocks, block_size, Hkv, D] x2
+    backend: TorchAttentionBackend

@@ -1,0 +1,76 @@
+"""The one engine configuration, built once and passed down (nano-vllm style)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+def parse_memory(value: int | str | None) -> int | None:
+    """Bytes from an int or a string like "2GiB", "512MiB", "1.5GB"."""
+    if value is None or isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"kv_cache_memory: cannot parse {value!r}; use bytes or a size like '2GiB'")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every engine option. Values found at start-up (the number of KV blocks that
+    fit) are returned by the model runner, never written back here."""
+
+    model: str
+    block_size: int = 16
+    """Tokens per KV-cache block."""
+    num_kv_blocks: int | None = None
+    """Exact size of the KV pool in blocks; wins over `kv_cache_memory`."""
+    kv_cache_memory: int | str | None = None
+    """Bytes (or "2GiB") for the KV pool. Default: 90% of free memory after weights on
+    CUDA; on the CPU, what `max_num_seqs` full-length sequences need, capped at 2 GiB."""
+    max_num_seqs: int = 256
+    """Most sequences running at once."""
+    max_num_batched_tokens: int = 8192
+    """Token budget of one step (prefill chunks plus decodes)."""
+    max_model_len: int | None = None
+    """Longest prompt + completion; default: the model's `max_position_embeddings`."""
+    enable_chunked_prefill: bool = True
+    """Split prompts longer than the step budget across steps."""
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks of identical prompt prefixes (hash-chained full blocks)."""
+    dtype: str = "auto"
+    """float32, bfloat16, float16, or auto (the checkpoint's dtype)."""
+    device: str = "auto"
+    """cpu, cuda, cuda:N, or auto (cuda when available)."""
+    attention_backend: str = "auto"
+    """torch (reference, the CPU default) or triton (the CUDA default)."""
+    seed: int = 0
+    """Seeds unseeded requests' samplers, in arrival order."""
+    tokenizer: str | None = None
+    """Tokenizer path; default: the model path."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        memory = parse_memory(self.kv_cache_memory)
+        if memory is not None and memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0, got {self.kv_cache_memory!r}")
+        object.__setattr__(self, "kv_cache_memory", memory)
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")

@@ -1,0 +1,61 @@
+"""`LLM`: the offline facade, shaped like vLLM's."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceOf
+
+from tqdm.auto import tqdm
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Load a Hugging Face checkpoint and generate completions with continuous batching.
+
+    >>> llm = LLM(model="out/demo-model", num_kv_blocks=256)
+    >>> llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=8))[0].text
+    """
+
+    def __init__(self, model: str, **options) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **options))
+        self._next_id = 0
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | SequenceOf[Prompt],
+                 sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Prompts are strings or token-id lists; one SamplingParams for all, or one each.
+        Every request is validated before any runs; outputs come back in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts")
+        token_ids = [self.engine.tokenize(p) for p in prompts]
+        for index, (ids, params) in enumerate(zip(token_ids, sampling_params)):
+            try:
+                self.engine.validate(ids, params)
+            except ValueError as error:
+                raise ValueError(f"prompts[{index}]: {error}") from None
+        request_ids = []
+        for prompt, ids, params in zip(prompts, token_ids, sampling_params):
+            request_id = str(self._next_id)
+            self._next_id += 1
+            self.engine.add_request(request_id, ids, params,
+                                    prompt_text=prompt if isinstance(prompt, str) else None)
+            request_ids.append(request_id)
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(prompts), desc="generate", disable=not use_tqdm) as progress:
+            while self.engine.has_unfinished():
+                for output in self.engine.step():
+                    results[output.request_id] = output
+                    progress.update(1)
+        return [results[request_id] for request_id in request_ids]

@@ -1,0 +1,167 @@
+"""The only engine class that touches tensors: loads the model, owns the paged KV
+cache, turns a ScheduledBatch into input tensors, runs the model, samples."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from engine.attention import AttentionMetadata, ForwardContext, PrefillSpan, select_backend
+from engine.config import EngineConfig
+from engine.loader import iterate_weights, load_weights
+from engine.models import get_model_class
+from engine.sampler import Sampler, SamplerOutput, SamplerRow
+from engine.scheduler import ScheduledBatch
+from engine.sequence import Sequence
+
+CPU_DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
+CUDA_MEMORY_FRACTION = 0.9
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} but CUDA is not available")
+    return device
+
+
+def resolve_dtype(name: str, hf_config) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, hf_config, eos_token_ids: set[int]) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.eos_token_ids = eos_token_ids
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, hf_config)
+        self.vocab_size = hf_config.vocab_size
+        max_positions = hf_config.max_position_embeddings
+        self.max_model_len = config.max_model_len or max_positions
+        if self.max_model_len > max_positions:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {max_positions}")
+        torch.manual_seed(config.seed)
+        self._seed_source = random.Random(config.seed)
+        self.model = self._load_model(hf_config)
+        self.backend = select_backend(config.attention_backend, self.device)
+        attention_layers = [m for m in self.model.modules() if hasattr(m, "num_kv_heads")]
+        self.num_layers = len(attention_layers)
+        self.num_kv_heads, self.head_dim = attention_layers[0].num_kv_heads, attention_layers[0].head_dim
+        self.num_kv_blocks = self._num_kv_blocks()
+        # [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]; zeroed so that
+        # padded reads of never-written slots are finite (they are masked, but NaN * 0 is NaN).
+        self.kv_cache = torch.zeros(self.num_layers, 2, self.num_kv_blocks, self.block_size, self.num_kv_heads,
+                                    self.head_dim, dtype=self.dtype, device=self.device)
+        self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
+        self.sampler = Sampler()
+        self.generators: dict[str, torch.Generator] = {}
+
+    def _load_model(self, hf_config) -> torch.nn.Module:
+        model_cls = get_model_class(hf_config)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = model_cls(hf_config, max_positions=self.max_model_len)
+        finally:
+            torch.set_default_dtype(previous)
+        load_weights(model, iterate_weights(self.config.model))
+        return model.eval()
+
+    @property
+    def bytes_per_block(self) -> int:
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    def _num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        memory = self.config.kv_cache_memory
+        if memory is None and self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            memory = int(free * CUDA_MEMORY_FRACTION)
+        elif memory is None:
+            # Enough for max_num_seqs full-length sequences, never more than 2 GiB.
+            blocks_for_all = self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
+            memory = min(CPU_DEFAULT_KV_CACHE_BYTES, blocks_for_all * self.bytes_per_block)
+        num_blocks = memory // self.bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory {memory} bytes holds no block of {self.bytes_per_block} bytes")
+        return num_blocks
+
+    # -- one step -------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SamplerOutput]:
+        """Run the batch; return the sequences that produced a token, and their tokens."""
+        # Prefills (more than one new token) first, then single-token decodes.
+        order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] == 1)
+        seqs = [batch.seqs[i] for i in order]
+        num_new = [batch.num_new_tokens[i] for i in order]
+        for source, destination in batch.block_copies:
+            self.kv_cache[:, :, destination].copy_(self.kv_cache[:, :, source])
+        input_ids, positions, meta, last_rows = self._prepare_inputs(seqs, num_new)
+        ctx = ForwardContext(meta, self.kv_caches, self.backend)
+        hidden = self.model(input_ids, positions, ctx)  # [num_tokens, hidden]
+        sampling = [i for i, (s, n) in enumerate(zip(seqs, num_new)) if s.num_computed_tokens + n == s.num_tokens]
+        if not sampling:
+            return [], SamplerOutput([], [])
+        logits = self.model.compute_logits(hidden[last_rows[sampling]])  # [num_sampling, vocab]
+        sampled_seqs = [seqs[i] for i in sampling]
+        return sampled_seqs, self.sampler(logits, [self._sampler_row(s) for s in sampled_seqs])
+
+    def _prepare_inputs(self, seqs: list[Sequence], num_new: list[int]):
+        num_prefills = sum(1 for n in num_new if n > 1)
+        input_ids: list[int] = []
+        for seq, n in zip(seqs, num_new):
+            input_ids.extend(seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + n])
+        lens = torch.tensor(num_new)
+        starts = torch.tensor([s.num_computed_tokens for s in seqs])
+        seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), lens)  # [T]
+        offsets = lens.cumsum(0) - lens  # first row of each sequence in the flat batch
+        positions = torch.arange(len(input_ids)) - offsets[seq_of_token] + starts[seq_of_token]  # [T]
+        width = max(len(s.block_table) for s in seqs)
+        block_tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs])
+        slot_mapping = (block_tables[seq_of_token, positions // self.block_size] * self.block_size
+                        + positions % self.block_size)
+        context_lens = starts + lens
+        prefills = [PrefillSpan(int(offsets[i]), num_new[i], int(context_lens[i]),
+                                block_tables[i, : len(seqs[i].block_table)].to(self.device))
+                    for i in range(num_prefills)]
+        num_decode_blocks = max((len(s.block_table) for s in seqs[num_prefills:]), default=0)
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping.to(self.device),
+            num_prefill_tokens=int(lens[:num_prefills].sum()),
+            prefills=prefills,
+            decode_block_tables=block_tables[num_prefills:, :num_decode_blocks].to(self.device),
+            decode_context_lens=context_lens[num_prefills:].to(self.device),
+        )
+        last_rows = offsets + lens - 1
+        return (torch.tensor(input_ids, device=self.device), positions.to(self.device), meta,
+                last_rows.to(self.device))
+
+    def _sampler_row(self, seq: Sequence) -> SamplerRow:
+        params = seq.params
+        suppressed: list[int] = []
+        if seq.num_output_tokens < params.min_tokens:
+            suppressed = list(params.stop_token_ids) + ([] if params.ignore_eos else sorted(self.eos_token_ids))
+        generator = None
+        if not params.is_greedy:
+            generator = self.generators.get(seq.seq_id)
+            if generator is None:
+                seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
+                if seq.sample_index:
+                    seed = hash((seed, seq.sample_index)) & (2**63 - 1)
+                generator = torch.Generator(device=self.device).manual_seed(seed)
+                self.generators[seq.seq_id] = generator
+        return SamplerRow(seq, generator, suppressed)
+
+    def release(self, seq: Sequence) -> None:
+        self.generators.pop(seq.seq_id, None)

@@ -1,0 +1,52 @@
+"""Building blocks shared by the model definitions."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from kernels import reference
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return reference.rms_norm(x, self.weight, self.eps, residual)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin table over every position, computed as transformers does (fp32
+    frequencies, RoPE scaling types through its own ROPE_INIT_FUNCTIONS)."""
+
+    STATIC_TYPES = ("default", "linear", "llama3", "yarn")
+
+    def __init__(self, config, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        params = dict(getattr(config, "rope_parameters", None) or {})
+        rope_type = params.get("rope_type", "default")
+        if rope_type not in self.STATIC_TYPES:
+            raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {self.STATIC_TYPES}")
+        if rope_type == "default":
+            theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            scaling = 1.0
+        else:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq.float()[None, :]  # [max_positions, head_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)  # [max_positions, head_dim]
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
+        """positions [T]; query [T, Hq, D]; key [T, Hkv, D]"""
+        cos = self.cos[positions].to(query.dtype)
+        sin = self.sin[positions].to(query.dtype)
+        return reference.rotary(query, cos, sin), reference.rotary(key, cos, sin)
+
+

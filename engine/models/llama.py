@@ -1,0 +1,136 @@
+"""Llama family (Llama 2/3, and the base of Mistral and Qwen2), loading Hugging Face
+checkpoints by their original weight names.
+
+q/k/v and gate/up are fused into one matmul each; `packed_modules` tells the
+loader which slice of the fused weight a checkpoint tensor fills.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+
+from engine.attention import ForwardContext
+from engine.models.layers import RMSNorm, RotaryEmbedding
+
+
+def fused_linear(in_features: int, shard_sizes: list[int], bias: bool) -> nn.Linear:
+    layer = nn.Linear(in_features, sum(shard_sizes), bias=bias)
+    for param in layer.parameters():
+        param.shard_sizes = shard_sizes  # read by engine.loader
+    return layer
+
+
+class LlamaAttention(nn.Module):
+    qkv_bias_attr, o_bias_attr = "attention_bias", "attention_bias"
+
+    def __init__(self, config, layer_idx: int, sliding_window: int | None) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.scale = self.head_dim**-0.5
+        self.sliding_window = sliding_window
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = fused_linear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size],
+                                     bias=self.qkv_bias(config))
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=self.o_bias(config))
+
+    def qkv_bias(self, config) -> bool:
+        return bool(getattr(config, "attention_bias", False))
+
+    def o_bias(self, config) -> bool:
+        return bool(getattr(config, "attention_bias", False))
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rotary: RotaryEmbedding,
+                ctx: ForwardContext) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        key_cache, value_cache = ctx.kv_caches[self.layer_idx]
+        out = ctx.backend.forward(q, k, v, key_cache, value_cache, ctx.meta, self.scale, self.sliding_window)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = fused_linear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.act = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    attention_cls = LlamaAttention
+
+    def __init__(self, config, layer_idx: int, sliding_window: int | None) -> None:
+        super().__init__()
+        self.self_attn = self.attention_cls(config, layer_idx, sliding_window)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual, rotary, ctx):
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, rotary, ctx)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, layer_cls: type[LlamaDecoderLayer], sliding_windows: list[int | None],
+                 max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(layer_cls(config, i, sliding_windows[i]) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.rotary_emb = RotaryEmbedding(config, head_dim, max_positions)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, self.rotary_emb, ctx)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    layer_cls = LlamaDecoderLayer
+    packed_modules = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                      "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, config, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, self.layer_cls, self.sliding_windows(config), max_positions)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @staticmethod
+    def sliding_windows(config) -> list[int | None]:
+        """Per layer: the attention window, or None for full attention."""
+        layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+        return [config.sliding_window if kind == "sliding_attention" else None for kind in layer_types]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab]"""
+        return self.lm_head(hidden)

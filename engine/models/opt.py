@@ -1,0 +1,110 @@
+"""OPT (facebook/opt-*): learned positions offset by 2, LayerNorm, ReLU MLP, and
+the lm_head tied to the token embedding."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+
+from engine.attention import ForwardContext
+from engine.models.llama import fused_linear
+
+POSITION_OFFSET = 2  # OPT's learned position table reserves its first two rows
+
+
+class OPTAttention(nn.Module):
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = self.num_kv_heads = config.num_attention_heads
+        self.head_dim = config.hidden_size // self.num_heads
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = fused_linear(config.hidden_size, [config.hidden_size] * 3, bias=config.enable_bias)
+        self.out_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=config.enable_bias)
+
+    def forward(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).view(num_tokens, 3, self.num_heads, self.head_dim).unbind(1)
+        key_cache, value_cache = ctx.kv_caches[self.layer_idx]
+        out = ctx.backend.forward(q, k, v, key_cache, value_cache, ctx.meta, self.scale)  # [T, H, D]
+        return self.out_proj(out.reshape(num_tokens, -1))
+
+
+class OPTDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        affine = config.layer_norm_elementwise_affine
+        self.do_layer_norm_before = config.do_layer_norm_before
+        self.self_attn = OPTAttention(config, layer_idx)
+        self.self_attn_layer_norm = nn.LayerNorm(config.hidden_size, elementwise_affine=affine)
+        self.fc1 = nn.Linear(config.hidden_size, config.ffn_dim, bias=config.enable_bias)
+        self.fc2 = nn.Linear(config.ffn_dim, config.hidden_size, bias=config.enable_bias)
+        self.final_layer_norm = nn.LayerNorm(config.hidden_size, elementwise_affine=affine)
+        self.act = ACT2FN[config.activation_function]
+
+    def forward(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        residual = hidden
+        if self.do_layer_norm_before:
+            hidden = self.self_attn_layer_norm(hidden)
+        hidden = residual + self.self_attn(hidden, ctx)
+        if not self.do_layer_norm_before:
+            hidden = self.self_attn_layer_norm(hidden)
+        residual = hidden
+        if self.do_layer_norm_before:
+            hidden = self.final_layer_norm(hidden)
+        hidden = residual + self.fc2(self.act(self.fc1(hidden)))
+        if not self.do_layer_norm_before:
+            hidden = self.final_layer_norm(hidden)
+        return hidden
+
+
+class OPTDecoder(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.word_embed_proj_dim)
+        self.embed_positions = nn.Embedding(config.max_position_embeddings + POSITION_OFFSET, config.hidden_size)
+        projected = config.word_embed_proj_dim != config.hidden_size
+        self.project_in = nn.Linear(config.word_embed_proj_dim, config.hidden_size, bias=False) if projected else None
+        self.project_out = nn.Linear(config.hidden_size, config.word_embed_proj_dim, bias=False) if projected else None
+        has_final_norm = config.do_layer_norm_before and not getattr(config, "_remove_final_layer_norm", False)
+        self.final_layer_norm = (nn.LayerNorm(config.hidden_size, elementwise_affine=config.layer_norm_elementwise_affine)
+                                 if has_final_norm else None)
+        self.layers = nn.ModuleList(OPTDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [T, word_embed_proj_dim]
+        if self.project_in is not None:
+            hidden = self.project_in(hidden)
+        hidden = hidden + self.embed_positions(positions + POSITION_OFFSET)
+        for layer in self.layers:
+            hidden = layer(hidden, ctx)
+        if self.final_layer_norm is not None:
+            hidden = self.final_layer_norm(hidden)
+        if self.project_out is not None:
+            hidden = self.project_out(hidden)
+        return hidden
+
+
+class OPTModel(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.decoder = OPTDecoder(config)
+
+
+class OPTForCausalLM(nn.Module):
+    packed_modules = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
+
+    def __init__(self, config, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.model = OPTModel(config)
+        self.lm_head = nn.Linear(config.word_embed_proj_dim, config.vocab_size, bias=False)
+        if getattr(config, "tie_word_embeddings", True):
+            self.lm_head.weight = self.model.decoder.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.model.decoder(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

@@ -1,0 +1,64 @@
+"""Per-request sampling parameters, named as in vLLM."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    """Completions per prompt; they share the prompt's KV blocks."""
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 (or 0) disables top-k."""
+    min_p: float = 0.0
+    seed: int | None = None
+    """Makes this request's samples reproducible whatever else shares its batch."""
+    max_tokens: int = 16
+    min_tokens: int = 0
+    """EOS and `stop_token_ids` are suppressed until this many tokens exist."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end the completion; they are cut from the text."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    """Return the sampled token's logprob and this many top alternatives."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == 0:
+            self.top_k = -1
+        checks = [
+            (self.n >= 1, "n", "must be >= 1"),
+            (self.temperature >= 0, "temperature", "must be >= 0"),
+            (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
+            (self.top_k >= 1 or self.top_k == -1, "top_k", "must be -1 (off) or >= 1"),
+            (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
+            (self.max_tokens >= 1, "max_tokens", "must be >= 1"),
+            (0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be in [0, max_tokens]"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),
+            (self.repetition_penalty > 0, "repetition_penalty", "must be > 0"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
+        ]
+        for ok, name, rule in checks:
+            if not ok:
+                raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1

@@ -1,0 +1,136 @@
+"""Iteration-level (continuous) batching over the paged block pool.
+
+Every step gets a token budget (`max_num_batched_tokens`) and a sequence cap
+(`max_num_seqs`). Running sequences are served first, one decode token each or
+their next prefill chunk; waiting sequences are then admitted in arrival order
+while their blocks are free. A running sequence that cannot get a block makes
+the newest running sequence give up its blocks (preemption by recompute).
+
+Plain Python: the model runner turns a `ScheduledBatch` into tensors.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    """Tokens of each sequence to run this step, starting at its num_computed_tokens."""
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    """(source, destination) blocks to copy before the step (copy-on-write)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_kv_blocks: int) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.enable_chunked_prefill = config.enable_chunked_prefill
+        self.block_manager = BlockManager(num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        preempted = False
+
+        # 1. Running sequences, oldest first.
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.can_allocate(seq, num_new):
+                victim = self.running.pop()  # the newest
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                self._grow(seq, num_new, batch)
+                budget -= num_new
+                index += 1
+
+        # 2. Waiting sequences, in arrival order, while their blocks are free.
+        while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached = self.block_manager.find_cached_prefix(seq) if seq.num_computed_tokens == 0 else []
+            num_remaining = seq.num_tokens - seq.num_computed_tokens - len(cached) * self.block_manager.block_size
+            num_new = min(num_remaining, budget)
+            if num_new < num_remaining and not self.enable_chunked_prefill:
+                break
+            if not self.block_manager.allocate(seq, num_new, cached):
+                break
+            self.waiting.popleft()
+            if seq.num_computed_tokens == 0:
+                num_cached_tokens = len(cached) * self.block_manager.block_size
+                self.block_manager.record_prefix_lookup(seq.num_tokens, num_cached_tokens)
+                seq.num_computed_tokens = num_cached_tokens
+                if seq.first_scheduled_time is None:
+                    seq.num_cached_tokens = num_cached_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+        return batch
+
+    def _grow(self, seq: Sequence, num_new: int, batch: ScheduledBatch) -> None:
+        copy = self.block_manager.copy_on_write(seq) if seq.block_table else None
+        if copy is not None:
+            batch.block_copies.append(copy)
+        assert self.block_manager.allocate(seq, num_new)
+        batch.seqs.append(seq)
+        batch.num_new_tokens.append(num_new)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Drop the sequence's KV and queue it first among the waiting: it will be
+        recomputed from its prompt and the tokens it already produced."""
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def update(self, batch: ScheduledBatch) -> None:
+        """After the model ran `batch`: advance progress and publish finished blocks to the prefix cache."""
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += num_new
+            self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.block_manager.free(seq)
+        self.running.remove(seq)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        aborted = [s for s in (*self.waiting, *self.running) if s.request_id == request_id]
+        for seq in aborted:
+            if seq in self.running:
+                self.finish(seq, "abort")
+            else:
+                self.waiting.remove(seq)
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        return aborted

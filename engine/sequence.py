@@ -1,0 +1,77 @@
+"""A request's state as the scheduler sees it: tokens, blocks, progress, status."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+class Sequence:
+    """One completion being generated.
+
+    NOTE: `token_ids` is prompt + output. `num_computed_tokens` of them have their
+    K/V in the cache; the scheduler moves it forward, preemption resets it to 0.
+
+        token_ids:   [ p p p p p p p p p o o o ]
+                       |<- computed ->|  |<- still to run through the model
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 arrival_time: float | None = None, sample_index: int = 0) -> None:
+        self.request_id = request_id
+        self.sample_index = sample_index
+        self.params = params
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.text = ""
+        self.logprobs: list[dict[int, float]] = []
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+
+    @property
+    def seq_id(self) -> str:
+        return f"{self.request_id}#{self.sample_index}"
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.num_tokens - 1
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.seq_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+                f"blocks={self.block_table}, {self.status.name})")

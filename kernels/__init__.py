@@ -1,0 +1,1 @@
+"""Attention and hot-path kernels: Triton on the GPU, torch references everywhere."""

@@ -1,0 +1,113 @@
+"""Torch reference of every kernel: the CPU path of the engine and the oracle the
+Triton kernels are tested against.
+
+Paged KV layout, per layer: [num_blocks, block_size, num_kv_heads, head_dim].
+A token at position p of a sequence lives in slot
+block_table[p // block_size] * block_size + p % block_size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write new K/V rows into their cache slots.
+
+    key, value:             [num_tokens, num_kv_heads, head_dim]
+    key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping:           [num_tokens] int64
+    """
+    num_kv_heads, head_dim = key.shape[1:]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
+    """One sequence's first context_len K (or V) rows.
+
+    cache: [num_blocks, block_size, num_kv_heads, head_dim]; block_table: [num_blocks_of_seq]
+    returns [context_len, num_kv_heads, head_dim]
+    """
+    return cache[block_table].flatten(0, 1)[:context_len]
+
+
+def _window_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, sliding_window: int | None):
+    """[num_queries, num_keys] bool: causal, and inside the sliding window if any."""
+    mask = key_positions[None, :] <= query_positions[:, None]
+    if sliding_window is not None:
+        mask &= key_positions[None, :] > query_positions[:, None] - sliding_window
+    return mask
+
+
+def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                      sliding_window: int | None = None) -> torch.Tensor:
+    """Causal attention of one sequence's new tokens over its whole context.
+
+    query: [num_queries, num_heads, head_dim]   (the last num_queries positions of the context)
+    key, value: [context_len, num_kv_heads, head_dim]
+    returns [num_queries, num_heads, head_dim]
+    """
+    num_queries, context_len = query.shape[0], key.shape[0]
+    q, k, v = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
+    if num_queries == context_len and sliding_window is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        query_positions = torch.arange(context_len - num_queries, context_len, device=query.device)
+        key_positions = torch.arange(context_len, device=query.device)
+        mask = _window_mask(query_positions, key_positions, sliding_window)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           sliding_window: int | None = None) -> torch.Tensor:
+    """One new token per sequence attending over its paged context.
+
+    query:        [num_seqs, num_heads, head_dim]
+    key_cache:    [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: [num_seqs, max_blocks_per_seq] int (padding entries may be any valid id)
+    context_lens: [num_seqs] int, including the new token
+    returns       [num_seqs, num_heads, head_dim]
+    """
+    num_seqs = query.shape[0]
+    num_kv_heads, head_dim = key_cache.shape[2:]
+    # [num_seqs, max_blocks * block_size, num_kv_heads, head_dim] -> heads first
+    keys = key_cache[block_tables].view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    values = value_cache[block_tables].view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    key_positions = torch.arange(keys.shape[2], device=query.device)
+    mask = key_positions[None, :] < context_lens[:, None]  # [num_seqs, max_context]
+    if sliding_window is not None:
+        mask &= key_positions[None, :] >= (context_lens[:, None] - sliding_window)
+    out = F.scaled_dot_product_attention(query[:, :, None, :], keys, values, attn_mask=mask[:, None, None, :],
+                                         scale=scale, enable_gqa=True)
+    return out[:, :, 0, :]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """RMSNorm as in transformers (fp32 statistics). With `residual`, first adds it
+    and returns (normed, new_residual).
+
+    x, residual: [num_tokens, hidden]; weight: [hidden]
+    """
+    if residual is not None:
+        x = x + residual
+        residual = x
+    input_dtype = x.dtype
+    hidden = x.to(torch.float32)
+    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * hidden.to(input_dtype)
+    return out if residual is None else (out, residual)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, rotate-half (GPT-NeoX / Llama) style.
+
+    x: [num_tokens, num_heads, head_dim]; cos, sin: [num_tokens, head_dim]
+    """
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
