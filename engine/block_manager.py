@@ -115,7 +115,12 @@ class BlockManager:
         num_new_blocks = self.num_blocks_for(num_tokens) - len(seq.block_table) - len(cached_prefix)
         # Cached blocks that sit on the free list leave it when they are reused.
         num_revived = sum(1 for block_id in cached_prefix if self.blocks[block_id].ref_count == 0)
-        return max(num_new_blocks, 0) + num_revived
+        return max(num_new_blocks, 0) + num_revived + int(self._needs_copy_on_write(seq))
+
+    def _needs_copy_on_write(self, seq: Sequence) -> bool:
+        """The next token lands in a partly filled last block that another sequence shares."""
+        return (bool(seq.block_table) and seq.num_computed_tokens % self.block_size != 0
+                and self.blocks[seq.block_table[-1]].ref_count > 1)
 
     def allocate(self, seq: Sequence, num_new_tokens: int, cached_prefix: SequenceOf[int] = ()) -> bool:
         """Give `seq` the blocks for `num_new_tokens` more tokens (after any cached prefix).
@@ -142,9 +147,9 @@ class BlockManager:
     def copy_on_write(self, seq: Sequence) -> tuple[int, int] | None:
         """Before `seq` writes into its last block: if that block is shared, give `seq`
         a private copy. Returns (source, destination) block ids for the runner to copy."""
-        last = self.blocks[seq.block_table[-1]]
-        if last.ref_count <= 1:
+        if not self._needs_copy_on_write(seq):
             return None
+        last = self.blocks[seq.block_table[-1]]
         last.ref_count -= 1
         new_id = self._take_fresh()
         seq.block_table[-1] = new_id

@@ -97,7 +97,7 @@ class Scheduler:
         return batch
 
     def _grow(self, seq: Sequence, num_new: int, batch: ScheduledBatch) -> None:
-        copy = self.block_manager.copy_on_write(seq) if seq.block_table else None
+        copy = self.block_manager.copy_on_write(seq)
         if copy is not None:
             batch.block_copies.append(copy)
         assert self.block_manager.allocate(seq, num_new)

@@ -1,0 +1,88 @@
+"""Bad input raises ValueError naming the field and the limit; the engine stays usable."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, EngineConfig, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(tiny_llama, num_kv_blocks=20, max_model_len=300)  # 20 blocks of 16 = 320 slots
+
+
+@pytest.mark.parametrize("options, field", [
+    ({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+    ({"max_tokens": 0}, "max_tokens"), ({"top_k": -3}, "top_k"), ({"min_p": 2.0}, "min_p"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"logprobs": 50}, "logprobs"),
+    ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"), ({"stop": [""]}, "stop"),
+])
+def test_invalid_sampling_parameter_names_the_field(options, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**options)
+
+
+def test_empty_prompt(llm):
+    with pytest.raises(ValueError, match="prompts\\[1\\]: prompt: must not be empty"):
+        llm.generate([[5, 6], []], use_tqdm=False)
+
+
+def test_prompt_longer_than_max_model_len(llm):
+    with pytest.raises(ValueError, match="exceed max_model_len 300"):
+        llm.generate([[5] * 295], SamplingParams(max_tokens=10), use_tqdm=False)
+
+
+def test_request_needing_more_blocks_than_the_pool(tiny_llama):
+    small = LLM(tiny_llama, num_kv_blocks=4)  # 64 slots, while max_model_len is 512
+    with pytest.raises(ValueError, match="needs 5 KV blocks .* num_kv_blocks is 4"):
+        small.generate([[5] * 60], SamplingParams(max_tokens=10), use_tqdm=False)
+    assert small.generate([[5] * 40], SamplingParams(max_tokens=10), use_tqdm=False)[0].finish_reason
+
+
+def test_token_id_outside_the_vocabulary(llm):
+    with pytest.raises(ValueError, match="token ids must be integers in \\[0, 512\\)"):
+        llm.generate([[5, 512]], use_tqdm=False)
+
+
+def test_engine_stays_usable_after_rejected_requests(llm):
+    with pytest.raises(ValueError):
+        llm.generate([[1, 2, 3], []], use_tqdm=False)
+    assert not llm.engine.has_unfinished()  # the valid one was not queued either
+    engine = llm.engine
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request("too-long", [5] * 299, SamplingParams(max_tokens=5))
+    engine.add_request("fine", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3))
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert [o.request_id for o in outputs] == ["fine"] and len(outputs[0].token_ids) == 3
+    assert engine.num_free_blocks == engine.num_total_blocks
+
+
+def test_unknown_architecture(tiny_llama, tmp_path):
+    model_dir = Path(shutil.copytree(tiny_llama, tmp_path / "unknown"))
+    config = json.loads((model_dir / "config.json").read_text())
+    config["architectures"] = ["FalconForCausalLM"]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="architectures \\['FalconForCausalLM'\\] not supported"):
+        LLM(str(model_dir))
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"block_size": 12}, "block_size"), ({"num_kv_blocks": 0}, "num_kv_blocks"),
+    ({"kv_cache_memory": "lots"}, "kv_cache_memory"), ({"dtype": "int8"}, "dtype"),
+    ({"attention_backend": "flash"}, "attention_backend"), ({"max_num_seqs": 0}, "max_num_seqs"),
+])
+def test_invalid_engine_option(options, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model="unused", **options)
+
+
+def test_max_model_len_beyond_the_model(tiny_llama):
+    with pytest.raises(ValueError, match="max_position_embeddings 512"):
+        LLM(tiny_llama, max_model_len=4096)
