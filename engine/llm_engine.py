@@ -163,7 +163,7 @@ class LLMEngine:
     def _make_output(self, request: _Request, now: float) -> RequestOutput:
         completions = []
         for seq in request.seqs:
-            if seq.stop_reason is None or not isinstance(seq.stop_reason, str):
+            if seq.params.detokenize and not isinstance(seq.stop_reason, str):
                 seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
             completions.append(CompletionOutput(seq.sample_index, seq.text, seq.output_token_ids, seq.finish_reason,
                                                 seq.stop_reason, seq.logprobs if seq.params.logprobs is not None
@@ -180,6 +180,9 @@ class LLMEngine:
             "num_waiting": len(self.scheduler.waiting),
             "num_free_blocks": manager.num_free_blocks,
             "num_total_blocks": manager.num_total_blocks,
+            # Tokens whose K/V sit in the cache, against the slots of the blocks in use.
+            "num_live_tokens": sum(s.num_computed_tokens for s in self.scheduler.running),
+            "num_used_slots": (manager.num_total_blocks - manager.num_free_blocks) * manager.block_size,
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_queries": manager.num_prefix_queries,
             "prefix_cache_hits": manager.num_prefix_hits,

@@ -29,6 +29,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     """Return the sampled token's logprob and this many top alternatives."""
+    detokenize: bool = True
+    """Decode the output text; False returns token ids only (stop strings need text)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -50,6 +52,7 @@ class SamplingParams:
             (self.repetition_penalty > 0, "repetition_penalty", "must be > 0"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
+            (self.detokenize or not self.stop, "detokenize", "must be True when stop strings are given"),
         ]
         for ok, name, rule in checks:
             if not ok:

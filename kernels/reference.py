@@ -69,22 +69,27 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
 
     query:        [num_seqs, num_heads, head_dim]
     key_cache:    [num_blocks, block_size, num_kv_heads, head_dim]
-    block_tables: [num_seqs, max_blocks_per_seq] int (padding entries may be any valid id)
+    block_tables: [num_seqs, max_blocks_per_seq] int (entries past a sequence's blocks are ignored)
     context_lens: [num_seqs] int, including the new token
     returns       [num_seqs, num_heads, head_dim]
+
+    NOTE: a loop over sequences, not a padded batch: gathering only each sequence's
+    own blocks moves far fewer bytes than one [num_seqs, max_context] gather, and the
+    strided [Hkv, context, D] views feed batched matmuls without another copy.
     """
-    num_seqs = query.shape[0]
-    num_kv_heads, head_dim = key_cache.shape[2:]
-    # [num_seqs, max_blocks * block_size, num_kv_heads, head_dim] -> heads first
-    keys = key_cache[block_tables].view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
-    values = value_cache[block_tables].view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
-    key_positions = torch.arange(keys.shape[2], device=query.device)
-    mask = key_positions[None, :] < context_lens[:, None]  # [num_seqs, max_context]
-    if sliding_window is not None:
-        mask &= key_positions[None, :] >= (context_lens[:, None] - sliding_window)
-    out = F.scaled_dot_product_attention(query[:, :, None, :], keys, values, attn_mask=mask[:, None, None, :],
-                                         scale=scale, enable_gqa=True)
-    return out[:, :, 0, :]
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    grouped_query = query.view(num_seqs, num_kv_heads, group, head_dim).transpose(2, 3)  # [S, Hkv, D, G]
+    out = torch.empty_like(query)
+    for index, context_len in enumerate(context_lens.tolist()):
+        first = 0 if sliding_window is None else max(0, context_len - sliding_window)
+        blocks = block_tables[index, : -(-context_len // block_size)]
+        keys = key_cache.index_select(0, blocks).flatten(0, 1)[first:context_len].transpose(0, 1)  # [Hkv, C, D]
+        values = value_cache.index_select(0, blocks).flatten(0, 1)[first:context_len].transpose(0, 1)
+        probs = torch.softmax(torch.matmul(keys, grouped_query[index]) * scale, dim=1)  # [Hkv, C, G]
+        out[index] = torch.matmul(probs.transpose(1, 2), values).reshape(num_heads, head_dim)
+    return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):

@@ -1,0 +1,80 @@
+"""Shared pieces of the benchmarks: the fixed-seed workload, the ~50M-parameter
+random Llama, the matmul probe and analytic FLOP counts."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig
+
+from engine.demo_model import build_tokenizer, write_checkpoint
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def make_workload(num_requests: int, vocab_size: int, seed: int = 0, prompt_range=(16, 512),
+                  output_range=(16, 256)) -> Workload:
+    rng = random.Random(seed)
+    lens = [rng.randint(*prompt_range) for _ in range(num_requests)]
+    prompts = [[rng.randrange(3, vocab_size) for _ in range(n)] for n in lens]
+    return Workload(prompts, [rng.randint(*output_range) for _ in range(num_requests)])
+
+
+def llama_50m_config() -> LlamaConfig:
+    """About 56M parameters: 8 layers of width 512, GQA 8/4 heads, a 32k vocabulary."""
+    return LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                       num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
+                       architectures=["LlamaForCausalLM"])
+
+
+def ensure_model(path: str | Path, config: LlamaConfig | None = None) -> str:
+    path = Path(path)
+    if not (path / "model.safetensors").exists():
+        write_checkpoint(config or llama_50m_config(), path, seed=0, tokenizer=build_tokenizer(1024))
+    return str(path)
+
+
+def matmul_probe_flops(size: int = 2048, repeats: int = 10) -> float:
+    """FLOP/s of a square fp32 matmul on this machine, right now."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b  # warm-up
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    return 2 * size**3 * repeats / (time.perf_counter() - start)
+
+
+def workload_flops(config: LlamaConfig, workload: Workload) -> float:
+    """Useful FLOPs of the workload: every linear layer on every token, the LM head
+    on every sampled token, and attention (QK^T and PV) over each token's context."""
+    head_dim = config.hidden_size // config.num_attention_heads
+    q_size, kv_size = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    per_layer = config.hidden_size * (q_size + 2 * kv_size) + q_size * config.hidden_size \
+        + 3 * config.hidden_size * config.intermediate_size
+    linear_per_token = 2 * per_layer * config.num_hidden_layers
+    lm_head_per_token = 2 * config.hidden_size * config.vocab_size
+    attention_per_context_token = 4 * q_size * config.num_hidden_layers
+    total = 0.0
+    for prompt, num_out in zip(workload.prompts, workload.output_lens):
+        num_prompt = len(prompt)
+        num_tokens = num_prompt + num_out - 1  # the last sampled token is never fed back
+        total += linear_per_token * num_tokens + lm_head_per_token * num_out
+        total += attention_per_context_token * num_tokens * (num_tokens + 1) / 2
+    return total
+
+
+def print_summary(summary: dict) -> None:
+    print(json.dumps(summary, indent=2, sort_keys=True))

@@ -1,0 +1,131 @@
+"""Offline throughput: kvfleet against transformers on the same model and workload,
+in the same run.
+
+    python benchmarks/engine_throughput.py [--num-requests 256] [--max-batch-size 64]
+
+Workload (fixed seed): prompts uniform in 16-512 tokens, outputs uniform in 16-256,
+ignore_eos, on a random fp32 Llama of ~56M parameters. Peers:
+  * transformers `generate` in static, left-padded batches of --max-batch-size;
+  * transformers continuous batching (`init_continuous_batching`, the engine behind
+    `generate_batch`), with each request's own output length.
+Prints output tokens/s, ratios, achieved FLOP/s against a matmul probe, KV
+utilization at peak, then a JSON summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+from benchmarks.common import (Workload, ensure_model, llama_50m_config, make_workload, matmul_probe_flops,
+                               print_summary, workload_flops)
+from engine import LLM, SamplingParams
+
+
+def run_kvfleet(model_dir: str, workload: Workload, max_batch_size: int) -> dict:
+    llm = LLM(model_dir, max_num_seqs=max_batch_size, enable_prefix_caching=False)
+    engine = llm.engine
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
+              for n in workload.output_lens]
+    start = time.perf_counter()
+    for index, (prompt, p) in enumerate(zip(workload.prompts, params)):
+        engine.add_request(str(index), prompt, p)
+    peak_used = peak_live = num_steps = num_out = 0
+    while engine.has_unfinished():
+        for output in engine.step():
+            num_out += len(output.token_ids)
+        num_steps += 1
+        stats = engine.stats()
+        if stats["num_used_slots"] > peak_used:
+            peak_used, peak_live = stats["num_used_slots"], stats["num_live_tokens"]
+    elapsed = time.perf_counter() - start
+    assert num_out == workload.num_output_tokens, (num_out, workload.num_output_tokens)
+    return {"seconds": elapsed, "output_tokens_per_s": num_out / elapsed, "steps": num_steps,
+            "preemptions": engine.scheduler.num_preemptions,
+            "kv_utilization_at_peak": peak_live / peak_used if peak_used else 0.0,
+            "peak_used_slots": peak_used, "kv_blocks": engine.num_total_blocks}
+
+
+def run_hf_static(model_dir: str, workload: Workload, max_batch_size: int) -> dict:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for first in range(0, len(workload.prompts), max_batch_size):
+            prompts = workload.prompts[first : first + max_batch_size]
+            num_new = max(workload.output_lens[first : first + max_batch_size])
+            width = max(len(p) for p in prompts)
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left padding
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            # min_new_tokens == max_new_tokens: EOS is suppressed, as ignore_eos does.
+            model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=num_new,
+                           min_new_tokens=num_new, pad_token_id=0)
+    elapsed = time.perf_counter() - start
+    return {"seconds": elapsed, "output_tokens_per_s": workload.num_output_tokens / elapsed}
+
+
+def run_hf_continuous(model_dir: str, workload: Workload, max_batch_size: int) -> dict:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    generation_config = GenerationConfig(do_sample=False, max_new_tokens=max(workload.output_lens),
+                                         pad_token_id=0, eos_token_id=2)
+    manager = model.init_continuous_batching(
+        generation_config=generation_config,
+        continuous_batching_config=ContinuousBatchingConfig(max_requests_per_batch=max_batch_size))
+    manager.start()
+    start = time.perf_counter()
+    for index, (prompt, num_new) in enumerate(zip(workload.prompts, workload.output_lens)):
+        # An EOS id outside the vocabulary never matches: ignore_eos.
+        manager.add_request(prompt, request_id=str(index), max_new_tokens=num_new, eos_token_id=-1)
+    num_out = 0
+    for _ in range(len(workload.prompts)):
+        result = manager.get_result(timeout=600)
+        assert result is not None, "transformers continuous batching stopped early"
+        num_out += len(result.generated_tokens)
+    elapsed = time.perf_counter() - start
+    manager.stop(block=True)
+    return {"seconds": elapsed, "output_tokens_per_s": num_out / elapsed, "output_tokens": num_out}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--max-batch-size", type=int, default=64)
+    parser.add_argument("--model-dir", default="out/bench-llama-50m")
+    parser.add_argument("--peers", default="static,continuous", help="comma list: static, continuous")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    config = llama_50m_config()
+    model_dir = ensure_model(args.model_dir, config)
+    workload = make_workload(args.num_requests, config.vocab_size, args.seed)
+    probe = matmul_probe_flops()
+    results = {"kvfleet": run_kvfleet(model_dir, workload, args.max_batch_size)}
+    peers = {"static": run_hf_static, "continuous": run_hf_continuous}
+    for name in filter(None, args.peers.split(",")):
+        results[f"transformers_{name}"] = peers[name](model_dir, workload, args.max_batch_size)
+
+    flops = workload_flops(config, workload)
+    kvfleet = results["kvfleet"]
+    kvfleet["achieved_flops"] = flops / kvfleet["seconds"]
+    kvfleet["fraction_of_matmul_probe"] = kvfleet["achieved_flops"] / probe
+    print(f"\nworkload: {args.num_requests} requests, {workload.num_output_tokens} output tokens, "
+          f"max batch {args.max_batch_size}, torch threads {torch.get_num_threads()}")
+    for name, result in results.items():
+        print(f"{name:28s} {result['output_tokens_per_s']:9.1f} output tok/s  ({result['seconds']:.1f} s)")
+    ratios = {f"kvfleet_over_{name}": kvfleet["output_tokens_per_s"] / result["output_tokens_per_s"]
+              for name, result in results.items() if name != "kvfleet"}
+    for name, ratio in ratios.items():
+        print(f"{name:40s} {ratio:6.2f}x")
+    print(f"achieved {kvfleet['achieved_flops'] / 1e9:.1f} GFLOP/s = {kvfleet['fraction_of_matmul_probe']:.0%} "
+          f"of the {probe / 1e9:.1f} GFLOP/s matmul probe")
+    print(f"KV utilization at peak: {kvfleet['kv_utilization_at_peak']:.1%}")
+    print_summary({"benchmark": "engine_throughput", "num_requests": args.num_requests,
+                   "max_batch_size": args.max_batch_size, "output_tokens": workload.num_output_tokens,
+                   "matmul_probe_flops": probe, "results": results, "ratios": ratios})
+
+
+if __name__ == "__main__":
+    main()
