@@ -21,8 +21,15 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-from benchmarks.common import (Workload, ensure_model, llama_50m_config, make_workload, matmul_probe_flops,
-                               print_summary, workload_flops)
+from benchmarks.common import (
+    Workload,
+    ensure_model,
+    llama_50m_config,
+    make_workload,
+    matmul_probe_flops,
+    print_summary,
+    workload_flops,
+)
 from engine import LLM, SamplingParams
 
 

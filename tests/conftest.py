@@ -54,3 +54,51 @@ def tiny_models(tmp_path_factory, tiny_tokenizer) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_models) -> str:
     return tiny_models["llama"]
+
+
+# -- services ------------------------------------------------------------------
+import os  # noqa: E402
+import uuid  # noqa: E402
+
+import boto3  # noqa: E402
+import redis  # noqa: E402
+
+from tests.services import RedisServer, S3Server, s3_environment  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def r(redis_server) -> redis.Redis:
+    """A client on an emptied database of the session's redis-server."""
+    if redis_server.process.poll() is not None:  # a test killed it: bring it back
+        redis_server.start()
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    return client
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    server = S3Server().start()
+    saved = {k: os.environ.get(k) for k in s3_environment(server.url)}
+    os.environ.update(s3_environment(server.url))
+    yield server
+    server.stop()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture
+def s3_bucket(s3_server) -> str:
+    name = f"kvfleet-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_server.url).create_bucket(Bucket=name)
+    return name

@@ -1,0 +1,157 @@
+"""The batch object (OpenAI's shape) in a Redis hash, and its state machine.
+
+    validating -> in_progress -> finalizing -> completed
+         |             |  \\-> cancelling -> cancelled
+         |             \\-> expired
+         \\-> failed (from validating, in_progress or finalizing)
+
+A transition is one Lua script: it checks the current status against the legal
+sources and writes the new status and its timestamp atomically, so two workers
+racing to finalize a batch cannot both win.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+import redis
+
+from jobs import keys
+
+TERMINAL = ("completed", "failed", "expired", "cancelled")
+TRANSITIONS: dict[str, tuple[str, ...]] = {
+    "in_progress": ("validating",),
+    "finalizing": ("in_progress",),
+    "completed": ("finalizing",),
+    "failed": ("validating", "in_progress", "finalizing"),
+    "cancelling": ("validating", "in_progress"),
+    "cancelled": ("cancelling",),
+    "expired": ("in_progress",),
+}
+TIMESTAMP_FIELDS = {"in_progress": "in_progress_at", "finalizing": "finalizing_at", "completed": "completed_at",
+                    "failed": "failed_at", "cancelling": "cancelling_at", "cancelled": "cancelled_at",
+                    "expired": "expired_at"}
+WINDOWS = {"24h": 24 * 3600}
+INT_FIELDS = ("created_at", "expires_at", *TIMESTAMP_FIELDS.values(), "total", "completed", "failed",
+              "enqueued", "prompt_tokens", "completion_tokens", "cached_tokens")
+JSON_FIELDS = ("metadata", "errors")
+
+_TRANSITION_LUA = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return {-1, ''} end
+for i = 3, #ARGV do
+  if ARGV[i] == status then
+    redis.call('HSET', KEYS[1], 'status', ARGV[1], ARGV[2], redis.call('TIME')[1])
+    return {1, status}
+  end
+end
+return {0, status}
+"""
+
+
+class IllegalTransition(Exception):
+    pass
+
+
+class BatchNotFound(KeyError):
+    pass
+
+
+def new_batch_id() -> str:
+    return f"batch_{uuid.uuid4().hex}"
+
+
+def parse_window(window: str) -> int:
+    """Seconds of a completion window like "24h", "90m" or "3600s"."""
+    if window in WINDOWS:
+        return WINDOWS[window]
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    try:
+        seconds = int(window[:-1]) * units[window[-1]]
+    except (ValueError, KeyError, IndexError):
+        raise ValueError(f"completion_window: expected like '24h', '90m' or '3600s', got {window!r}") from None
+    if seconds <= 0:
+        raise ValueError(f"completion_window: must be positive, got {window!r}")
+    return seconds
+
+
+def create_batch(r: redis.Redis, batch_id: str, *, endpoint: str, model: str, input_file_id: str | None,
+                 completion_window: str, sink: str, metadata: dict[str, str] | None = None) -> bool:
+    """Create the batch in status validating; False if it already exists (idempotent)."""
+    created = time.time()
+    now = int(created)
+    fields = {"id": batch_id, "status": "validating", "endpoint": endpoint, "model": model,
+              "input_file_id": input_file_id or "", "completion_window": completion_window, "sink": sink,
+              "created_at": now, "expires_at": now + parse_window(completion_window),
+              "metadata": json.dumps(metadata or {}), "total": 0, "completed": 0, "failed": 0, "enqueued": 0}
+    if not r.hsetnx(keys.batch(batch_id), "id", batch_id):
+        return False
+    pipe = r.pipeline(transaction=True)
+    pipe.hset(keys.batch(batch_id), mapping=fields)
+    pipe.zadd(keys.BATCHES, {batch_id: created})  # sub-second, so listing order is creation order
+    pipe.execute()
+    return True
+
+
+def transition(r: redis.Redis, batch_id: str, to_status: str) -> str:
+    """Move the batch to `to_status` if legal; return the status it left.
+    Raises IllegalTransition (or BatchNotFound) and changes nothing otherwise."""
+    sources = TRANSITIONS[to_status]
+    code, previous = r.eval(_TRANSITION_LUA, 1, keys.batch(batch_id), to_status, TIMESTAMP_FIELDS[to_status],
+                            *sources)
+    previous = previous.decode() if isinstance(previous, bytes) else previous
+    if code == -1:
+        raise BatchNotFound(batch_id)
+    if code == 0:
+        raise IllegalTransition(f"batch {batch_id}: cannot go from {previous} to {to_status}")
+    return previous
+
+
+def load_fields(r: redis.Redis, batch_id: str) -> dict[str, Any]:
+    raw = r.hgetall(keys.batch(batch_id))
+    if not raw:
+        raise BatchNotFound(batch_id)
+    fields: dict[str, Any] = {k.decode(): v.decode() for k, v in raw.items()}
+    for name in INT_FIELDS:
+        if name in fields:
+            fields[name] = int(fields[name])
+    for name in JSON_FIELDS:
+        if name in fields:
+            fields[name] = json.loads(fields[name])
+    return fields
+
+
+def batch_object(r: redis.Redis, batch_id: str) -> dict[str, Any]:
+    """The batch as OpenAI's API returns it."""
+    f = load_fields(r, batch_id)
+    usage = None
+    if f.get("prompt_tokens") or f.get("completion_tokens"):
+        prompt, completion = f.get("prompt_tokens", 0), f.get("completion_tokens", 0)
+        usage = {"input_tokens": prompt, "output_tokens": completion, "total_tokens": prompt + completion,
+                 "input_tokens_details": {"cached_tokens": f.get("cached_tokens", 0)},
+                 "output_tokens_details": {"reasoning_tokens": 0}}
+    return {
+        "id": batch_id, "object": "batch", "endpoint": f["endpoint"], "model": f["model"],
+        "input_file_id": f["input_file_id"] or None, "completion_window": f["completion_window"],
+        "status": f["status"], "output_file_id": f.get("output_file_id") or None,
+        "error_file_id": f.get("error_file_id") or None,
+        "errors": {"object": "list", "data": f["errors"]} if f.get("errors") else None,
+        "created_at": f["created_at"], "expires_at": f["expires_at"],
+        **{name: f.get(name) for name in TIMESTAMP_FIELDS.values()},
+        "request_counts": {"total": f["total"], "completed": f["completed"], "failed": f["failed"]},
+        "usage": usage, "metadata": f["metadata"] or None,
+    }
+
+
+def list_batch_ids(r: redis.Redis, after: str | None = None, limit: int = 20) -> list[str]:
+    """Newest first; `after` is the id where the previous page ended."""
+    start = 0
+    if after:
+        rank = r.zrevrank(keys.BATCHES, after)
+        if rank is None:
+            raise BatchNotFound(after)
+        start = rank + 1
+    return [b.decode() for b in r.zrevrange(keys.BATCHES, start, start + limit - 1)]

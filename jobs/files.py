@@ -1,0 +1,57 @@
+"""File objects of the OpenAI Files API: metadata in a Redis hash, content in the
+storage that holds it (input uploads in Redis, outputs in the batch's sink)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import redis
+
+from jobs import keys
+from jobs.storage import Storage, open_storage
+
+
+class FileNotFound(KeyError):
+    pass
+
+
+def new_file_id() -> str:
+    return f"file-{uuid.uuid4().hex}"
+
+
+def create_file(r: redis.Redis, storage: Storage, chunks: Iterable[bytes], filename: str, purpose: str,
+                file_id: str | None = None) -> dict[str, Any]:
+    file_id = file_id or new_file_id()
+    size = 0
+
+    def counted() -> Iterator[bytes]:
+        nonlocal size
+        for chunk in chunks:
+            size += len(chunk)
+            yield chunk
+
+    location = storage.put_file(file_id, counted())
+    r.hset(keys.file(file_id), mapping={"id": file_id, "bytes": size, "created_at": int(time.time()),
+                                         "filename": filename, "purpose": purpose, "location": location,
+                                         "sink": storage.url})
+    return file_object(r, file_id)
+
+
+def file_object(r: redis.Redis, file_id: str) -> dict[str, Any]:
+    raw = r.hgetall(keys.file(file_id))
+    if not raw:
+        raise FileNotFound(file_id)
+    f = {k.decode(): v.decode() for k, v in raw.items()}
+    return {"id": file_id, "object": "file", "bytes": int(f["bytes"]), "created_at": int(f["created_at"]),
+            "filename": f["filename"], "purpose": f["purpose"], "status": "processed"}
+
+
+def read_file(r: redis.Redis, file_id: str) -> Iterator[bytes]:
+    raw = r.hmget(keys.file(file_id), "location", "sink")
+    if raw[0] is None:
+        raise FileNotFound(file_id)
+    location, sink = raw[0].decode(), raw[1].decode()
+    return open_storage(sink, r).read_file(location)

@@ -1,0 +1,51 @@
+"""Every Redis key kvfleet uses, in one place.
+
+| key                              | type        | holds                                                        |
+|----------------------------------|-------------|--------------------------------------------------------------|
+| kvfleet:stream:{model}           | stream      | one entry per request: batch_id, custom_id, request (JSON)   |
+| kvfleet:batch:{id}               | hash        | the batch object's fields, counts, timestamps, sink          |
+| kvfleet:batch:{id}:done          | set         | custom ids with a durable result (counted once)              |
+| kvfleet:batch:{id}:results       | hash        | custom id -> result line (the redis sink)                    |
+| kvfleet:batches                  | sorted set  | batch ids by creation time (listing)                         |
+| kvfleet:file:{id}                | hash        | a file object: bytes, filename, purpose, location            |
+| kvfleet:file:{id}:content        | string      | the content of a file stored in Redis                        |
+| kvfleet:dead                     | stream      | dead-lettered entries with their last error                  |
+| kvfleet:worker:{name}            | hash + TTL  | heartbeat, model, free/total KV blocks, running count        |
+| rq:queue:kvfleet-finalize        | RQ queue    | finalize_batch jobs (JSON serializer), one per batch         |
+"""
+
+from __future__ import annotations
+
+PREFIX = "kvfleet"
+CONSUMER_GROUP = "workers"
+FINALIZE_QUEUE = "kvfleet-finalize"
+BATCHES = f"{PREFIX}:batches"
+DEAD_LETTERS = f"{PREFIX}:dead"
+
+
+def stream(model: str) -> str:
+    return f"{PREFIX}:stream:{model}"
+
+
+def batch(batch_id: str) -> str:
+    return f"{PREFIX}:batch:{batch_id}"
+
+
+def batch_done(batch_id: str) -> str:
+    return f"{PREFIX}:batch:{batch_id}:done"
+
+
+def batch_results(batch_id: str) -> str:
+    return f"{PREFIX}:batch:{batch_id}:results"
+
+
+def file(file_id: str) -> str:
+    return f"{PREFIX}:file:{file_id}"
+
+
+def file_content(file_id: str) -> str:
+    return f"{PREFIX}:file:{file_id}:content"
+
+
+def worker(name: str) -> str:
+    return f"{PREFIX}:worker:{name}"

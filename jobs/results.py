@@ -1,0 +1,113 @@
+"""Result lines in OpenAI's batch output format, and recording them exactly once.
+
+    record_result:  write the line durably  ->  one Lua script: SADD done set,
+                    count it only if new, add usage, XACK the stream entry
+                ->  if that completed the batch: enqueue finalize, once.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from jobs import keys
+from jobs.storage import Storage
+
+_RECORD_LUA = """
+local added = redis.call('SADD', KEYS[1], ARGV[1])
+if added == 1 then
+  redis.call('HINCRBY', KEYS[2], ARGV[2], 1)
+  redis.call('HINCRBY', KEYS[2], 'prompt_tokens', ARGV[3])
+  redis.call('HINCRBY', KEYS[2], 'completion_tokens', ARGV[4])
+  redis.call('HINCRBY', KEYS[2], 'cached_tokens', ARGV[5])
+end
+if #KEYS == 3 then redis.call('XACK', KEYS[3], ARGV[6], ARGV[7]) end
+local f = redis.call('HMGET', KEYS[2], 'completed', 'failed', 'total', 'status')
+return {added, f[1], f[2], f[3], f[4]}
+"""
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def as_openai(self) -> dict[str, Any]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+@dataclass
+class Choice:
+    text: str
+    finish_reason: str
+    logprobs: dict[str, Any] | None = None
+
+
+def completion_body(model: str, choices: list[Choice], usage: Usage) -> dict[str, Any]:
+    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": model, "usage": usage.as_openai(),
+            "choices": [{"index": i, "text": c.text, "finish_reason": c.finish_reason, "logprobs": c.logprobs}
+                        for i, c in enumerate(choices)]}
+
+
+def chat_completion_body(model: str, choices: list[Choice], usage: Usage) -> dict[str, Any]:
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": model, "usage": usage.as_openai(),
+            "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
+                         "finish_reason": c.finish_reason, "logprobs": c.logprobs}
+                        for i, c in enumerate(choices)]}
+
+
+def success_line(custom_id: str, body: dict[str, Any]) -> dict[str, Any]:
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id,
+            "response": {"status_code": 200, "request_id": uuid.uuid4().hex, "body": body}, "error": None}
+
+
+def error_line(custom_id: str, code: str, message: str) -> dict[str, Any]:
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": None,
+            "error": {"code": code, "message": message}}
+
+
+def is_error_line(line: dict[str, Any]) -> bool:
+    return line.get("error") is not None or (line.get("response") or {}).get("status_code", 200) >= 400
+
+
+@dataclass
+class Recorded:
+    is_new: bool  # False: this request had a result already (a redelivery); nothing was counted
+    completed: int
+    failed: int
+    total: int
+    status: str
+
+    @property
+    def is_batch_done(self) -> bool:
+        return self.completed + self.failed >= self.total
+
+
+def record_result(r: redis.Redis, storage: Storage, batch_id: str, line: dict[str, Any],
+                  usage: Usage | None = None, ack: tuple[str, str, str] | None = None) -> Recorded:
+    """Store a result durably, then count it once and XACK its entry in one script.
+    `ack` is (stream, group, entry_id). Finalize is enqueued when this completes the batch."""
+    custom_id = line["custom_id"]
+    storage.put_result(batch_id, custom_id, json.dumps(line, separators=(",", ":")).encode())
+    usage = usage or Usage()
+    script_keys = [keys.batch_done(batch_id), keys.batch(batch_id), *([ack[0]] if ack else [])]
+    args = [custom_id, "failed" if is_error_line(line) else "completed", usage.prompt_tokens,
+            usage.completion_tokens, usage.cached_tokens, *(ack[1:] if ack else ())]
+    added, completed, failed, total, status = r.eval(_RECORD_LUA, len(script_keys), *script_keys, *args)
+    recorded = Recorded(bool(added), int(completed or 0), int(failed or 0), int(total or 0),
+                        (status or b"").decode())
+    if recorded.is_batch_done:
+        from jobs.finalize import request_finalize  # noqa: PLC0415 (finalize imports this module)
+
+        request_finalize(r, batch_id)
+    return recorded

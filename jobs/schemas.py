@@ -1,0 +1,183 @@
+"""Request lines, validated at the boundary with pydantic v2.
+
+Two forms are accepted, one JSON object per line:
+  * the OpenAI Batch input line {"custom_id", "method": "POST", "url", "body"};
+  * a short form {"custom_id"?, "prompt", <sampling fields>}; without a custom_id
+    it is "line-<n>".
+Unknown fields, wrong types and out-of-range values are rejected with the line
+number and the field's path.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
+
+COMPLETIONS, CHAT_COMPLETIONS = "/v1/completions", "/v1/chat/completions"
+ENDPOINTS = (COMPLETIONS, CHAT_COMPLETIONS)
+MAX_PROMPT_CHARS = 1_000_000
+MAX_PROMPT_TOKENS = 1_000_000
+MAX_OUTPUT_TOKENS = 1_000_000
+MAX_MESSAGES = 1024
+MAX_STOP = 16
+MAX_ID_CHARS = 512
+
+ShortStr = Annotated[str, Field(max_length=256)]
+
+
+class LineError(ValueError):
+    """A request line that cannot be queued: where, which field, why."""
+
+    def __init__(self, line_number: int, field: str, message: str) -> None:
+        super().__init__(f"{line_number}: {field}: {message}")
+        self.line_number, self.field, self.message = line_number, field, message
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SamplingFields(_Strict):
+    """Sampling fields shared by both endpoints and the short form (vLLM names)."""
+
+    max_tokens: int | None = Field(None, ge=1, le=MAX_OUTPUT_TOKENS)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_OUTPUT_TOKENS)
+    min_tokens: int | None = Field(None, ge=0, le=MAX_OUTPUT_TOKENS)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    n: int | None = Field(None, ge=1, le=16)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    ignore_eos: StrictBool | None = None
+    user: ShortStr | None = None  # accepted from OpenAI clients, not used
+    stream: Literal[False] | None = None  # a batch cannot stream
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, stop: str | list[str] | None):
+        strings = [stop] if isinstance(stop, str) else stop or []
+        if len(strings) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings")
+        if any(not 1 <= len(s) <= 256 for s in strings):
+            raise ValueError("stop strings must be 1 to 256 characters")
+        return stop
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for engine.SamplingParams (vLLM names), unset fields left out."""
+        fields = self.model_dump(exclude_none=True, exclude={"model", "prompt", "messages", "user", "stream",
+                                                              "max_completion_tokens", "logprobs",
+                                                              "top_logprobs", "custom_id"})
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        if max_tokens is not None:
+            fields["max_tokens"] = max_tokens
+        if isinstance(self.stop, str):
+            fields["stop"] = [self.stop]
+        logprobs = self.num_logprobs()
+        if logprobs is not None:
+            fields["logprobs"] = logprobs
+        return fields
+
+    def num_logprobs(self) -> int | None:
+        return None
+
+
+class CompletionBody(SamplingFields):
+    model: ShortStr | None = None
+    prompt: Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS)] | Annotated[
+        list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: Literal[False] | None = None
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | Annotated[list[TextPart], Field(max_length=64)]
+    name: ShortStr | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class ChatBody(SamplingFields):
+    model: ShortStr | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    logprobs: StrictBool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+class BatchLine(_Strict):
+    custom_id: Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]
+    method: Literal["POST"]
+    url: Literal["/v1/completions", "/v1/chat/completions"]
+    body: dict[str, Any]
+
+
+class ShortLine(SamplingFields):
+    custom_id: Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)] | None = None
+    model: ShortStr | None = None
+    prompt: Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS)]
+    logprobs: int | None = Field(None, ge=0, le=5)
+
+
+class Request(BaseModel):
+    """A validated request, as it travels through the stream."""
+
+    custom_id: str
+    url: str
+    body: dict[str, Any]
+
+    def parsed_body(self) -> CompletionBody | ChatBody:
+        return (ChatBody if self.url == CHAT_COMPLETIONS else CompletionBody).model_validate(self.body)
+
+
+def _first_error(error: ValidationError, prefix: str = "") -> tuple[str, str]:
+    detail = error.errors()[0]
+    # Union members add their type name to the path; keep only the fields.
+    path = [str(p) for p in detail["loc"]
+            if not (isinstance(p, str) and ("[" in p or "-" in p or p in {"str", "list", "int", "float", "bool"}))]
+    return prefix + ".".join(path) if path else prefix.rstrip(".") or "line", detail["msg"]
+
+
+def parse_line(text: str | bytes, line_number: int) -> Request:
+    """Validate one JSONL line into a Request, or raise LineError naming the field."""
+    try:
+        record = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise LineError(line_number, "line", f"not valid JSON ({error})") from None
+    if not isinstance(record, dict):
+        raise LineError(line_number, "line", "must be a JSON object")
+    try:
+        if "body" in record or "url" in record or "method" in record:
+            line = BatchLine.model_validate(record)
+            body_model = ChatBody if line.url == CHAT_COMPLETIONS else CompletionBody
+            try:
+                body = body_model.model_validate(line.body)
+            except ValidationError as error:
+                raise LineError(line_number, *_first_error(error, "body.")) from None
+            return Request(custom_id=line.custom_id, url=line.url, body=body.model_dump(exclude_none=True))
+        short = ShortLine.model_validate(record)
+    except ValidationError as error:
+        raise LineError(line_number, *_first_error(error)) from None
+    body = short.model_dump(exclude_none=True, exclude={"custom_id"})
+    return Request(custom_id=short.custom_id or f"line-{line_number}", url=COMPLETIONS, body=body)

@@ -1,0 +1,170 @@
+"""Where results and output files live: Redis, S3-compatible object storage, or a
+local folder. Chosen per batch by its sink URL:
+
+    redis                      the batch's results hash, files as Redis strings
+    s3://bucket/prefix         boto3; endpoint from KVFLEET_S3_ENDPOINT_URL or AWS_ENDPOINT_URL
+    file:///absolute/dir       one file per result, written atomically (fsync + rename)
+
+Writing a result is idempotent: a request's result always lands at the same key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from urllib.parse import urlparse
+
+import redis
+
+from jobs import keys
+
+CHUNK = 1 << 20
+
+
+def result_name(custom_id: str) -> str:
+    return hashlib.sha256(custom_id.encode()).hexdigest() + ".json"
+
+
+class RedisStorage:
+    url = "redis"
+
+    def __init__(self, r: redis.Redis) -> None:
+        self.r = r
+
+    def put_result(self, batch_id: str, custom_id: str, line: bytes) -> None:
+        self.r.hset(keys.batch_results(batch_id), custom_id, line)
+
+    def iter_results(self, batch_id: str) -> Iterator[bytes]:
+        for _, line in self.r.hscan_iter(keys.batch_results(batch_id), count=1000):
+            yield line
+
+    def get_result(self, batch_id: str, custom_id: str) -> bytes | None:
+        return self.r.hget(keys.batch_results(batch_id), custom_id)
+
+    def put_file(self, file_id: str, chunks: Iterable[bytes]) -> str:
+        key = keys.file_content(file_id)
+        self.r.delete(key)
+        for chunk in chunks:
+            self.r.append(key, chunk)
+        return f"redis:{key}"
+
+    def read_file(self, location: str) -> Iterator[bytes]:
+        key = location.removeprefix("redis:")
+        size = self.r.strlen(key)
+        for start in range(0, size, CHUNK):
+            yield self.r.getrange(key, start, min(start + CHUNK, size) - 1)
+
+
+class FileStorage:
+    def __init__(self, root: str) -> None:
+        self.root = Path(root)
+        self.url = f"file://{self.root}"
+
+    def _write_atomically(self, path: Path, chunks: Iterable[bytes]) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                for chunk in chunks:
+                    handle.write(chunk)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def put_result(self, batch_id: str, custom_id: str, line: bytes) -> None:
+        self._write_atomically(self.root / batch_id / "results" / result_name(custom_id), [line])
+
+    def iter_results(self, batch_id: str) -> Iterator[bytes]:
+        folder = self.root / batch_id / "results"
+        if folder.is_dir():
+            for path in sorted(folder.glob("*.json")):
+                yield path.read_bytes()
+
+    def get_result(self, batch_id: str, custom_id: str) -> bytes | None:
+        path = self.root / batch_id / "results" / result_name(custom_id)
+        return path.read_bytes() if path.exists() else None
+
+    def put_file(self, file_id: str, chunks: Iterable[bytes]) -> str:
+        path = self.root / "files" / file_id
+        self._write_atomically(path, chunks)
+        return f"file://{path}"
+
+    def read_file(self, location: str) -> Iterator[bytes]:
+        with open(location.removeprefix("file://"), "rb") as handle:
+            while chunk := handle.read(CHUNK):
+                yield chunk
+
+
+class S3Storage:
+    def __init__(self, bucket: str, prefix: str, endpoint_url: str | None = None) -> None:
+        import boto3
+        from botocore.config import Config
+
+        self.bucket, self.prefix = bucket, prefix.strip("/")
+        self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        endpoint_url = endpoint_url or os.environ.get("KVFLEET_S3_ENDPOINT_URL") or None
+        self.client = boto3.client("s3", endpoint_url=endpoint_url, config=Config(
+            retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=3, read_timeout=30))
+
+    def _key(self, *parts: str) -> str:
+        return "/".join(p for p in (self.prefix, *parts) if p)
+
+    def put_result(self, batch_id: str, custom_id: str, line: bytes) -> None:
+        self.client.put_object(Bucket=self.bucket, Key=self._key(batch_id, "results", result_name(custom_id)),
+                               Body=line)
+
+    def iter_results(self, batch_id: str) -> Iterator[bytes]:
+        paginator = self.client.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=self._key(batch_id, "results") + "/"):
+            for item in page.get("Contents", []):
+                yield self.client.get_object(Bucket=self.bucket, Key=item["Key"])["Body"].read()
+
+    def get_result(self, batch_id: str, custom_id: str) -> bytes | None:
+        try:
+            key = self._key(batch_id, "results", result_name(custom_id))
+            return self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
+        except self.client.exceptions.NoSuchKey:
+            return None
+
+    def put_file(self, file_id: str, chunks: Iterable[bytes]) -> str:
+        key = self._key("files", file_id)
+        with tempfile.TemporaryFile() as spool:  # boto3 uploads large files in parts
+            for chunk in chunks:
+                spool.write(chunk)
+            spool.seek(0)
+            self.client.upload_fileobj(spool, self.bucket, key)
+        return f"s3://{self.bucket}/{key}"
+
+    def read_file(self, location: str) -> Iterator[bytes]:
+        key = location.removeprefix(f"s3://{self.bucket}/")
+        yield from self.client.get_object(Bucket=self.bucket, Key=key)["Body"].iter_chunks(CHUNK)
+
+
+Storage = RedisStorage | FileStorage | S3Storage
+
+
+def validate_sink(url: str) -> str:
+    """Normalize a sink URL or raise ValueError saying what is accepted."""
+    parsed = urlparse(url)
+    if url == "redis":
+        return url
+    if parsed.scheme == "s3" and parsed.netloc:
+        return url.rstrip("/")
+    if parsed.scheme == "file" and parsed.path.startswith("/") and not parsed.netloc:
+        return url.rstrip("/")
+    raise ValueError(f"output: expected 'redis', 's3://bucket/prefix' or 'file:///absolute/dir', got {url!r}")
+
+
+def open_storage(url: str, r: redis.Redis) -> Storage:
+    parsed = urlparse(validate_sink(url))
+    if parsed.scheme == "s3":
+        return S3Storage(parsed.netloc, parsed.path)
+    if parsed.scheme == "file":
+        return FileStorage(parsed.path)
+    return RedisStorage(r)

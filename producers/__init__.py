@@ -1,0 +1,1 @@
+"""The ways work comes in: the submit CLI, the OpenAI-compatible API, the status CLI."""

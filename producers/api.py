@@ -1,0 +1,236 @@
+"""OpenAI-compatible Files and Batches API (FastAPI + uvicorn).
+
+    python -m producers.api [--host 127.0.0.1] [--port 8000] [--redis-url URL]
+
+Routes: POST /v1/files, GET /v1/files/{id}, GET /v1/files/{id}/content,
+POST /v1/batches, GET /v1/batches, GET /v1/batches/{id}, POST /v1/batches/{id}/cancel,
+and beyond OpenAI GET /v1/batches/{id}/results/{custom_id}; GET /healthz and
+GET /metrics. With KVFLEET_API_KEY set, every /v1 route needs
+`Authorization: Bearer <key>`. Errors use OpenAI's {"error": {...}} shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+from typing import Annotated, Any
+
+import redis
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, File, Form, Header, Query, Request, UploadFile
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+
+from jobs import batches, keys
+from jobs.files import FileNotFound, create_file, file_object, new_file_id, read_file
+from jobs.storage import RedisStorage, open_storage
+from producers.ingest import submit
+from producers.submit import DEFAULT_REDIS_URL
+
+MAX_UPLOAD_BYTES = int(os.environ.get("KVFLEET_MAX_UPLOAD_BYTES", 200 * 1024 * 1024))
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, code: str, param: str | None = None,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param, self.kind = status, message, code, param, kind
+
+
+def error_body(message: str, kind: str, code: str, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class CreateBatch(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    input_file_id: str
+    endpoint: str
+    completion_window: str = "24h"
+    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(None, max_length=16)
+    output: str = Field("redis", description="kvfleet extension: where results go")
+    model: str | None = Field(None, description="kvfleet extension: the served model (stream)")
+
+
+def create_app(redis_url: str | None = None) -> FastAPI:
+    r = redis.Redis.from_url(redis_url or os.environ.get("KVFLEET_REDIS_URL", DEFAULT_REDIS_URL))
+    registry = CollectorRegistry()
+    http_requests = Counter("kvfleet:api_requests", "API requests by route and status", ["route", "status"],
+                            registry=registry)
+    app = FastAPI(title="kvfleet", description="OpenAI-compatible Files and Batches API")
+
+    def require_key(authorization: Annotated[str | None, Header()] = None) -> None:
+        expected = os.environ.get("KVFLEET_API_KEY")
+        if not expected:
+            return
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.encode(), expected.encode()):
+            raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                           "invalid_api_key", kind="authentication_error")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, error: APIError):
+        return JSONResponse(error_body(error.message, error.kind, error.code, error.param), status_code=error.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, error: RequestValidationError):
+        detail = error.errors()[0]
+        param = ".".join(str(p) for p in detail["loc"] if p not in ("body", "query", "path"))
+        return JSONResponse(error_body(f"{param}: {detail['msg']}", "invalid_request_error", "invalid_request",
+                                       param), status_code=400)
+
+    @app.middleware("http")
+    async def _count(request: Request, call_next):
+        response = await call_next(request)
+        route = request.scope.get("route")
+        http_requests.labels(getattr(route, "path", "unmatched"), str(response.status_code)).inc()
+        return response
+
+    def get_batch(batch_id: str) -> dict[str, Any]:
+        try:
+            return batches.batch_object(r, batch_id)
+        except batches.BatchNotFound:
+            raise APIError(404, f"No batch found with id '{batch_id}'.", "batch_not_found") from None
+
+    @v1.post("/files")
+    def upload_file(file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()]):
+        if purpose != "batch":
+            raise APIError(400, "purpose: only 'batch' is supported", "invalid_purpose", "purpose")
+
+        def chunks():
+            size = 0
+            while chunk := file.file.read(1 << 20):
+                size += len(chunk)
+                if size > MAX_UPLOAD_BYTES:
+                    raise APIError(413, f"file is larger than {MAX_UPLOAD_BYTES} bytes", "file_too_large", "file")
+                yield chunk
+
+        file_id = new_file_id()
+        try:
+            return create_file(r, RedisStorage(r), chunks(), file.filename or "upload.jsonl", purpose, file_id)
+        except APIError:
+            r.delete(keys.file_content(file_id))  # drop the partial content of a rejected upload
+            raise
+
+    @v1.get("/files/{file_id}")
+    def get_file(file_id: str):
+        try:
+            return file_object(r, file_id)
+        except FileNotFound:
+            raise APIError(404, f"No file found with id '{file_id}'.", "file_not_found") from None
+
+    @v1.get("/files/{file_id}/content")
+    def get_file_content(file_id: str):
+        try:
+            chunks = read_file(r, file_id)
+        except FileNotFound:
+            raise APIError(404, f"No file found with id '{file_id}'.", "file_not_found") from None
+        return StreamingResponse(chunks, media_type="application/jsonl")
+
+    @v1.post("/batches")
+    def create_batch(body: CreateBatch):
+        try:
+            file_object(r, body.input_file_id)
+        except FileNotFound:
+            raise APIError(404, f"No file found with id '{body.input_file_id}'.", "file_not_found",
+                           "input_file_id") from None
+        if body.endpoint not in ("/v1/completions", "/v1/chat/completions"):
+            raise APIError(400, "endpoint: must be /v1/completions or /v1/chat/completions", "invalid_endpoint",
+                           "endpoint")
+        try:
+            batches.parse_window(body.completion_window)
+            open_storage(body.output, r)
+        except ValueError as error:
+            raise APIError(400, str(error), "invalid_request", str(error).split(":")[0]) from None
+
+        def source():
+            buffer = b""
+            for chunk in read_file(r, body.input_file_id):
+                buffer += chunk
+                *lines, buffer = buffer.split(b"\n")
+                yield from lines
+            if buffer:
+                yield buffer
+
+        submission = submit(r, source, endpoint=body.endpoint, model=body.model, sink=body.output,
+                            completion_window=body.completion_window, metadata=body.metadata,
+                            input_file_id=body.input_file_id)
+        if not submission.accepted:  # OpenAI's behaviour: the batch exists, failed, with the line errors
+            return failed_batch(submission, body)
+        return get_batch(submission.batch_id)
+
+    def failed_batch(submission, body: CreateBatch) -> dict[str, Any]:
+        report, batch_id = submission.report, submission.batch_id
+        batches.create_batch(r, batch_id, endpoint=body.endpoint, model=report.model or "default",
+                             input_file_id=body.input_file_id, completion_window=body.completion_window,
+                             sink=body.output, metadata=body.metadata)
+        errors = [{"code": "invalid_request", "message": e.message, "line": e.line_number or None,
+                   "param": e.field} for e in report.errors]
+        r.hset(keys.batch(batch_id), mapping={"errors": json.dumps(errors), "total": report.num_lines})
+        batches.transition(r, batch_id, "failed")
+        return get_batch(batch_id)
+
+    @v1.get("/batches")
+    def list_batches(after: str | None = None, limit: Annotated[int, Query(ge=1, le=100)] = 20):
+        try:
+            ids = batches.list_batch_ids(r, after, limit + 1)
+        except batches.BatchNotFound:
+            raise APIError(404, f"No batch found with id '{after}'.", "batch_not_found", "after") from None
+        data = [batches.batch_object(r, batch_id) for batch_id in ids[:limit]]
+        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None, "has_more": len(ids) > limit}
+
+    @v1.get("/batches/{batch_id}")
+    def retrieve_batch(batch_id: str):
+        return get_batch(batch_id)
+
+    @v1.post("/batches/{batch_id}/cancel")
+    def cancel_batch(batch_id: str):
+        get_batch(batch_id)
+        try:
+            batches.transition(r, batch_id, "cancelling")
+        except batches.IllegalTransition as error:
+            raise APIError(409, str(error), "batch_not_cancellable") from None
+        return get_batch(batch_id)
+
+    @v1.get("/batches/{batch_id}/results/{custom_id}")
+    def get_result(batch_id: str, custom_id: str):
+        batch = batches.load_fields(r, get_batch(batch_id)["id"])
+        line = open_storage(batch["sink"], r).get_result(batch_id, custom_id)
+        if line is None:
+            raise APIError(404, f"No result yet for custom_id '{custom_id}' in batch '{batch_id}'.",
+                           "result_not_found")
+        return Response(line, media_type="application/json")
+
+    @app.get("/healthz")
+    def healthz():
+        try:
+            r.ping()
+        except redis.RedisError as error:
+            return JSONResponse({"status": "unavailable", "redis": str(error)}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    def metrics():
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.include_router(v1)
+    return app
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m producers.api", description="OpenAI-compatible Batches API")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--redis-url", default=os.environ.get("KVFLEET_REDIS_URL", DEFAULT_REDIS_URL))
+    args = parser.parse_args()
+    uvicorn.run(create_app(args.redis_url), host=args.host, port=args.port, log_level="info")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""Validate a JSONL request file, then enqueue it: the one path behind both
+`producers.submit` and `POST /v1/batches`.
+
+Two streaming passes, so memory stays bounded whatever the file's length:
+  1. parse every line, collect errors (up to a cap), and keep an 8-byte digest
+     of each custom id; duplicates are found by sorting the digests, and only
+     then is the file read again to name their lines;
+  2. XADD the valid lines, pipelined in chunks; each chunk and the batch's
+     `enqueued` counter commit in one MULTI, so a re-run resumes where a crashed
+     one stopped and never enqueues a line twice.
+The stream entry carries the original line and its number; workers re-parse it
+with the same `jobs.schemas.parse_line`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from array import array
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import redis
+
+from jobs import batches, keys
+from jobs.results import error_line, record_result
+from jobs.schemas import COMPLETIONS, ENDPOINTS, LineError, parse_line
+from jobs.storage import open_storage, validate_sink
+
+MAX_REPORTED_ERRORS = 100
+CHUNK_LINES = 1000
+
+LineSource = Callable[[], Iterable[bytes]]  # opens the file anew for each pass
+
+
+@dataclass
+class Report:
+    num_lines: int = 0  # non-blank lines, i.e. requests
+    num_errors: int = 0
+    errors: list[LineError] = field(default_factory=list)  # the first MAX_REPORTED_ERRORS
+    invalid: dict[int, str] = field(default_factory=dict)  # line number -> custom id, for --skip-invalid
+    endpoint: str | None = None
+    model: str | None = None
+
+    def add_error(self, error: LineError, custom_id: str) -> None:
+        self.num_errors += 1
+        self.invalid[error.line_number] = custom_id
+        if len(self.errors) < MAX_REPORTED_ERRORS:
+            self.errors.append(error)
+            self.errors.sort(key=lambda e: e.line_number)
+
+
+def _lines(source: LineSource) -> Iterator[tuple[int, bytes]]:
+    for line_number, raw in enumerate(source(), start=1):
+        if raw.strip():
+            yield line_number, raw
+
+
+def _digest(custom_id: str) -> int:
+    return int.from_bytes(hashlib.blake2b(custom_id.encode(), digest_size=8).digest(), "little")
+
+
+def _fallback_custom_id(raw: bytes, line_number: int) -> str:
+    try:
+        custom_id = json.loads(raw).get("custom_id")
+    except (ValueError, AttributeError):
+        custom_id = None
+    return custom_id if isinstance(custom_id, str) and custom_id else f"line-{line_number}"
+
+
+def validate(source: LineSource, endpoint: str | None = None, model: str | None = None) -> Report:
+    """Pass 1. The batch's endpoint and model default to the first line's."""
+    report = Report(endpoint=endpoint, model=model)
+    digests = array("Q")  # custom id digests of the valid lines, 8 bytes each
+    for line_number, raw in _lines(source):
+        report.num_lines += 1
+        try:
+            request = parse_line(raw, line_number)
+            is_short_form = b'"url"' not in raw
+            report.endpoint = report.endpoint or (COMPLETIONS if is_short_form else request.url)
+            if not is_short_form and request.url != report.endpoint:
+                raise LineError(line_number, "url", f"must match the batch endpoint {report.endpoint}")
+            line_model = request.body.get("model")
+            report.model = report.model or line_model
+            if line_model is not None and line_model != report.model:
+                raise LineError(line_number, "body.model", f"must match the batch model {report.model!r}")
+            digests.append(_digest(request.custom_id))
+        except LineError as error:
+            report.add_error(error, _fallback_custom_id(raw, line_number))
+    _report_duplicates(source, digests, report)
+    if report.num_lines == 0:
+        report.add_error(LineError(0, "file", "contains no requests"), "")
+    report.endpoint = report.endpoint or COMPLETIONS
+    if report.endpoint not in ENDPOINTS:
+        report.add_error(LineError(0, "endpoint", f"must be one of {', '.join(ENDPOINTS)}"), "")
+    report.model = report.model or "default"
+    return report
+
+
+def _report_duplicates(source: LineSource, digests: array, report: Report) -> None:
+    """Every repeat of a custom id after its first line is an error."""
+    ordered = np.sort(np.frombuffer(digests, dtype=np.uint64)) if len(digests) else np.empty(0, np.uint64)
+    repeated = set(ordered[1:][ordered[1:] == ordered[:-1]].tolist())
+    if not repeated:
+        return
+    seen: set[int] = set()
+    for line_number, raw in _lines(source):
+        if line_number in report.invalid:
+            continue
+        custom_id = _fallback_custom_id(raw, line_number)
+        digest = _digest(custom_id)
+        if digest in repeated:
+            if digest in seen:
+                report.add_error(LineError(line_number, "custom_id", f"duplicate custom_id {custom_id!r}"),
+                                 custom_id)
+            seen.add(digest)
+
+
+@dataclass
+class Submission:
+    batch_id: str
+    report: Report
+    num_enqueued: int  # by this call; 0 when re-run on a fully enqueued batch
+    accepted: bool = True  # False: invalid lines (without skip_invalid); nothing was created
+
+
+def submit(r: redis.Redis, source: LineSource, *, batch_id: str | None = None, endpoint: str | None = None,
+           model: str | None = None, sink: str = "redis", completion_window: str = "24h",
+           metadata: dict[str, str] | None = None, input_file_id: str | None = None, skip_invalid: bool = False,
+           on_progress: Callable[[int], None] | None = None) -> Submission:
+    """Validate, then create (or resume) the batch and enqueue its valid lines.
+    With errors and without skip_invalid, nothing is created or enqueued."""
+    sink = validate_sink(sink)
+    batches.parse_window(completion_window)
+    batch_id = batch_id or batches.new_batch_id()
+    report = validate(source, endpoint, model)
+    if report.num_errors and (not skip_invalid or report.num_errors == report.num_lines or not report.num_lines):
+        return Submission(batch_id, report, 0, accepted=False)
+    batches.create_batch(r, batch_id, endpoint=report.endpoint, model=report.model, input_file_id=input_file_id,
+                         completion_window=completion_window, sink=sink, metadata=metadata)
+    fields = batches.load_fields(r, batch_id)
+    r.hset(keys.batch(batch_id), "total", report.num_lines)
+    if fields["status"] == "validating":
+        batches.transition(r, batch_id, "in_progress")
+    num_enqueued = _enqueue(r, source, batch_id, report, already=fields["enqueued"], on_progress=on_progress)
+    if report.invalid:
+        storage = open_storage(sink, r)
+        for line_number, custom_id in report.invalid.items():
+            error = next((e for e in report.errors if e.line_number == line_number), None)
+            message = f"line {line_number}: {error.field}: {error.message}" if error else f"line {line_number}: invalid"
+            record_result(r, storage, batch_id, error_line(custom_id, "invalid_request", message))
+    return Submission(batch_id, report, num_enqueued)
+
+
+def _enqueue(r: redis.Redis, source: LineSource, batch_id: str, report: Report, already: int,
+             on_progress: Callable[[int], None] | None) -> int:
+    """Pass 2: XADD the valid lines after the first `already`, chunk by chunk."""
+    stream = keys.stream(report.model)
+    pipe = r.pipeline(transaction=True)
+    index = num_enqueued = pending = 0
+    for line_number, raw in _lines(source):
+        if line_number in report.invalid:
+            continue
+        index += 1
+        if index <= already:
+            continue
+        custom_id = _fallback_custom_id(raw, line_number)
+        pipe.xadd(stream, {"batch_id": batch_id, "custom_id": custom_id, "line_number": line_number,
+                           "line": raw.strip(), "enqueued_at": f"{time.time():.3f}"})
+        pending += 1
+        if pending == CHUNK_LINES:
+            num_enqueued += _flush(pipe, batch_id, pending, on_progress)
+            pending = 0
+    if pending:
+        num_enqueued += _flush(pipe, batch_id, pending, on_progress)
+    return num_enqueued
+
+
+def _flush(pipe: redis.client.Pipeline, batch_id: str, count: int, on_progress) -> int:
+    pipe.hincrby(keys.batch(batch_id), "enqueued", count)
+    pipe.execute()
+    if on_progress:
+        on_progress(count)
+    return count

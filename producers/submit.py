@@ -1,0 +1,116 @@
+"""Submit a JSONL file of requests as one batch.
+
+    python -m producers.submit FILE.jsonl [--model M] [--endpoint /v1/completions]
+        [--output redis|s3://bucket/prefix|file:///dir] [--completion-window 24h]
+        [--metadata k=v ...] [--batch-id ID] [--skip-invalid] [--wait] [--json]
+
+Validates the whole file first (streaming). Any invalid line is printed as
+FILE:LINE: field: message and nothing is enqueued (exit 1), unless
+--skip-invalid, which enqueues the valid lines and records the others as failed
+requests. Prints the batch id; --json prints the batch object as the last line.
+Re-running with the same --batch-id enqueues nothing twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import redis
+from tqdm import tqdm
+
+from jobs import batches
+from producers.ingest import MAX_REPORTED_ERRORS, submit
+
+DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+
+
+def parse_metadata(pairs: list[str]) -> dict[str, str]:
+    metadata = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--metadata: expected key=value, got {pair!r}")
+        metadata[key] = value
+    return metadata
+
+
+def wait_for(r: redis.Redis, batch_id: str, poll_seconds: float = 0.5, stream=sys.stderr) -> dict:
+    """Poll until the batch reaches a terminal status, with a progress bar of its counts."""
+    batch = batches.batch_object(r, batch_id)
+    with tqdm(total=batch["request_counts"]["total"], desc=batch_id, unit="req", file=stream,
+              disable=not stream.isatty()) as progress:
+        while batch["status"] not in batches.TERMINAL:
+            time.sleep(poll_seconds)
+            batch = batches.batch_object(r, batch_id)
+            counts = batch["request_counts"]
+            progress.update(counts["completed"] + counts["failed"] - progress.n)
+            progress.set_postfix(status=batch["status"], failed=counts["failed"])
+    return batch
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m producers.submit", description=__doc__.split("\n\n")[0])
+    parser.add_argument("file")
+    parser.add_argument("--redis-url", default=os.environ.get("KVFLEET_REDIS_URL", DEFAULT_REDIS_URL))
+    parser.add_argument("--model", help="served model (stream); default: the first line's body.model")
+    parser.add_argument("--endpoint", choices=["/v1/completions", "/v1/chat/completions"],
+                        help="default: the first line's url")
+    parser.add_argument("--output", default="redis", help="redis | s3://bucket/prefix | file:///dir")
+    parser.add_argument("--completion-window", default="24h")
+    parser.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--batch-id")
+    parser.add_argument("--skip-invalid", action="store_true")
+    parser.add_argument("--wait", action="store_true", help="poll until the batch ends")
+    parser.add_argument("--json", action="store_true", help="print the batch object as the last line")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not os.path.isfile(args.file):
+        print(f"{args.file}: no such file", file=sys.stderr)
+        return 2
+    r = redis.Redis.from_url(args.redis_url)
+    show_bar = sys.stderr.isatty()
+    progress = tqdm(desc="enqueue", unit="line", disable=not show_bar, file=sys.stderr)
+
+    def source():
+        with open(args.file, "rb") as handle:
+            yield from handle
+
+    try:
+        submission = submit(r, source, batch_id=args.batch_id, endpoint=args.endpoint, model=args.model,
+                            sink=args.output, completion_window=args.completion_window,
+                            metadata=parse_metadata(args.metadata), skip_invalid=args.skip_invalid,
+                            on_progress=progress.update)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except redis.ConnectionError as error:
+        print(f"error: cannot reach Redis at {args.redis_url}: {error}", file=sys.stderr)
+        return 2
+    finally:
+        progress.close()
+    report = submission.report
+    for error in report.errors:
+        print(f"{args.file}:{error.line_number}: {error.field}: {error.message}", file=sys.stderr)
+    if report.num_errors > len(report.errors):
+        print(f"... and {report.num_errors - MAX_REPORTED_ERRORS} more invalid lines", file=sys.stderr)
+    if not submission.accepted:
+        print(f"{report.num_errors} of {report.num_lines} lines invalid; nothing enqueued", file=sys.stderr)
+        return 1
+    print(submission.batch_id)
+    print(f"enqueued {submission.num_enqueued} of {report.num_lines} requests"
+          + (f", {report.num_errors} recorded as failed" if report.num_errors else ""), file=sys.stderr)
+    batch = wait_for(r, submission.batch_id) if args.wait else batches.batch_object(r, submission.batch_id)
+    if args.json:
+        print(json.dumps(batch))
+    return 0 if batch["status"] not in ("failed", "expired", "cancelled") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

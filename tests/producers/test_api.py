@@ -1,0 +1,139 @@
+"""The OpenAI-compatible API, driven by the official `openai` client."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from rq import SimpleWorker
+from rq.serializers import JSONSerializer
+
+from jobs import batches, keys
+from jobs.finalize import finalize_queue
+from jobs.results import Choice, Usage, chat_completion_body, record_result, success_line
+from jobs.schemas import parse_line
+from jobs.storage import open_storage
+from producers.api import create_app
+from tests.services import ThreadedUvicorn
+
+
+@pytest.fixture
+def api(r, redis_server, monkeypatch):
+    monkeypatch.delenv("KVFLEET_API_KEY", raising=False)
+    with ThreadedUvicorn(create_app(redis_server.url)) as server:
+        yield server
+
+
+def client_for(api, key="unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{api.url}/v1", api_key=key, max_retries=0)
+
+
+def chat_lines(n: int) -> bytes:
+    return "".join(json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+                               "body": {"model": "demo", "messages": [{"role": "user", "content": f"Q{i}"}],
+                                        "max_tokens": 8}}) + "\n" for i in range(n)).encode()
+
+
+def act_as_worker(r, batch_id: str) -> None:
+    """Do what a worker does, through the contract's own functions: read the stream,
+    record a chat.completion per request, then let an RQ worker finalize."""
+    stream = keys.stream("demo")
+    r.xgroup_create(stream, keys.CONSUMER_GROUP, id="0", mkstream=True)
+    storage = open_storage(batches.load_fields(r, batch_id)["sink"], r)
+    for _, entries in r.xreadgroup(keys.CONSUMER_GROUP, "w1", {stream: ">"}, count=100):
+        for entry_id, fields in entries:
+            request = parse_line(fields[b"line"], int(fields[b"line_number"]))
+            usage = Usage(prompt_tokens=4, completion_tokens=2)
+            body = chat_completion_body("demo", [Choice(f"answer to {request.custom_id}", "stop")], usage)
+            record_result(r, storage, batch_id, success_line(request.custom_id, body), usage,
+                          ack=(stream, keys.CONSUMER_GROUP, entry_id))
+    SimpleWorker([finalize_queue(r)], connection=r, serializer=JSONSerializer).work(burst=True)
+
+
+def test_openai_client_full_flow(api, r):
+    client = client_for(api)
+    uploaded = client.files.create(file=("requests.jsonl", chat_lines(3)), purpose="batch")
+    assert uploaded.purpose == "batch" and uploaded.bytes == len(chat_lines(3))
+    assert client.files.retrieve(uploaded.id).filename == "requests.jsonl"
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h", metadata={"job": "nightly"})
+    assert batch.status == "in_progress" and batch.request_counts.total == 3
+    assert batch.metadata == {"job": "nightly"}
+    assert client.batches.retrieve(batch.id).id == batch.id
+    assert batch.id in [b.id for b in client.batches.list(limit=10).data]
+
+    act_as_worker(r, batch.id)
+    done = client.batches.retrieve(batch.id)
+    assert done.status == "completed"
+    assert done.request_counts.completed == 3 and done.request_counts.failed == 0
+    assert done.usage.input_tokens == 12 and done.usage.output_tokens == 6
+    lines = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
+    assert sorted(line["custom_id"] for line in lines) == ["req-0", "req-1", "req-2"]
+    for line in lines:
+        assert line["error"] is None and line["response"]["status_code"] == 200
+        body = line["response"]["body"]
+        assert body["object"] == "chat.completion"
+        assert body["choices"][0]["message"]["content"] == f"answer to {line['custom_id']}"
+        assert body["usage"]["total_tokens"] == 6
+    one = httpx.get(f"{api.url}/v1/batches/{batch.id}/results/req-1").json()
+    assert one["custom_id"] == "req-1"
+
+
+def test_cancel_and_list_pagination(api):
+    client = client_for(api)
+    ids = []
+    for _ in range(3):
+        uploaded = client.files.create(file=("r.jsonl", chat_lines(2)), purpose="batch")
+        ids.append(client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                         completion_window="24h").id)
+    cancelled = client.batches.cancel(ids[0])
+    assert cancelled.status == "cancelling" and cancelled.cancelling_at is not None
+    page = client.batches.list(limit=2)
+    assert [b.id for b in page.data] == [ids[2], ids[1]] and page.has_more
+    assert [b.id for b in client.batches.list(limit=2, after=ids[1]).data] == [ids[0]]
+    with pytest.raises(openai.ConflictError):
+        client.batches.cancel(ids[0])  # already cancelling
+
+
+def test_invalid_file_makes_a_failed_batch_with_line_errors(api):
+    client = client_for(api)
+    content = chat_lines(2) + b'{"custom_id": "bad", "prompt": 5}\n'
+    uploaded = client.files.create(file=("r.jsonl", content), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    assert batch.status == "failed" and batch.failed_at is not None
+    assert [(e.code, e.line, e.param) for e in batch.errors.data] == [("invalid_request", 3, "prompt")]
+
+
+def test_errors_have_openai_shape_and_codes(api, monkeypatch):
+    client = client_for(api)
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.batches.retrieve("batch_nope")
+    assert missing.value.body["code"] == "batch_not_found"
+    with pytest.raises(openai.NotFoundError):
+        client.files.content("file-nope")
+    with pytest.raises(openai.NotFoundError):
+        client.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h")
+    uploaded = client.files.create(file=("r.jsonl", chat_lines(1)), purpose="batch")
+    with pytest.raises(openai.BadRequestError):
+        client.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h")
+    response = httpx.post(f"{api.url}/v1/batches", json={"endpoint": "/v1/completions"})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "input_file_id"
+    monkeypatch.setattr("producers.api.MAX_UPLOAD_BYTES", 10)
+    with pytest.raises(openai.APIStatusError) as too_big:
+        client.files.create(file=("r.jsonl", chat_lines(1)), purpose="batch")
+    assert too_big.value.status_code == 413
+
+
+def test_api_key_is_required_when_set(api, monkeypatch):
+    monkeypatch.setenv("KVFLEET_API_KEY", "sekret")
+    with pytest.raises(openai.AuthenticationError):
+        client_for(api, "wrong").batches.list()
+    assert httpx.get(f"{api.url}/v1/batches").status_code == 401
+    assert client_for(api, "sekret").batches.list().data == []
+    assert httpx.get(f"{api.url}/healthz").json() == {"status": "ok"}  # service routes stay open
+    metrics = httpx.get(f"{api.url}/metrics").text
+    assert 'kvfleet:api_requests_total{route="/v1/batches",status="401"}' in metrics

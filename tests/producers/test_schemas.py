@@ -1,0 +1,69 @@
+"""Request line validation: both forms, and errors that name the line and the field."""
+
+import json
+
+import pytest
+
+from jobs.schemas import MAX_PROMPT_CHARS, LineError, parse_line
+
+
+def line(**record) -> str:
+    return json.dumps(record)
+
+
+def batch_line(url="/v1/completions", **body):
+    return line(custom_id="req-1", method="POST", url=url, body=body)
+
+
+def test_openai_completion_line():
+    request = parse_line(batch_line(model="demo", prompt="Hello", max_tokens=7, temperature=0, stop="\n"), 3)
+    assert request.custom_id == "req-1" and request.url == "/v1/completions"
+    kwargs = request.parsed_body().sampling_kwargs()
+    assert kwargs == {"max_tokens": 7, "temperature": 0.0, "stop": ["\n"]}
+
+
+def test_openai_chat_line_with_content_parts_and_logprobs():
+    request = parse_line(batch_line("/v1/chat/completions", model="demo", max_completion_tokens=9, logprobs=True,
+                                    top_logprobs=3, messages=[
+                                        {"role": "system", "content": "Be brief."},
+                                        {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]), 1)
+    body = request.parsed_body()
+    assert body.template_messages() == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert body.sampling_kwargs() == {"max_tokens": 9, "logprobs": 3}
+
+
+def test_short_form_defaults_custom_id_to_line_number():
+    request = parse_line(line(prompt="Summarize this", top_k=5, seed=3), 42)
+    assert request.custom_id == "line-42" and request.url == "/v1/completions"
+    assert request.parsed_body().sampling_kwargs() == {"top_k": 5, "seed": 3}
+    assert parse_line(line(custom_id="doc-9", prompt="x"), 1).custom_id == "doc-9"
+
+
+@pytest.mark.parametrize("text, field, message", [
+    ("not json", "line", "not valid JSON"),
+    ("[1, 2]", "line", "must be a JSON object"),
+    (line(prompt="x", bogus=1), "bogus", "Extra inputs"),
+    (line(prompt=""), "prompt", "at least 1 character"),
+    (line(prompt="x", temperature=3), "temperature", "less than or equal to 2"),
+    (line(prompt="x", top_p=0), "top_p", "greater than 0"),
+    (line(prompt="x", max_tokens=0), "max_tokens", "greater than or equal to 1"),
+    (line(prompt="x", max_tokens="ten"), "max_tokens", "valid integer"),
+    (line(prompt="x", stop=["a"] * 17), "stop", "at most 16"),
+    (line(prompt="x", n=100), "n", "less than or equal to 16"),
+    (line(prompt="x" * (MAX_PROMPT_CHARS + 1)), "prompt", "at most"),
+    (line(custom_id="x" * 600, prompt="x"), "custom_id", "at most 512"),
+    (line(custom_id="a", method="GET", url="/v1/completions", body={}), "method", "'POST'"),
+    (line(custom_id="a", method="POST", url="/v1/embeddings", body={}), "url", "/v1/completions"),
+    (batch_line(model="m"), "body.prompt", "Field required"),
+    (batch_line("/v1/chat/completions", messages=[]), "body.messages", "at least 1"),
+    (batch_line("/v1/chat/completions", messages=[{"role": "robot", "content": "x"}]), "body.messages.0.role",
+     "Input should be"),
+    (batch_line(prompt="x", stream=True), "body.stream", "False"),
+    (batch_line(prompt="x", presence_penalty=-3), "body.presence_penalty", "greater than or equal to -2"),
+])
+def test_invalid_lines_name_line_and_field(text, field, message):
+    with pytest.raises(LineError) as caught:
+        parse_line(text, 17)
+    assert caught.value.line_number == 17
+    assert caught.value.field == field
+    assert message in caught.value.message
