@@ -119,6 +119,9 @@ class LLMEngine:
         for seq, token_id, logprobs in zip(sampled_seqs, sampled.token_ids, sampled.logprobs):
             seq.token_ids.append(token_id)
             seq.first_token_time = seq.first_token_time or now
+            if seq.last_token_time is not None:
+                seq.inter_token_latencies.append(now - seq.last_token_time)
+            seq.last_token_time = now
             if logprobs is not None:
                 seq.logprobs.append(logprobs)
             reason = self._check_stop(seq)
@@ -169,7 +172,8 @@ class LLMEngine:
                                                 seq.stop_reason, seq.logprobs if seq.params.logprobs is not None
                                                 else None))
         first = request.seqs[0]
-        metrics = RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time, now)
+        metrics = RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time, now,
+                                 first.inter_token_latencies)
         return RequestOutput(first.request_id, request.prompt, first.prompt_token_ids, completions,
                              first.num_cached_tokens, True, metrics)
 

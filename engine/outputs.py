@@ -21,6 +21,7 @@ class RequestMetrics:
     first_scheduled_time: float | None
     first_token_time: float | None
     finished_time: float | None
+    inter_token_latencies: list[float] = field(default_factory=list)
 
 
 @dataclass

@@ -43,6 +43,8 @@ class Sequence:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.inter_token_latencies: list[float] = []
 
     @property
     def seq_id(self) -> str:

@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import tempfile
+import time
 
 import redis
 from rq import Queue, get_current_job
@@ -33,10 +34,11 @@ def request_finalize(r: redis.Redis, batch_id: str) -> bool:
     """Enqueue finalize_batch for this batch if nobody has; True if this call did."""
     if not r.hsetnx(keys.batch(batch_id), "finalize_requested", 1):
         return False
-    # From cancelling or expired the transition is refused: finalize keeps that outcome
-    # and only writes the files.
-    with contextlib.suppress(batches.IllegalTransition):
-        batches.transition(r, batch_id, "finalizing")
+    # A batch past its window goes from in_progress to expired in finalize_batch; from
+    # cancelling the transition is refused and finalize ends it cancelled.
+    if time.time() <= int(r.hget(keys.batch(batch_id), "expires_at") or 0):
+        with contextlib.suppress(batches.IllegalTransition):
+            batches.transition(r, batch_id, "finalizing")
     finalize_queue(r).enqueue_call("jobs.finalize.finalize_batch", args=[batch_id], job_id=f"finalize-{batch_id}",
                                    result_ttl=3600)
     return True
@@ -73,4 +75,6 @@ def finalize_batch(batch_id: str, r: redis.Redis | None = None) -> dict:
         batches.transition(r, batch_id, "completed")
     elif status == "cancelling":
         batches.transition(r, batch_id, "cancelled")
+    elif status == "in_progress" and time.time() > fields["expires_at"]:
+        batches.transition(r, batch_id, "expired")
     return batches.batch_object(r, batch_id)

@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+import os
+
 PREFIX = "kvfleet"
 CONSUMER_GROUP = "workers"
 FINALIZE_QUEUE = "kvfleet-finalize"
@@ -49,3 +51,8 @@ def file_content(file_id: str) -> str:
 
 def worker(name: str) -> str:
     return f"{PREFIX}:worker:{name}"
+
+
+def default_redis_url() -> str:
+    """KVFLEET_REDIS_URL, or a Redis on localhost."""
+    return os.environ.get("KVFLEET_REDIS_URL", "redis://localhost:6379/0")

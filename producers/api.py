@@ -29,7 +29,6 @@ from jobs import batches, keys
 from jobs.files import FileNotFound, create_file, file_object, new_file_id, read_file
 from jobs.storage import RedisStorage, open_storage
 from producers.ingest import submit
-from producers.submit import DEFAULT_REDIS_URL
 
 MAX_UPLOAD_BYTES = int(os.environ.get("KVFLEET_MAX_UPLOAD_BYTES", 200 * 1024 * 1024))
 
@@ -56,7 +55,7 @@ class CreateBatch(BaseModel):
 
 
 def create_app(redis_url: str | None = None) -> FastAPI:
-    r = redis.Redis.from_url(redis_url or os.environ.get("KVFLEET_REDIS_URL", DEFAULT_REDIS_URL))
+    r = redis.Redis.from_url(redis_url or keys.default_redis_url())
     registry = CollectorRegistry()
     http_requests = Counter("kvfleet:api_requests", "API requests by route and status", ["route", "status"],
                             registry=registry)
@@ -227,7 +226,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m producers.api", description="OpenAI-compatible Batches API")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--redis-url", default=os.environ.get("KVFLEET_REDIS_URL", DEFAULT_REDIS_URL))
+    parser.add_argument("--redis-url", default=keys.default_redis_url())
     args = parser.parse_args()
     uvicorn.run(create_app(args.redis_url), host=args.host, port=args.port, log_level="info")
 

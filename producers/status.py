@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
 import redis
 
-from jobs import batches
-from producers.submit import DEFAULT_REDIS_URL
+from jobs import batches, keys
 
 
 def summary(batch: dict) -> str:
@@ -28,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("batch_id")
     parser.add_argument("--watch", action="store_true", help="print a line per change until the batch ends")
     parser.add_argument("--interval", type=float, default=1.0)
-    parser.add_argument("--redis-url", default=os.environ.get("KVFLEET_REDIS_URL", DEFAULT_REDIS_URL))
+    parser.add_argument("--redis-url", default=keys.default_redis_url())
     args = parser.parse_args(argv)
     r = redis.Redis.from_url(args.redis_url)
     try:

@@ -22,10 +22,8 @@ import time
 import redis
 from tqdm import tqdm
 
-from jobs import batches
+from jobs import batches, keys
 from producers.ingest import MAX_REPORTED_ERRORS, submit
-
-DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 
 
 def parse_metadata(pairs: list[str]) -> dict[str, str]:
@@ -55,7 +53,7 @@ def wait_for(r: redis.Redis, batch_id: str, poll_seconds: float = 0.5, stream=sy
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m producers.submit", description=__doc__.split("\n\n")[0])
     parser.add_argument("file")
-    parser.add_argument("--redis-url", default=os.environ.get("KVFLEET_REDIS_URL", DEFAULT_REDIS_URL))
+    parser.add_argument("--redis-url", default=keys.default_redis_url())
     parser.add_argument("--model", help="served model (stream); default: the first line's body.model")
     parser.add_argument("--endpoint", choices=["/v1/completions", "/v1/chat/completions"],
                         help="default: the first line's url")

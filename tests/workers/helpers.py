@@ -1,0 +1,51 @@
+"""Shared by the worker and fleet tests: submit a batch, drive it, read its files."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from rq import SimpleWorker
+from rq.serializers import JSONSerializer
+
+from jobs import batches
+from jobs.files import read_file
+from jobs.finalize import finalize_queue
+from producers.ingest import submit
+
+MODEL = "tiny"
+
+
+def submit_lines(r, records, **options) -> str:
+    lines = [json.dumps(record).encode() for record in records]
+    submission = submit(r, lambda: lines, model=MODEL, **options)
+    assert submission.accepted, submission.report.errors
+    return submission.batch_id
+
+
+def completion(custom_id: str, prompt, max_tokens: int = 8, **fields) -> dict:
+    return {"custom_id": custom_id, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **fields}
+
+
+def finalize_all(r) -> None:
+    queue = finalize_queue(r)
+    if queue.count:
+        SimpleWorker([queue], connection=r, serializer=JSONSerializer).work(burst=True)
+
+
+def run_until(worker, r, batch_ids, timeout: float = 120.0, statuses=batches.TERMINAL) -> dict[str, dict]:
+    """Drive an in-process worker (and the finalizer) until every batch ends."""
+    deadline = time.monotonic() + timeout
+    while True:
+        worker.run_once()
+        finalize_all(r)
+        objects = {b: batches.batch_object(r, b) for b in batch_ids}
+        if all(o["status"] in statuses for o in objects.values()):
+            return objects
+        assert time.monotonic() < deadline, {b: (o["status"], o["request_counts"]) for b, o in objects.items()}
+
+
+def read_lines(r, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    return [json.loads(line) for line in b"".join(read_file(r, file_id)).splitlines()]

@@ -1,0 +1,60 @@
+"""How many stream entries a worker may pull now.
+
+The rule, on the engine's own numbers:
+
+    k = 0                                   if the engine holds any request not yet started
+    k = min(free_seats, spare_blocks // blocks_per_request)   otherwise, where
+        free_seats         = max_num_seqs - running
+        spare_blocks       = free_blocks - running          (one block of growth reserved
+                                                             for each running sequence)
+        blocks_per_request = a running estimate of the blocks a new request needs to
+                             start (its prompt + 1 token), never below 1
+
+After a pull, `fit` keeps only the requests whose prompts fit the spare blocks
+together; the rest are handed back to the stream at once, so no worker ever
+holds pulled-but-unstartable work that another worker could run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineCapacity:
+    max_num_seqs: int
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    block_size: int
+
+    @property
+    def spare_blocks(self) -> int:
+        return max(0, self.num_free_blocks - self.num_running)
+
+
+class Admission:
+    def __init__(self, initial_blocks_per_request: float = 8.0, smoothing: float = 0.2) -> None:
+        self.blocks_per_request = initial_blocks_per_request
+        self.smoothing = smoothing
+
+    def observe(self, num_blocks: int) -> None:
+        """Update the estimate with the start-up blocks of a request just seen."""
+        self.blocks_per_request += self.smoothing * (num_blocks - self.blocks_per_request)
+
+    def count(self, capacity: EngineCapacity) -> int:
+        if capacity.num_waiting:
+            return 0
+        free_seats = capacity.max_num_seqs - capacity.num_running
+        return max(0, min(free_seats, int(capacity.spare_blocks // max(1.0, self.blocks_per_request))))
+
+    @staticmethod
+    def fit(capacity: EngineCapacity, blocks_needed: list[int]) -> int:
+        """How many of the pulled requests, in order, can start with the spare blocks."""
+        spare, admitted = capacity.spare_blocks, 0
+        for needed in blocks_needed:
+            if needed > spare:
+                break
+            spare -= needed
+            admitted += 1
+        return admitted

@@ -1,0 +1,77 @@
+"""Prometheus metrics of one worker, named after vLLM's with a `kvfleet:` prefix."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from engine import RequestOutput
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
+TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5)
+
+
+class WorkerMetrics:
+    def __init__(self, worker: str, model: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"worker": worker, "model_name": model}
+        names = list(labels)
+
+        def gauge(name, doc):
+            return Gauge(f"kvfleet:{name}", doc, names, registry=self.registry).labels(**labels)
+
+        def counter(name, doc):
+            return Counter(f"kvfleet:{name}", doc, names, registry=self.registry).labels(**labels)
+
+        def histogram(name, doc, buckets):
+            return Histogram(f"kvfleet:{name}", doc, names, buckets=buckets, registry=self.registry).labels(**labels)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests the engine is running")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Pulled requests not started yet")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)")
+        self.num_free_blocks = gauge("num_free_kv_blocks", "Free KV blocks")
+        self.stream_pending = gauge("stream_pending", "Entries delivered to some worker, not yet acked")
+        self.stream_lag = gauge("stream_lag", "Entries in the stream not yet delivered to any worker")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests")
+        self.num_preemptions = counter("num_preemptions", "Sequences preempted by recompute")
+        self._success = Counter("kvfleet:request_success", "Finished requests by finish reason",
+                                [*names, "finished_reason"], registry=self.registry)
+        self._labels = labels
+        self.time_to_first_token = histogram("time_to_first_token_seconds", "Arrival to first token",
+                                             LATENCY_BUCKETS)
+        self.inter_token_latency = histogram("inter_token_latency_seconds", "Between consecutive tokens",
+                                             TOKEN_BUCKETS)
+        self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Arrival to finish", LATENCY_BUCKETS)
+        self.request_queue_time = histogram("request_queue_time_seconds", "Stream enqueue to engine start",
+                                            LATENCY_BUCKETS)
+        self._seen_preemptions = 0
+
+    def serve(self, port: int) -> None:
+        start_http_server(port, registry=self.registry)
+
+    def observe_finished(self, output: RequestOutput, enqueued_at: float | None, wall_offset: float) -> None:
+        """wall_offset converts the engine's monotonic times to wall-clock time."""
+        metrics = output.metrics
+        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        for completion in output.outputs:
+            self.generation_tokens.inc(len(completion.token_ids))
+            self._success.labels(**self._labels, finished_reason=completion.finish_reason or "stop").inc()
+        if metrics is None:
+            return
+        if metrics.first_token_time is not None:
+            self.time_to_first_token.observe(metrics.first_token_time - metrics.arrival_time)
+        for gap in metrics.inter_token_latencies:
+            self.inter_token_latency.observe(gap)
+        if metrics.finished_time is not None:
+            self.e2e_request_latency.observe(metrics.finished_time - metrics.arrival_time)
+        if enqueued_at is not None and metrics.first_scheduled_time is not None:
+            self.request_queue_time.observe(max(0.0, metrics.first_scheduled_time + wall_offset - enqueued_at))
+
+    def update_engine(self, stats: dict) -> None:
+        self.num_requests_running.set(stats["num_running"])
+        self.num_requests_waiting.set(stats["num_waiting"])
+        total = stats["num_total_blocks"]
+        self.kv_cache_usage_perc.set((total - stats["num_free_blocks"]) / total if total else 0.0)
+        self.num_free_blocks.set(stats["num_free_blocks"])
+        self.num_preemptions.inc(stats["num_preemptions"] - self._seen_preemptions)
+        self._seen_preemptions = stats["num_preemptions"]

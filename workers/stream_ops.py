@@ -1,0 +1,108 @@
+"""Redis stream operations of the worker loop, one small function each.
+
+NOTE: an entry stays in the consumer group's pending list (PEL) from delivery
+until its result is durable and it is XACKed. A live worker resets the idle time
+of its in-flight entries (XCLAIM JUSTID, which does not count a delivery), so only
+entries of dead or stuck workers ever go idle past the lease and get reclaimed.
+"""
+
+from __future__ import annotations
+
+import json
+
+import redis
+
+from jobs import keys
+
+GROUP = keys.CONSUMER_GROUP
+
+
+def ensure_group(r: redis.Redis, stream: str) -> None:
+    try:
+        r.xgroup_create(stream, GROUP, id="0", mkstream=True)
+    except redis.ResponseError as error:
+        if "BUSYGROUP" not in str(error):
+            raise
+
+
+def read_new(r: redis.Redis, stream: str, consumer: str, count: int, block_ms: int | None):
+    """Up to `count` never-delivered entries: [(entry_id, fields)]."""
+    if count <= 0:
+        return []
+    reply = r.xreadgroup(GROUP, consumer, {stream: ">"}, count=count, block=block_ms)
+    return [(eid.decode(), fields) for _, entries in reply or [] for eid, fields in entries]
+
+
+def reclaim_stale(r: redis.Redis, stream: str, consumer: str, lease_ms: int, count: int):
+    """Take over up to `count` entries idle longer than the lease: [(entry_id, fields, deliveries)]."""
+    if count <= 0:
+        return []
+    reply = r.xautoclaim(stream, GROUP, consumer, min_idle_time=lease_ms, start_id="0-0", count=count)
+    claimed = [(eid.decode(), fields) for eid, fields in reply[1] if fields]
+    if not claimed:
+        return []
+    pending = r.xpending_range(stream, GROUP, min=claimed[0][0], max=claimed[-1][0], count=len(claimed) * 4,
+                               consumername=consumer)
+    deliveries = {p["message_id"].decode(): p["times_delivered"] for p in pending}
+    return [(eid, fields, deliveries.get(eid, 1)) for eid, fields in claimed]
+
+
+def touch(r: redis.Redis, stream: str, consumer: str, entry_ids: list[str]) -> None:
+    """Reset the idle time of entries this worker is still running."""
+    if entry_ids:
+        r.xclaim(stream, GROUP, consumer, min_idle_time=0, message_ids=entry_ids, justid=True)
+
+
+def requeue(r: redis.Redis, stream: str, entry_id: str, fields: dict) -> None:
+    """Hand an entry back to the fleet at once: ack it and append a copy, atomically."""
+    copy = {k: v for k, v in fields.items()}
+    copy[b"requeues"] = int(fields.get(b"requeues", 0)) + 1
+    pipe = r.pipeline(transaction=True)
+    pipe.xack(stream, GROUP, entry_id)
+    pipe.xadd(stream, copy)
+    pipe.execute()
+
+
+def dead_letter(r: redis.Redis, stream: str, entry_id: str, fields: dict, error: str) -> None:
+    """Move an entry to the dead-letter stream with its last error, and ack it."""
+    record = {k.decode() if isinstance(k, bytes) else k: v for k, v in fields.items()}
+    record.update({"stream": stream, "entry_id": entry_id, "error": error})
+    pipe = r.pipeline(transaction=True)
+    pipe.xadd(keys.DEAD_LETTERS, record)
+    pipe.xack(stream, GROUP, entry_id)
+    pipe.execute()
+
+
+def ack(r: redis.Redis, stream: str, entry_id: str) -> None:
+    r.xack(stream, GROUP, entry_id)
+
+
+def trim_acknowledged(r: redis.Redis, stream: str) -> None:
+    """Drop entries below both the oldest pending one and the group's last delivered
+    one: everything older is acknowledged. Never MAXLEN on live work."""
+    groups = {g["name"].decode(): g for g in r.xinfo_groups(stream)}
+    group = groups.get(GROUP)
+    if group is None:
+        return
+    floor = group["last-delivered-id"].decode()
+    summary = r.xpending(stream, GROUP)
+    if summary["pending"]:
+        floor = min(floor, summary["min"].decode(), key=lambda eid: tuple(map(int, eid.split("-"))))
+    if floor != "0-0":
+        r.xtrim(stream, minid=floor, approximate=False)
+
+
+def stream_backlog(r: redis.Redis, stream: str) -> tuple[int, int]:
+    """(pending, lag) of the consumer group."""
+    for group in r.xinfo_groups(stream):
+        if group["name"].decode() == GROUP:
+            return int(group["pending"]), int(group.get("lag") or 0)
+    return 0, 0
+
+
+def decode_fields(fields: dict) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in fields.items()}
+
+
+def describe(fields: dict) -> str:
+    return json.dumps(decode_fields(fields))[:200]

@@ -1,0 +1,69 @@
+"""Between the job contract and the engine: a stream entry becomes an engine
+request (prompt token ids + SamplingParams); a finished RequestOutput becomes an
+OpenAI result line with usage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine import RequestOutput, SamplingParams
+from jobs.results import Choice, Usage, chat_completion_body, completion_body, success_line
+from jobs.schemas import CHAT_COMPLETIONS, ChatBody, CompletionBody, Request
+
+
+class RequestRejected(ValueError):
+    """The request can never run here; it gets an error line with this code."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class EngineRequest:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    body: CompletionBody | ChatBody
+    url: str
+
+
+def to_engine_request(request: Request, tokenizer) -> EngineRequest:
+    body = request.parsed_body()
+    try:
+        params = SamplingParams(**body.sampling_kwargs())
+    except ValueError as error:
+        raise RequestRejected("invalid_request", str(error)) from None
+    if request.url == CHAT_COMPLETIONS:
+        try:
+            prompt = tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=True,
+                                                   tokenize=True, return_dict=False)
+        except Exception as error:  # noqa: BLE001 (a template error is the request's fault)
+            raise RequestRejected("invalid_request", f"messages: the chat template failed: {error}") from None
+    elif isinstance(body.prompt, str):
+        prompt = tokenizer.encode(body.prompt)
+    else:
+        prompt = list(body.prompt)
+    return EngineRequest(list(prompt), params, body, request.url)
+
+
+def _openai_logprobs(output_logprobs, token_ids: list[int], tokenizer, url: str):
+    if output_logprobs is None:
+        return None
+    tokens = [tokenizer.decode([t]) for t in token_ids]
+    chosen = [entry[t] for entry, t in zip(output_logprobs, token_ids)]
+    tops = [{tokenizer.decode([k]): v for k, v in list(entry.items())[1:]} for entry in output_logprobs]
+    if url == CHAT_COMPLETIONS:
+        return {"content": [{"token": tok, "logprob": lp, "top_logprobs": [
+            {"token": k, "logprob": v} for k, v in top.items()]} for tok, lp, top in zip(tokens, chosen, tops)]}
+    return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops}
+
+
+def to_result_line(custom_id: str, request: EngineRequest, output: RequestOutput, model: str,
+                   tokenizer) -> tuple[dict, Usage]:
+    usage = Usage(prompt_tokens=len(output.prompt_token_ids),
+                  completion_tokens=sum(len(c.token_ids) for c in output.outputs),
+                  cached_tokens=output.num_cached_tokens)
+    choices = [Choice(c.text, c.finish_reason or "stop",
+                      _openai_logprobs(c.logprobs, c.token_ids, tokenizer, request.url)) for c in output.outputs]
+    build = chat_completion_body if request.url == CHAT_COMPLETIONS else completion_body
+    return success_line(custom_id, build(model, choices, usage)), usage

@@ -1,0 +1,322 @@
+"""The worker loop, shaped like rq's `work()`:
+
+    while not stopping:
+        maintain()   heartbeat, keep in-flight leases, cancel/expire, reclaim, trim  (every ~second)
+        admit()      XREADGROUP COUNT k, k from free KV blocks (workers/admission.py)
+        step()       one engine iteration
+        flush()      results -> storage (durable) -> count + XACK (one Lua script)
+
+Redis or storage outages back off (capped, exponential) and retry; a result is
+never acknowledged before it is durable. SIGTERM drains: stop pulling, finish
+in-flight work within drain_seconds, hand the rest back to the stream, exit 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import time
+from dataclasses import dataclass
+
+import redis
+from botocore.exceptions import BotoCoreError, ClientError
+
+from engine import LLMEngine
+from jobs import batches, keys
+from jobs.results import Usage, error_line, record_result
+from jobs.schemas import LineError, parse_line
+from jobs.storage import Storage, open_storage
+from workers import stream_ops
+from workers.admission import Admission, EngineCapacity
+from workers.metrics import WorkerMetrics
+from workers.translate import EngineRequest, RequestRejected, to_engine_request, to_result_line
+
+log = logging.getLogger("kvfleet.worker")
+OUTAGE_ERRORS = (redis.ConnectionError, redis.TimeoutError, BotoCoreError, ClientError, OSError)
+MAINTAIN_SECONDS = 1.0
+TRIM_SECONDS = 30.0
+
+
+@dataclass
+class WorkerOptions:
+    name: str
+    model: str  # served model name: the stream it reads
+    lease_seconds: float = 60.0
+    max_deliveries: int = 3
+    drain_seconds: float = 30.0
+    block_ms: int = 1000
+    max_backoff_seconds: float = 5.0
+
+
+@dataclass
+class InFlight:
+    entry_id: str
+    batch_id: str
+    custom_id: str
+    request: EngineRequest
+    enqueued_at: float | None
+
+
+@dataclass
+class PendingResult:
+    entry_id: str | None
+    batch_id: str
+    line: dict
+    usage: Usage | None = None
+
+
+class Worker:
+    def __init__(self, engine: LLMEngine, r: redis.Redis, options: WorkerOptions,
+                 metrics: WorkerMetrics | None = None) -> None:
+        self.engine, self.r, self.options = engine, r, options
+        self.stream = keys.stream(options.model)
+        self.metrics = metrics or WorkerMetrics(options.name, options.model)
+        self.admission = Admission()
+        self.in_flight: dict[str, InFlight] = {}  # engine request id (= entry id) -> work
+        self.results: list[PendingResult] = []
+        self.storages: dict[str, Storage] = {}
+        self.batch_cache: dict[str, dict] = {}
+        self.stopping = False
+        self.backoff = 0.0
+        self.retry_at = 0.0
+        self.last_maintain = self.last_trim = 0.0
+        self.wall_offset = time.time() - time.monotonic()
+        self.is_group_ready = False
+
+    # -- lifecycle ---------------------------------------------------------------
+    def install_signal_handlers(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: self.request_stop())
+        signal.signal(signal.SIGINT, lambda *_: self.request_stop())
+
+    def request_stop(self) -> None:
+        if not self.stopping:
+            log.info("%s: stop requested; draining for up to %ss", self.options.name, self.options.drain_seconds)
+        self.stopping = True
+
+    def work(self, max_seconds: float | None = None) -> int:
+        started = time.monotonic()
+        drain_deadline = None
+        while True:
+            now = time.monotonic()
+            if self.stopping and drain_deadline is None:
+                drain_deadline = now + self.options.drain_seconds
+            if self.stopping and (not self.in_flight and not self.results or now >= drain_deadline):
+                break
+            if max_seconds is not None and now - started > max_seconds:
+                break
+            self.run_once()
+        self._hand_back_unfinished()
+        return 0
+
+    def run_once(self) -> None:
+        if time.monotonic() >= self.retry_at:
+            try:
+                self._maintain()
+                if not self.stopping:
+                    self._admit()
+            except OUTAGE_ERRORS as error:
+                self._back_off(f"redis: {error}")
+        if self.engine.has_unfinished():
+            self._step()
+        self._flush_results()
+        if not self.engine.has_unfinished() and (self.results or time.monotonic() < self.retry_at):
+            time.sleep(min(0.05, max(0.0, self.retry_at - time.monotonic())) or 0.01)
+
+    def _back_off(self, reason: str) -> None:
+        self.backoff = min(self.options.max_backoff_seconds, max(0.1, self.backoff * 2))
+        self.retry_at = time.monotonic() + self.backoff
+        log.warning("%s: %s; retrying in %.1fs", self.options.name, reason, self.backoff)
+
+    # -- maintenance -------------------------------------------------------------
+    def _maintain(self) -> None:
+        now = time.monotonic()
+        if not self.is_group_ready:
+            stream_ops.ensure_group(self.r, self.stream)
+            self.is_group_ready = True
+        if now - self.last_maintain < MAINTAIN_SECONDS:
+            return
+        self.last_maintain = now
+        stream_ops.touch(self.r, self.stream, self.options.name, list(self.in_flight))
+        self._heartbeat()
+        self._check_batches()
+        if now - self.last_trim > TRIM_SECONDS:
+            self.last_trim = now
+            stream_ops.trim_acknowledged(self.r, self.stream)
+        pending, lag = stream_ops.stream_backlog(self.r, self.stream)
+        self.metrics.stream_pending.set(pending)
+        self.metrics.stream_lag.set(lag)
+
+    def capacity(self) -> EngineCapacity:
+        stats = self.engine.stats()
+        return EngineCapacity(self.engine.config.max_num_seqs, stats["num_running"], stats["num_waiting"],
+                              stats["num_free_blocks"], self.engine.config.block_size)
+
+    def _heartbeat(self) -> None:
+        stats = self.engine.stats()
+        self.metrics.update_engine(stats)
+        waiting_blocks = sum(self.engine.num_blocks_needed(s.num_tokens) for s in self.engine.scheduler.waiting)
+        record = {"model": self.options.model, "free_blocks": stats["num_free_blocks"],
+                  "total_blocks": stats["num_total_blocks"], "running": stats["num_running"],
+                  "waiting": stats["num_waiting"], "waiting_blocks_needed": waiting_blocks,
+                  "in_flight": len(self.in_flight), "heartbeat": time.time(), "draining": int(self.stopping)}
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hset(keys.worker(self.options.name), mapping=record)
+        pipe.expire(keys.worker(self.options.name), max(3, int(self.options.lease_seconds)))
+        pipe.execute()
+
+    def _batch(self, batch_id: str, refresh: bool = False) -> dict | None:
+        if refresh or batch_id not in self.batch_cache:
+            try:
+                self.batch_cache[batch_id] = batches.load_fields(self.r, batch_id)
+            except batches.BatchNotFound:
+                return None
+        return self.batch_cache[batch_id]
+
+    def _check_batches(self) -> None:
+        """Abort in-flight requests of batches cancelled or past their window."""
+        for batch_id in {work.batch_id for work in self.in_flight.values()}:
+            batch = self._batch(batch_id, refresh=True)
+            ended = self._ended(batch_id, batch)
+            if ended is None:
+                continue
+            for entry_id, work in list(self.in_flight.items()):
+                if work.batch_id == batch_id:
+                    self.engine.abort(entry_id)
+                    del self.in_flight[entry_id]
+                    self.results.append(PendingResult(entry_id, batch_id, error_line(work.custom_id, *ended)))
+
+    def _ended(self, batch_id: str, batch: dict | None) -> tuple[str, str] | None:
+        """(code, message) if the batch's requests must not run any more."""
+        if batch is None or batch["status"] in ("cancelling", "cancelled", "failed"):
+            return "batch_cancelled", "The batch was cancelled before this request finished."
+        if batch["status"] == "expired" or time.time() > batch["expires_at"]:
+            # The status itself turns expired in finalize, once every request is counted.
+            return "batch_expired", "This request could not be executed before the completion window expired."
+        return None
+
+    # -- admission ---------------------------------------------------------------
+    def _admit(self) -> None:
+        capacity = self.capacity()
+        count = self.admission.count(capacity)
+        if count <= 0:
+            return
+        lease_ms = int(self.options.lease_seconds * 1000)
+        entries = stream_ops.reclaim_stale(self.r, self.stream, self.options.name, lease_ms, count)
+        fresh = []
+        if len(entries) < count:
+            is_idle = not self.engine.has_unfinished() and not self.results
+            block_ms = self.options.block_ms if is_idle else None  # block on the stream only when idle
+            fresh = stream_ops.read_new(self.r, self.stream, self.options.name, count - len(entries), block_ms)
+        accepted: list[tuple[str, dict, InFlight]] = []
+        for entry_id, fields, deliveries in [*entries, *((eid, f, 1) for eid, f in fresh)]:
+            work = self._accept(entry_id, fields, deliveries)
+            if work is not None:
+                accepted.append((entry_id, fields, work))
+        needed = [self.engine.num_blocks_needed(len(w.request.prompt_token_ids)) for _, _, w in accepted]
+        for blocks in needed:
+            self.admission.observe(blocks)
+        num_fit = self.admission.fit(self.capacity(), needed)
+        for entry_id, fields, _ in accepted[num_fit:]:  # cannot start here now: back to the fleet
+            stream_ops.requeue(self.r, self.stream, entry_id, fields)
+        for entry_id, _, work in accepted[:num_fit]:
+            self.engine.add_request(entry_id, work.request.prompt_token_ids, work.request.params)
+            self.in_flight[entry_id] = work
+
+    def _accept(self, entry_id: str, fields: dict, deliveries: int) -> InFlight | None:
+        """Turn an entry into work, or settle it here (error result, dead letter, duplicate)."""
+        if entry_id in self.in_flight:
+            return None  # reclaimed our own entry: it is already running
+        try:
+            batch_id = fields[b"batch_id"].decode()
+            custom_id = fields[b"custom_id"].decode()
+            line, line_number = fields[b"line"], int(fields[b"line_number"])
+        except (KeyError, ValueError, UnicodeDecodeError):
+            stream_ops.dead_letter(self.r, self.stream, entry_id, fields, "malformed stream entry")
+            return None
+        if deliveries > self.options.max_deliveries:
+            stream_ops.dead_letter(self.r, self.stream, entry_id, fields,
+                                   f"delivered {deliveries} times (max_deliveries {self.options.max_deliveries})")
+            self.results.append(PendingResult(None, batch_id, error_line(
+                custom_id, "max_deliveries_exceeded", f"The request failed {deliveries - 1} times on workers.")))
+            return None
+        batch = self._batch(batch_id)
+        if batch is None:
+            stream_ops.dead_letter(self.r, self.stream, entry_id, fields, f"no batch {batch_id}")
+            return None
+        if self.r.sismember(keys.batch_done(batch_id), custom_id):
+            stream_ops.ack(self.r, self.stream, entry_id)  # a redelivery of finished work
+            return None
+        ended = self._ended(batch_id, self._batch(batch_id, refresh=batch["status"] != "in_progress"))
+        if ended is not None:
+            self.results.append(PendingResult(entry_id, batch_id, error_line(custom_id, *ended)))
+            return None
+        try:
+            request = to_engine_request(parse_line(line, line_number), self.engine.tokenizer)
+            self.engine.validate(request.prompt_token_ids, request.params)
+        except (LineError, RequestRejected, ValueError) as error:
+            code = getattr(error, "code", "invalid_request")
+            if "max_model_len" in str(error) or "KV blocks" in str(error):
+                code = "context_length_exceeded"
+            self.results.append(PendingResult(entry_id, batch_id, error_line(custom_id, code, str(error))))
+            return None
+        enqueued_at = float(fields[b"enqueued_at"]) if b"enqueued_at" in fields else None
+        return InFlight(entry_id, batch_id, custom_id, request, enqueued_at)
+
+    # -- results -----------------------------------------------------------------
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception:  # noqa: BLE001 (one bad request must not take the worker down)
+            # Which request broke the step is unknown: drop them all unacked. They return
+            # after the lease, each delivery counted, and a poison one ends in the dead letters.
+            log.exception("%s: engine step failed; releasing %d requests", self.options.name, len(self.in_flight))
+            for entry_id in list(self.in_flight):
+                self.engine.abort(entry_id)
+                del self.in_flight[entry_id]
+            return
+        self._collect(outputs)
+
+    def _collect(self, outputs) -> None:
+        for output in outputs:
+            work = self.in_flight.pop(output.request_id, None)
+            if work is None:
+                continue
+            self.metrics.observe_finished(output, work.enqueued_at, self.wall_offset)
+            line, usage = to_result_line(work.custom_id, work.request, output, self.options.model,
+                                         self.engine.tokenizer)
+            self.results.append(PendingResult(work.entry_id, work.batch_id, line, usage))
+
+    def _flush_results(self) -> None:
+        """Record results in order; on an outage keep the rest and retry after a back-off."""
+        while self.results and time.monotonic() >= self.retry_at:
+            result = self.results[0]
+            try:
+                batch = self._batch(result.batch_id)
+                if batch is None:
+                    self.results.pop(0)
+                    continue
+                storage = self.storages.get(batch["sink"]) or open_storage(batch["sink"], self.r)
+                self.storages[batch["sink"]] = storage
+                ack = (self.stream, keys.CONSUMER_GROUP, result.entry_id) if result.entry_id else None
+                record_result(self.r, storage, result.batch_id, result.line, result.usage, ack=ack)
+            except OUTAGE_ERRORS as error:
+                self._back_off(f"recording a result failed: {type(error).__name__}: {error}")
+                return
+            self.results.pop(0)
+            self.backoff = 0.0
+
+    def _hand_back_unfinished(self) -> None:
+        """On exit: abort what still runs and put it back on the stream for other workers."""
+        for entry_id in list(self.in_flight):
+            self.engine.abort(entry_id)
+            try:
+                fields = self.r.xrange(self.stream, entry_id, entry_id)
+                if fields:
+                    stream_ops.requeue(self.r, self.stream, entry_id, fields[0][1])
+            except OUTAGE_ERRORS as error:
+                log.warning("%s: could not hand back %s (%s); it returns after the lease", self.options.name,
+                            entry_id, error)
+            del self.in_flight[entry_id]
+        with contextlib.suppress(OUTAGE_ERRORS):
+            self.r.delete(keys.worker(self.options.name))
