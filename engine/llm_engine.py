@@ -179,9 +179,13 @@ class LLMEngine:
 
     def stats(self) -> dict:
         manager = self.scheduler.block_manager
+        # Waiting sequences that never ran (as opposed to preempted ones, which wait to be recomputed).
+        unstarted = [s for s in self.scheduler.waiting if s.first_scheduled_time is None]
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
+            "num_unstarted": len(unstarted),
+            "num_unstarted_blocks_needed": sum(self.num_blocks_needed(s.num_tokens) for s in unstarted),
             "num_free_blocks": manager.num_free_blocks,
             "num_total_blocks": manager.num_total_blocks,
             # Tokens whose K/V sit in the cache, against the slots of the blocks in use.

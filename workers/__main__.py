@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="entries idle longer than this are taken over from dead workers")
     parser.add_argument("--max-deliveries", type=int, default=3, help="then the entry is dead-lettered")
     parser.add_argument("--drain-seconds", type=float, default=30.0, help="SIGTERM: time to finish in-flight work")
+    parser.add_argument("--heartbeat-seconds", type=float, default=1.0,
+                        help="how often to heartbeat, renew in-flight leases and check batch status")
     parser.add_argument("--log-level", default="INFO")
     return parser
 
@@ -57,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         block_size=args.block_size, dtype=args.dtype, device=args.device))
     model = args.served_model_name or Path(args.model.rstrip("/")).name
     options = WorkerOptions(name=args.name, model=model, lease_seconds=args.lease_seconds,
-                            max_deliveries=args.max_deliveries, drain_seconds=args.drain_seconds)
+                            max_deliveries=args.max_deliveries, drain_seconds=args.drain_seconds,
+                            maintain_seconds=args.heartbeat_seconds)
     metrics = WorkerMetrics(args.name, model)
     if args.metrics_port:
         metrics.serve(args.metrics_port)

@@ -34,7 +34,6 @@ from workers.translate import EngineRequest, RequestRejected, to_engine_request,
 
 log = logging.getLogger("kvfleet.worker")
 OUTAGE_ERRORS = (redis.ConnectionError, redis.TimeoutError, BotoCoreError, ClientError, OSError)
-MAINTAIN_SECONDS = 1.0
 TRIM_SECONDS = 30.0
 
 
@@ -47,6 +46,7 @@ class WorkerOptions:
     drain_seconds: float = 30.0
     block_ms: int = 1000
     max_backoff_seconds: float = 5.0
+    maintain_seconds: float = 1.0  # heartbeat, lease keeping and batch status checks
 
 
 @dataclass
@@ -134,7 +134,7 @@ class Worker:
         if not self.is_group_ready:
             stream_ops.ensure_group(self.r, self.stream)
             self.is_group_ready = True
-        if now - self.last_maintain < MAINTAIN_SECONDS:
+        if now - self.last_maintain < self.options.maintain_seconds:
             return
         self.last_maintain = now
         stream_ops.touch(self.r, self.stream, self.options.name, list(self.in_flight))
@@ -155,10 +155,11 @@ class Worker:
     def _heartbeat(self) -> None:
         stats = self.engine.stats()
         self.metrics.update_engine(stats)
-        waiting_blocks = sum(self.engine.num_blocks_needed(s.num_tokens) for s in self.engine.scheduler.waiting)
         record = {"model": self.options.model, "free_blocks": stats["num_free_blocks"],
                   "total_blocks": stats["num_total_blocks"], "running": stats["num_running"],
-                  "waiting": stats["num_waiting"], "waiting_blocks_needed": waiting_blocks,
+                  "waiting": stats["num_waiting"], "unstarted": stats["num_unstarted"],
+                  "unstarted_blocks_needed": stats["num_unstarted_blocks_needed"],
+                  "preemptions": stats["num_preemptions"],
                   "in_flight": len(self.in_flight), "heartbeat": time.time(), "draining": int(self.stopping)}
         pipe = self.r.pipeline(transaction=True)
         pipe.hset(keys.worker(self.options.name), mapping=record)

@@ -21,7 +21,8 @@ def engine(tiny_llama):
 @pytest.fixture
 def worker(engine, r):
     assert not engine.has_unfinished()
-    worker = Worker(engine, r, WorkerOptions(name="w-test", model=MODEL, lease_seconds=5, block_ms=50))
+    worker = Worker(engine, r, WorkerOptions(name="w-test", model=MODEL, lease_seconds=5, block_ms=50,
+                                             maintain_seconds=0.05))
     yield worker
     for entry_id in list(worker.in_flight):
         engine.abort(entry_id)
@@ -98,8 +99,13 @@ def test_bad_requests_become_error_lines_and_the_worker_survives(worker, r):
     assert run_until(worker, r, [after])[after]["status"] == "completed"
 
 
+def slow_batch(r, n: int, **options) -> str:
+    """Long enough (96 new tokens each, 8 at a time) to be caught mid-batch."""
+    return submit_lines(r, [completion(f"c{i}", t, max_tokens=96) for i, t in enumerate(prompts(n))], **options)
+
+
 def test_cancel_mid_batch_keeps_partial_results_and_runs_nothing_more(worker, r):
-    batch_id = submit_lines(r, [completion(f"c{i}", t, max_tokens=24) for i, t in enumerate(prompts(40))])
+    batch_id = slow_batch(r, 40)
     while batches.batch_object(r, batch_id)["request_counts"]["completed"] < 3:
         worker.run_once()
     batches.transition(r, batch_id, "cancelling")
@@ -117,13 +123,12 @@ def test_cancel_mid_batch_keeps_partial_results_and_runs_nothing_more(worker, r)
 
 
 def test_expired_batch_keeps_partial_results(worker, r):
-    batch_id = submit_lines(r, [completion(f"c{i}", t, max_tokens=24) for i, t in enumerate(prompts(40))],
-                            completion_window="2s")
+    batch_id = slow_batch(r, 64, completion_window="2s")
     batch = run_until(worker, r, [batch_id], timeout=60)[batch_id]
     assert batch["status"] == "expired" and batch["expired_at"] is not None
     counts = batch["request_counts"]
-    assert counts["total"] == 40 and counts["completed"] + counts["failed"] == 40
-    assert 0 < counts["completed"] < 40
+    assert counts["total"] == 64 and counts["completed"] + counts["failed"] == 64
+    assert 0 < counts["completed"] < 64
     codes = {e["error"]["code"] for e in read_lines(r, batch["error_file_id"])}
     assert codes == {"batch_expired"}
 

@@ -1,0 +1,90 @@
+"""The torch reference ops against naive per-token attention, on shuffled block tables."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from kernels import reference
+
+
+def naive_attention(q, keys, values, scale, first=0):
+    """q [H, D]; keys/values [C, Hkv, D] -> [H, D], one head at a time."""
+    num_heads, num_kv_heads = q.shape[0], keys.shape[1]
+    out = torch.empty_like(q)
+    for head in range(num_heads):
+        kv = head // (num_heads // num_kv_heads)
+        scores = (keys[first:, kv] @ q[head]) * scale
+        out[head] = torch.softmax(scores, 0) @ values[first:, kv]
+    return out
+
+
+def paged_setup(context_lens, block_size, num_kv_heads, head_dim, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-c // block_size) for c in context_lens) + 3
+    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
+    value_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
+    ids = list(range(num_blocks))
+    random.Random(seed).shuffle(ids)  # block tables neither contiguous nor in order
+    tables, start = [], 0
+    for c in context_lens:
+        n = -(-c // block_size)
+        tables.append(ids[start:start + n])
+        start += n
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [ids[-1]] * (width - len(t)) for t in tables])
+    return key_cache, value_cache, tables, block_tables
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (4, 2), (8, 2)])
+@pytest.mark.parametrize("context_lens", [[1], [16, 16, 32], [1, 5, 17, 100, 33], [200, 3]])
+@pytest.mark.parametrize("sliding_window", [None, 24])
+def test_paged_decode_both_paths_match_naive_attention(num_heads, num_kv_heads, context_lens, sliding_window):
+    block_size, head_dim = 16, 32
+    key_cache, value_cache, tables, block_tables = paged_setup(context_lens, block_size, num_kv_heads, head_dim)
+    query = torch.randn(len(context_lens), num_heads, head_dim)
+    scale = 1 / math.sqrt(head_dim)
+    lens = torch.tensor(context_lens)
+    expected = []
+    for i, c in enumerate(context_lens):
+        keys = key_cache[tables[i]].flatten(0, 1)[:c]
+        values = value_cache[tables[i]].flatten(0, 1)[:c]
+        first = 0 if sliding_window is None else max(0, c - sliding_window)
+        expected.append(naive_attention(query[i], keys, values, scale, first))
+    expected = torch.stack(expected)
+    padded = reference._decode_padded(query, key_cache, value_cache, block_tables, lens, scale, sliding_window)
+    looped = reference._decode_per_sequence(query, key_cache, value_cache, block_tables, context_lens, scale,
+                                            sliding_window)
+    assert (padded - expected).abs().max() < 1e-5
+    assert (looped - expected).abs().max() < 1e-5
+    chosen = reference.paged_decode_attention(query, key_cache, value_cache, block_tables, lens, scale,
+                                              sliding_window)
+    assert (chosen - expected).abs().max() < 1e-5
+
+
+def test_store_kv_writes_exact_slots():
+    key_cache = torch.zeros(4, 2, 1, 3)
+    value_cache = torch.zeros(4, 2, 1, 3)
+    key = torch.arange(9.0).view(3, 1, 3)
+    reference.store_kv(key, -key, key_cache, value_cache, torch.tensor([7, 0, 3]))
+    assert key_cache[3, 1, 0].tolist() == [0, 1, 2]  # slot 7 = block 3, offset 1
+    assert key_cache[0, 0, 0].tolist() == [3, 4, 5]
+    assert key_cache[1, 1, 0].tolist() == [6, 7, 8]
+    assert value_cache[1, 1, 0].tolist() == [-6, -7, -8]
+    assert key_cache.abs().sum() == 36
+
+
+@pytest.mark.parametrize("num_cached", [0, 5, 16])
+def test_prefill_attention_over_a_cached_prefix(num_cached):
+    num_new, num_heads, num_kv_heads, head_dim = 7, 4, 2, 16
+    keys = torch.randn(num_cached + num_new, num_kv_heads, head_dim)
+    values = torch.randn(num_cached + num_new, num_kv_heads, head_dim)
+    query = torch.randn(num_new, num_heads, head_dim)
+    out = reference.prefill_attention(query, keys, values, 0.25)
+    for i in range(num_new):
+        position = num_cached + i
+        expected = naive_attention(query[i], keys[: position + 1], values[: position + 1], 0.25)
+        assert (out[i] - expected).abs().max() < 1e-5
