@@ -21,9 +21,10 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
+# The whole fleet on this machine: Redis (KVFLEET_REDIS_URL or a local one), the demo
+# model, a worker, the finalizer and the API; submits examples/prompts.jsonl and waits.
 demo: $(STAMP)
-	$(BIN)/python -m engine.demo_model out/demo-model
-	$(BIN)/python -m engine out/demo-model examples/prompts.jsonl --max-tokens 32
+	$(BIN)/python -m workers.demo --prompts examples/prompts.jsonl --out out
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

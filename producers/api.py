@@ -50,7 +50,8 @@ class CreateBatch(BaseModel):
     endpoint: str
     completion_window: str = "24h"
     metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(None, max_length=16)
-    output: str = Field("redis", description="kvfleet extension: where results go")
+    output: str = Field(default_factory=lambda: os.environ.get("KVFLEET_DEFAULT_OUTPUT", "redis"),
+                        description="kvfleet extension: where results go (redis, s3://..., file:///...)")
     model: str | None = Field(None, description="kvfleet extension: the served model (stream)")
 
 
@@ -222,12 +223,16 @@ def create_app(redis_url: str | None = None) -> FastAPI:
     return app
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m producers.api", description="OpenAI-compatible Batches API")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--redis-url", default=keys.default_redis_url())
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     uvicorn.run(create_app(args.redis_url), host=args.host, port=args.port, log_level="info")
 
 

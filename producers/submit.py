@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", help="served model (stream); default: the first line's body.model")
     parser.add_argument("--endpoint", choices=["/v1/completions", "/v1/chat/completions"],
                         help="default: the first line's url")
-    parser.add_argument("--output", default="redis", help="redis | s3://bucket/prefix | file:///dir")
+    parser.add_argument("--output", default=os.environ.get("KVFLEET_DEFAULT_OUTPUT", "redis"),
+                        help="redis | s3://bucket/prefix | file:///dir (default: KVFLEET_DEFAULT_OUTPUT or redis)")
     parser.add_argument("--completion-window", default="24h")
     parser.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--batch-id")

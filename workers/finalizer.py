@@ -20,11 +20,15 @@ from jobs import keys
 from jobs.finalize import finalize_queue
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m workers.finalizer", description=__doc__.split("\n\n")[0])
     parser.add_argument("--redis-url", default=keys.default_redis_url())
     parser.add_argument("--burst", action="store_true", help="exit when the queue is empty")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level="INFO")
     r = redis.Redis.from_url(args.redis_url)
     worker = Worker([finalize_queue(r)], connection=r, serializer=JSONSerializer)

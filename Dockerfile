@@ -1,0 +1,18 @@
+# One image for the API, the workers and the finalizer; compose picks the command.
+FROM python:3.11-slim
+
+ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
+WORKDIR /app
+
+# torch first (the CUDA build from PyPI), so the project install does not re-resolve it.
+RUN pip install "torch>=2.5,<2.15"
+COPY pyproject.toml README.md ./
+COPY engine ./engine
+COPY kernels ./kernels
+COPY jobs ./jobs
+COPY producers ./producers
+COPY workers ./workers
+RUN pip install .
+
+EXPOSE 8000 9100
+CMD ["python", "-m", "producers.api", "--host", "0.0.0.0", "--port", "8000"]
