@@ -32,6 +32,11 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64
     decode_context_lens: torch.Tensor  # [num_decodes] int64
+    # The prefills again, as tensors for kernels that take every sequence at once:
+    prefill_query_starts: torch.Tensor  # [num_prefills + 1] int64
+    prefill_context_lens: torch.Tensor  # [num_prefills] int64
+    prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks] int64
+    max_prefill_queries: int
 
 
 class TorchAttentionBackend:
@@ -61,6 +66,36 @@ class TorchAttentionBackend:
         return out
 
 
+class TritonAttentionBackend:
+    """Triton kernels reading the paged cache in place: store_kv, then prefill and
+    decode attention. On the CPU only under TRITON_INTERPRET=1 (tests)."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from kernels import paged_attention, prefill_attention, store_kv  # noqa: PLC0415 (imports triton)
+
+        self._store_kv = store_kv.store_kv
+        self._prefill = prefill_attention.prefill_attention
+        self._decode = paged_attention.paged_decode_attention
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float, sliding_window: int | None = None) -> torch.Tensor:
+        """query [T, Hq, D], key/value [T, Hkv, D], caches [num_blocks, block_size, Hkv, D] -> [T, Hq, D]"""
+        self._store_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+        out = torch.empty_like(query)
+        num_prefill = meta.num_prefill_tokens
+        if num_prefill:
+            self._prefill(query[:num_prefill], key_cache, value_cache, meta.prefill_block_tables,
+                          meta.prefill_query_starts, meta.prefill_context_lens, meta.max_prefill_queries, scale,
+                          sliding_window, out=out[:num_prefill])
+        if num_prefill < query.shape[0]:
+            self._decode(query[num_prefill:], key_cache, value_cache, meta.decode_block_tables,
+                         meta.decode_context_lens, scale, sliding_window, out=out[num_prefill:])
+        return out
+
+
 def select_backend(name: str, device: torch.device):
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
@@ -69,7 +104,7 @@ def select_backend(name: str, device: torch.device):
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("attention_backend='triton' needs a CUDA device; on the CPU it runs only under "
                          "TRITON_INTERPRET=1 (set before kernels are imported), which is for tests")
-    raise ValueError("attention_backend='triton' is not built yet; use 'torch'")
+    return TritonAttentionBackend()
 
 
 @dataclass
@@ -78,4 +113,4 @@ class ForwardContext:
 
     meta: AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [num_blocks, block_size, Hkv, D] x2
-    backend: TorchAttentionBackend
+    backend: TorchAttentionBackend | TritonAttentionBackend

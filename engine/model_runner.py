@@ -11,6 +11,7 @@ from engine.attention import AttentionMetadata, ForwardContext, PrefillSpan, sel
 from engine.config import EngineConfig
 from engine.loader import iterate_weights, load_weights
 from engine.models import get_model_class
+from engine.models.layers import use_triton_layers
 from engine.sampler import Sampler, SamplerOutput, SamplerRow
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
@@ -53,6 +54,8 @@ class ModelRunner:
         self._seed_source = random.Random(config.seed)
         self.model = self._load_model(hf_config)
         self.backend = select_backend(config.attention_backend, self.device)
+        if self.backend.name == "triton":
+            use_triton_layers(self.model)
         attention_layers = [m for m in self.model.modules() if hasattr(m, "num_kv_heads")]
         self.num_layers = len(attention_layers)
         self.num_kv_heads, self.head_dim = attention_layers[0].num_kv_heads, attention_layers[0].head_dim
@@ -136,12 +139,19 @@ class ModelRunner:
                                 block_tables[i, : len(seqs[i].block_table)].to(self.device))
                     for i in range(num_prefills)]
         num_decode_blocks = max((len(s.block_table) for s in seqs[num_prefills:]), default=0)
+        num_prefill_blocks = max((len(s.block_table) for s in seqs[:num_prefills]), default=0)
+        prefill_query_starts = torch.zeros(num_prefills + 1, dtype=torch.int64)
+        prefill_query_starts[1:] = lens[:num_prefills].cumsum(0)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping.to(self.device),
             num_prefill_tokens=int(lens[:num_prefills].sum()),
             prefills=prefills,
             decode_block_tables=block_tables[num_prefills:, :num_decode_blocks].to(self.device),
             decode_context_lens=context_lens[num_prefills:].to(self.device),
+            prefill_query_starts=prefill_query_starts.to(self.device),
+            prefill_context_lens=context_lens[:num_prefills].to(self.device),
+            prefill_block_tables=block_tables[:num_prefills, :num_prefill_blocks].to(self.device),
+            max_prefill_queries=max(num_new[:num_prefills], default=0),
         )
         last_rows = offsets + lens - 1
         return (torch.tensor(input_ids, device=self.device), positions.to(self.device), meta,

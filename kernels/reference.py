@@ -138,11 +138,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return out if residual is None else (out, residual)
 
 
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, rotate-half (GPT-NeoX / Llama) style.
-
-    x: [num_tokens, num_heads, head_dim]; cos, sin: [num_tokens, head_dim]
-    """
+def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, num_heads, head_dim]; cos, sin: [num_tokens, head_dim]"""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def rotary(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Rotary embedding, rotate-half (GPT-NeoX / Llama) style, on query [T, Hq, D] and
+    key [T, Hkv, D] with cos, sin [T, D]. Returns new (query, key)."""
+    return rotate_half(query, cos, sin), rotate_half(key, cos, sin)

@@ -3,11 +3,19 @@ supported architecture, written once per session as Hugging Face safetensors."""
 
 from __future__ import annotations
 
-import pytest
-import torch
-from transformers import LlamaConfig, MistralConfig, OPTConfig, Qwen2Config
+import os
 
-from engine.demo_model import build_tokenizer, write_checkpoint
+import torch
+
+# Triton kernels run on the CPU only in its interpreter, which is read when a kernel
+# module is imported: set it before any test imports one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from transformers import LlamaConfig, MistralConfig, OPTConfig, Qwen2Config  # noqa: E402
+
+from engine.demo_model import build_tokenizer, write_checkpoint  # noqa: E402
 
 torch.set_num_threads(2)
 
@@ -57,7 +65,6 @@ def tiny_llama(tiny_models) -> str:
 
 
 # -- services ------------------------------------------------------------------
-import os  # noqa: E402
 import uuid  # noqa: E402
 
 import boto3  # noqa: E402

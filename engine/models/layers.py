@@ -14,9 +14,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.kernel = reference.rms_norm
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return reference.rms_norm(x, self.weight, self.eps, residual)
+        return self.kernel(x, self.weight, self.eps, residual)
 
 
 class RotaryEmbedding(nn.Module):
@@ -42,11 +43,25 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)  # [max_positions, head_dim]
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        self.kernel = reference.rotary
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
         """positions [T]; query [T, Hq, D]; key [T, Hkv, D]"""
-        cos = self.cos[positions].to(query.dtype)
+        cos = self.cos[positions].to(query.dtype)  # [T, D]
         sin = self.sin[positions].to(query.dtype)
-        return reference.rotary(query, cos, sin), reference.rotary(key, cos, sin)
+        return self.kernel(query, key, cos, sin)
 
 
+
+
+def use_triton_layers(model: nn.Module) -> None:
+    """Route RMSNorm and rotary through the Triton kernels (the attention backend is
+    chosen separately)."""
+    from kernels.rms_norm import rms_norm  # noqa: PLC0415 (imports triton)
+    from kernels.rotary import rotary
+
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.kernel = rms_norm
+        elif isinstance(module, RotaryEmbedding):
+            module.kernel = rotary

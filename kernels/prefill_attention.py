@@ -1,0 +1,118 @@
+"""prefill_attention: causal attention for variable-length prompt chunks, reading
+all K/V (the cached prefix and the chunk itself, already stored) from the paged cache.
+
+    context of one sequence:  [ cached prefix ........ | new queries (this chunk) ]
+                                0          context_len - num_queries        context_len
+    query i sits at position context_len - num_queries + i and sees keys 0..that position.
+
+Programs: (sequence, query head, block of BLOCK_M queries).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _prefill_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    query_ptr,  # [num_tokens, num_heads, head_dim]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int
+    query_starts_ptr,  # [num_seqs + 1] int: first row of each sequence in query/out
+    context_lens_ptr,  # [num_seqs] int: cached + new tokens
+    scale,
+    sliding_window,  # 0: none
+    query_token_stride,
+    query_head_stride,
+    out_token_stride,
+    out_head_stride,
+    block_table_stride,
+    cache_block_stride,
+    cache_slot_stride,
+    cache_head_stride,
+    NUM_QUERIES_PER_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    query_block = tl.program_id(2)
+    query_start = tl.load(query_starts_ptr + seq)
+    num_queries = tl.load(query_starts_ptr + seq + 1) - query_start
+    if query_block * BLOCK_M < num_queries:
+        context_len = tl.load(context_lens_ptr + seq)
+        kv_head = head // NUM_QUERIES_PER_KV
+        rows = query_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < num_queries
+        query_positions = context_len - num_queries + rows  # [M]
+        dims = tl.arange(0, HEAD_DIM)
+        slots = tl.arange(0, BLOCK_SIZE)
+        query = tl.load(query_ptr + (query_start + rows[:, None]) * query_token_stride + head * query_head_stride
+                        + dims[None, :], mask=row_mask[:, None], other=0.0)  # [M, D]
+
+        last_position = tl.minimum(context_len - num_queries + (query_block + 1) * BLOCK_M, context_len)
+        first = tl.where(sliding_window > 0,
+                         tl.maximum(context_len - num_queries + query_block * BLOCK_M - sliding_window + 1, 0), 0)
+        running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        running_sum = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        for block_index in range(first // BLOCK_SIZE, tl.cdiv(last_position, BLOCK_SIZE)):
+            block = tl.load(block_tables_ptr + seq * block_table_stride + block_index).to(tl.int64)
+            key_positions = block_index * BLOCK_SIZE + slots  # [B]
+            offsets = block * cache_block_stride + slots[:, None] * cache_slot_stride \
+                + kv_head * cache_head_stride + dims[None, :]
+            in_context = key_positions < context_len
+            key = tl.load(key_cache_ptr + offsets, mask=in_context[:, None], other=0.0)  # [B, D]
+            scores = tl.dot(query, tl.trans(key), input_precision=DOT_PRECISION) * scale  # [M, B]
+            visible = (key_positions[None, :] <= query_positions[:, None]) & in_context[None, :]
+            visible &= (sliding_window == 0) | (key_positions[None, :] > query_positions[:, None] - sliding_window)
+            scores = tl.where(visible, scores, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+            # Rows with nothing visible yet keep a -inf max; shift by 0 there to avoid inf - inf.
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+            probs = tl.exp(scores - shift[:, None])
+            correction = tl.exp(running_max - shift)
+            running_sum = running_sum * correction + tl.sum(probs, axis=1)
+            value = tl.load(value_cache_ptr + offsets, mask=in_context[:, None], other=0.0)  # [B, D]
+            acc = acc * correction[:, None] + tl.dot(probs.to(value.dtype), value, input_precision=DOT_PRECISION)
+            running_max = new_max
+        out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]  # padded rows: 0, not 0/0
+        tl.store(out_ptr + (query_start + rows[:, None]) * out_token_stride + head * out_head_stride
+                 + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+
+
+def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      block_tables: torch.Tensor, query_starts: torch.Tensor, context_lens: torch.Tensor,
+                      max_num_queries: int, scale: float, sliding_window: int | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """query: [num_tokens, num_heads, head_dim], the new tokens of every sequence back to
+    back (query_starts[i]:query_starts[i + 1]); their K/V must already be in the cache."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, cache_head_dim = key_cache.shape
+    num_seqs = context_lens.shape[0]
+    assert cache_head_dim == head_dim and value_cache.shape == key_cache.shape
+    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    assert head_dim == triton.next_power_of_2(head_dim) and block_size == triton.next_power_of_2(block_size)
+    assert block_size >= 16, "tl.dot needs at least 16 keys per block"
+    assert query.stride(2) == 1 and key_cache.is_contiguous() and value_cache.is_contiguous()
+    assert query_starts.shape == (num_seqs + 1,) and block_tables.shape[0] == num_seqs
+    assert block_tables.stride(1) == 1 and query.dtype == key_cache.dtype == value_cache.dtype
+    out = torch.empty_like(query) if out is None else out
+    assert out.shape == query.shape and out.stride(2) == 1
+    if num_seqs == 0 or num_tokens == 0:
+        return out
+    block_m = 16 if max_num_queries <= 16 else 32 if max_num_queries <= 32 else 64
+    grid = (num_seqs, num_heads, triton.cdiv(max_num_queries, block_m))
+    _prefill_kernel[grid](
+        out, query, key_cache, value_cache, block_tables, query_starts, context_lens, scale, sliding_window or 0,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        NUM_QUERIES_PER_KV=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32")
+    return out

@@ -1,0 +1,131 @@
+"""Every Triton kernel against its torch reference (TRITON_INTERPRET=1 on the CPU),
+fp32, max abs error <= 1e-4, over GQA ratios, head dims, block sizes, ragged and
+exact context lengths, batch sizes, and shuffled block tables."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels import reference
+from kernels.paged_attention import paged_decode_attention
+from kernels.prefill_attention import prefill_attention
+from kernels.rms_norm import rms_norm
+from kernels.rotary import rotary
+from kernels.store_kv import store_kv
+from tests.kernels.test_reference import paged_setup
+
+TOLERANCE = 1e-4
+GQA = [(4, 4), (4, 2), (8, 2)]  # ratios 1, 2, 4
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads", GQA)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("context_lens", [[1], [32], [1, 16, 33, 64, 70]])
+def test_paged_decode_attention(num_heads, num_kv_heads, head_dim, block_size, context_lens):
+    key_cache, value_cache, _, block_tables = paged_setup(context_lens, block_size, num_kv_heads, head_dim)
+    query = torch.randn(len(context_lens), num_heads, head_dim)
+    lens = torch.tensor(context_lens)
+    scale = 1 / math.sqrt(head_dim)
+    expected = reference.paged_decode_attention(query, key_cache, value_cache, block_tables, lens, scale)
+    got = paged_decode_attention(query, key_cache, value_cache, block_tables, lens, scale)
+    assert (got - expected).abs().max() <= TOLERANCE
+
+
+def test_paged_decode_attention_sliding_window():
+    context_lens = [5, 40, 77]
+    key_cache, value_cache, _, block_tables = paged_setup(context_lens, 16, 2, 64, seed=3)
+    query = torch.randn(3, 4, 64)
+    lens = torch.tensor(context_lens)
+    expected = reference.paged_decode_attention(query, key_cache, value_cache, block_tables, lens, 0.125, 24)
+    got = paged_decode_attention(query, key_cache, value_cache, block_tables, lens, 0.125, 24)
+    assert (got - expected).abs().max() <= TOLERANCE
+
+
+def prefill_case(spans, num_heads, num_kv_heads, head_dim, block_size, sliding_window=None):
+    """spans: (cached, new) tokens per sequence. Returns (got, expected)."""
+    context_lens = [cached + new for cached, new in spans]
+    key_cache, value_cache, tables, block_tables = paged_setup(context_lens, block_size, num_kv_heads, head_dim)
+    num_tokens = sum(new for _, new in spans)
+    query = torch.randn(num_tokens, num_heads, head_dim)
+    starts = torch.tensor([0] + list(torch.tensor([n for _, n in spans]).cumsum(0)))
+    scale = 1 / math.sqrt(head_dim)
+    expected = torch.empty_like(query)
+    for i, (cached, new) in enumerate(spans):
+        keys = reference.gather_kv(key_cache, torch.tensor(tables[i]), cached + new)
+        values = reference.gather_kv(value_cache, torch.tensor(tables[i]), cached + new)
+        rows = slice(int(starts[i]), int(starts[i + 1]))
+        expected[rows] = reference.prefill_attention(query[rows], keys, values, scale, sliding_window)
+    got = prefill_attention(query, key_cache, value_cache, block_tables, starts, torch.tensor(context_lens),
+                            max(n for _, n in spans), scale, sliding_window)
+    return got, expected
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads", GQA)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("spans", [[(0, 1)], [(0, 32)], [(0, 20), (16, 5), (7, 40), (32, 1)]])
+def test_prefill_attention_with_cached_prefixes(num_heads, num_kv_heads, head_dim, block_size, spans):
+    got, expected = prefill_case(spans, num_heads, num_kv_heads, head_dim, block_size)
+    assert (got - expected).abs().max() <= TOLERANCE
+
+
+def test_prefill_attention_sliding_window():
+    got, expected = prefill_case([(0, 50), (20, 30)], 4, 2, 64, 16, sliding_window=24)
+    assert (got - expected).abs().max() <= TOLERANCE
+
+
+@pytest.mark.parametrize("num_kv_heads, head_dim", [(1, 64), (4, 64), (8, 128)])
+def test_store_kv_matches_reference(num_kv_heads, head_dim):
+    num_blocks, block_size = 6, 16
+    key = torch.randn(10, num_kv_heads, head_dim)
+    value = torch.randn(10, num_kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size)[:10]
+    slots[3] = -1  # a padding token: written nowhere
+    caches = [torch.zeros(num_blocks, block_size, num_kv_heads, head_dim) for _ in range(4)]
+    store_kv(key, value, caches[0], caches[1], slots)
+    keep = slots >= 0
+    reference.store_kv(key[keep], value[keep], caches[2], caches[3], slots[keep])
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+@pytest.mark.parametrize("hidden", [64, 100, 256])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_with_fused_residual(hidden, with_residual):
+    x, residual, weight = torch.randn(7, hidden), torch.randn(7, hidden), torch.randn(hidden)
+    if with_residual:
+        got, got_residual = rms_norm(x, weight, 1e-6, residual)
+        expected, expected_residual = reference.rms_norm(x, weight, 1e-6, residual)
+        assert (got_residual - expected_residual).abs().max() <= TOLERANCE
+    else:
+        got, expected = rms_norm(x, weight, 1e-6), reference.rms_norm(x, weight, 1e-6)
+    assert (got - expected).abs().max() <= TOLERANCE
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads", GQA)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rotary_in_place_matches_reference(num_heads, num_kv_heads, head_dim):
+    positions = torch.tensor([0, 1, 7, 300, 4095])
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = positions[:, None].float() * inv_freq[None, :]
+    cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
+    query, key = torch.randn(5, num_heads, head_dim), torch.randn(5, num_kv_heads, head_dim)
+    expected_query, expected_key = reference.rotary(query, key, cos, sin)
+    got_query, got_key = rotary(query.clone(), key.clone(), cos, sin)
+    assert (got_query - expected_query).abs().max() <= TOLERANCE
+    assert (got_key - expected_key).abs().max() <= TOLERANCE
+
+
+def test_launchers_reject_bad_shapes():
+    key_cache = torch.zeros(4, 16, 2, 64)
+    with pytest.raises(AssertionError):
+        paged_decode_attention(torch.randn(2, 3, 64), key_cache, key_cache, torch.zeros(2, 1, dtype=torch.int64),
+                               torch.tensor([1, 1]), 0.1)  # 3 heads over 2 KV heads
+    with pytest.raises(AssertionError):
+        store_kv(torch.randn(2, 2, 64), torch.randn(2, 2, 64), key_cache, key_cache,
+                 torch.tensor([0, 1], dtype=torch.int32))  # slots must be int64
+    with pytest.raises(AssertionError):
+        rotary(torch.randn(2, 2, 48), torch.randn(2, 2, 48), torch.randn(2, 48), torch.randn(2, 48))
