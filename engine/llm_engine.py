@@ -79,8 +79,6 @@ class LLMEngine:
         if needed > self.num_total_blocks:
             raise ValueError(f"prompt: needs {needed} KV blocks ({num_prompt} prompt tokens + max_tokens "
                              f"{params.max_tokens}, n={params.n}) but num_kv_blocks is {self.num_total_blocks}")
-        if params.n > 1:
-            raise ValueError("n: only n=1 is supported so far")
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None, prompt_text: str | None = None) -> None:
@@ -114,6 +112,8 @@ class LLMEngine:
             seq.first_scheduled_time = seq.first_scheduled_time or now
         sampled_seqs, sampled = self.model_runner.execute(batch)
         self.scheduler.update(batch)
+        for children in batch.forks.values():
+            self.requests[children[0].request_id].seqs.extend(children)
         finished: list[RequestOutput] = []
         now = time.monotonic()
         for seq, token_id, logprobs in zip(sampled_seqs, sampled.token_ids, sampled.logprobs):
@@ -130,7 +130,7 @@ class LLMEngine:
             self.scheduler.finish(seq, reason)
             self.model_runner.release(seq)
             request = self.requests[seq.request_id]
-            if all(s.is_finished for s in request.seqs):
+            if len(request.seqs) == seq.params.n and all(s.is_finished for s in request.seqs):
                 del self.requests[seq.request_id]
                 finished.append(self._make_output(request, now))
         return finished
@@ -165,13 +165,13 @@ class LLMEngine:
 
     def _make_output(self, request: _Request, now: float) -> RequestOutput:
         completions = []
-        for seq in request.seqs:
+        for seq in sorted(request.seqs, key=lambda s: s.sample_index):
             if seq.params.detokenize and not isinstance(seq.stop_reason, str):
                 seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
             completions.append(CompletionOutput(seq.sample_index, seq.text, seq.output_token_ids, seq.finish_reason,
                                                 seq.stop_reason, seq.logprobs if seq.params.logprobs is not None
                                                 else None))
-        first = request.seqs[0]
+        first = min(request.seqs, key=lambda s: s.sample_index)
         metrics = RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time, now,
                                  first.inter_token_latencies)
         return RequestOutput(first.request_id, request.prompt, first.prompt_token_ids, completions,

@@ -116,8 +116,13 @@ class ModelRunner:
         sampling = [i for i, (s, n) in enumerate(zip(seqs, num_new)) if s.num_computed_tokens + n == s.num_tokens]
         if not sampling:
             return [], SamplerOutput([], [])
-        logits = self.model.compute_logits(hidden[last_rows[sampling]])  # [num_sampling, vocab]
-        sampled_seqs = [seqs[i] for i in sampling]
+        # Forked samples (n > 1) draw from their parent's row: [num_sampling + num_forked, vocab].
+        rows, sampled_seqs = [], []
+        for i in sampling:
+            for seq in (seqs[i], *batch.forks.get(seqs[i].seq_id, ())):
+                rows.append(int(last_rows[i]))
+                sampled_seqs.append(seq)
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         return sampled_seqs, self.sampler(logits, [self._sampler_row(s) for s in sampled_seqs])
 
     def _prepare_inputs(self, seqs: list[Sequence], num_new: list[int]):

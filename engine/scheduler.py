@@ -26,6 +26,9 @@ class ScheduledBatch:
     """Tokens of each sequence to run this step, starting at its num_computed_tokens."""
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     """(source, destination) blocks to copy before the step (copy-on-write)."""
+    forks: dict[str, list[Sequence]] = field(default_factory=dict)
+    """n > 1: parent seq_id -> samples forked this step. They share the parent's blocks and
+    draw their first token from the parent's logits."""
 
     @property
     def num_tokens(self) -> int:
@@ -91,9 +94,11 @@ class Scheduler:
                     seq.num_cached_tokens = num_cached_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(num_new)
+            self._schedule(seq, num_new, batch)
             budget -= num_new
+        # Forked samples join after this step's scheduling: they compute nothing in it.
+        for children in batch.forks.values():
+            self.running.extend(children)
         return batch
 
     def _grow(self, seq: Sequence, num_new: int, batch: ScheduledBatch) -> None:
@@ -101,8 +106,21 @@ class Scheduler:
         if copy is not None:
             batch.block_copies.append(copy)
         assert self.block_manager.allocate(seq, num_new)
+        self._schedule(seq, num_new, batch)
+
+    def _schedule(self, seq: Sequence, num_new: int, batch: ScheduledBatch) -> None:
         batch.seqs.append(seq)
         batch.num_new_tokens.append(num_new)
+        if seq.num_pending_samples and seq.num_computed_tokens + num_new == seq.num_tokens:
+            # The prompt completes this step: fork the other samples now, sharing every block
+            # (a partly filled last block is copied on its first write).
+            children = []
+            for index in range(1, seq.num_pending_samples + 1):
+                child = seq.fork(index)
+                self.block_manager.fork(seq, child)
+                children.append(child)
+            seq.num_pending_samples = 0
+            batch.forks[seq.seq_id] = children
 
     def _preempt(self, seq: Sequence) -> None:
         """Drop the sequence's KV and queue it first among the waiting: it will be
@@ -118,6 +136,8 @@ class Scheduler:
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += num_new
             self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens)
+            for child in batch.forks.get(seq.seq_id, ()):
+                child.num_computed_tokens = seq.num_computed_tokens
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED

@@ -33,6 +33,8 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
+        # n > 1: samples still to fork from this sequence once its prompt has run.
+        self.num_pending_samples = params.n - 1 if sample_index == 0 else 0
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []
         self.status = SequenceStatus.WAITING
@@ -73,6 +75,15 @@ class Sequence:
     @property
     def is_prefilling(self) -> bool:
         return self.num_computed_tokens < self.num_tokens - 1
+
+    def fork(self, sample_index: int) -> Sequence:
+        """A sibling sample: the same prompt and progress; blocks are shared by the caller."""
+        child = Sequence(self.request_id, self.prompt_token_ids, self.params, self.arrival_time, sample_index)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.num_cached_tokens = self.num_cached_tokens
+        child.first_scheduled_time = self.first_scheduled_time
+        child.status = self.status
+        return child
 
     def __repr__(self) -> str:
         return (f"Sequence({self.seq_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "

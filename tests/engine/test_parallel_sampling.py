@@ -1,0 +1,68 @@
+"""n > 1: samples share the prompt's blocks by ref count, copy the partly filled one
+on write, are reproducible with a seed, and free everything when done."""
+
+from __future__ import annotations
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+
+
+def test_fork_shares_prompt_blocks_and_copies_the_partial_one_on_write():
+    scheduler = Scheduler(EngineConfig(model="unused", block_size=4, enable_prefix_caching=False), 16)
+    parent = Sequence("r", list(range(10)), SamplingParams(n=3))  # blocks: 4 + 4 + 2 (partial)
+    scheduler.add(parent)
+    batch = scheduler.schedule()
+    children = batch.forks[parent.seq_id]
+    assert [c.sample_index for c in children] == [1, 2]
+    assert parent.block_table == [0, 1, 2] and all(c.block_table == [0, 1, 2] for c in children)
+    assert [scheduler.block_manager.blocks[i].ref_count for i in (0, 1, 2)] == [3, 3, 3]
+    scheduler.update(batch)
+    assert all(c.num_computed_tokens == 10 for c in children)
+    for seq, token in zip([parent, *children], (7, 8, 9)):  # each sample drew its own first token
+        seq.token_ids.append(token)
+    batch = scheduler.schedule()
+    assert [s.sample_index for s in batch.seqs] == [0, 1, 2] and batch.num_new_tokens == [1, 1, 1]
+    # The first two writers into the shared partial block 2 get copies; the last keeps it.
+    assert batch.block_copies == [(2, 3), (2, 4)]
+    assert [s.block_table for s in batch.seqs] == [[0, 1, 3], [0, 1, 4], [0, 1, 2]]
+    assert [scheduler.block_manager.blocks[i].ref_count for i in (0, 1, 2, 3, 4)] == [3, 3, 1, 1, 1]
+    for seq in batch.seqs:
+        scheduler.finish(seq, "stop")
+    assert scheduler.block_manager.num_free_blocks == 16
+
+
+def test_seeded_samples_are_reproducible_distinct_and_leak_nothing(tiny_llama):
+    llm = LLM(tiny_llama, num_kv_blocks=64)
+    params = SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=12)
+    first = llm.generate([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]], params,
+                         use_tqdm=False)[0]
+    again = llm.generate([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]], params,
+                         use_tqdm=False)[0]
+    assert [c.index for c in first.outputs] == [0, 1, 2, 3]
+    assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]
+    assert len({tuple(c.token_ids) for c in first.outputs}) > 1
+    assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
+    assert not llm.engine.requests
+
+
+def test_greedy_samples_equal_the_single_greedy_completion(tiny_llama):
+    llm = LLM(tiny_llama, num_kv_blocks=64)
+    prompt = list(range(40, 77))
+    single = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0]
+    many = llm.generate([prompt], SamplingParams(n=3, temperature=0, max_tokens=10), use_tqdm=False)[0]
+    assert [c.token_ids for c in many.outputs] == [single.token_ids] * 3
+    assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
+
+
+def test_parallel_samples_survive_preemption(tiny_llama):
+    roomy = LLM(tiny_llama, num_kv_blocks=128)
+    tight = LLM(tiny_llama, num_kv_blocks=12)
+    prompts = [list(range(10, 10 + n)) for n in (20, 35, 50)]
+    params = SamplingParams(n=2, temperature=0, max_tokens=24)
+    expected = [[c.token_ids for c in o.outputs] for o in roomy.generate(prompts, params, use_tqdm=False)]
+    got = [[c.token_ids for c in o.outputs] for o in tight.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert tight.engine.num_free_blocks == tight.engine.num_total_blocks
