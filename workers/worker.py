@@ -94,16 +94,13 @@ class Worker:
             log.info("%s: stop requested; draining for up to %ss", self.options.name, self.options.drain_seconds)
         self.stopping = True
 
-    def work(self, max_seconds: float | None = None) -> int:
-        started = time.monotonic()
+    def work(self) -> int:
         drain_deadline = None
         while True:
             now = time.monotonic()
             if self.stopping and drain_deadline is None:
                 drain_deadline = now + self.options.drain_seconds
             if self.stopping and (not self.in_flight and not self.results or now >= drain_deadline):
-                break
-            if max_seconds is not None and now - started > max_seconds:
                 break
             self.run_once()
         self._hand_back_unfinished()

@@ -7,6 +7,7 @@ import signal
 import time
 from collections import Counter
 
+import httpx
 import pytest
 import redis
 
@@ -69,6 +70,13 @@ def test_three_batches_on_two_workers_exactly_once_and_identical_to_llm(fleet, r
         assert batch["usage"]["input_tokens"] == prompt_tokens
         assert batch["usage"]["output_tokens"] == completion_tokens
     assert len(seen) == 200 and set(seen.values()) == {1}
+    metrics = httpx.get(f"http://127.0.0.1:{fleet.metrics_ports['w1']}/metrics", timeout=5).text
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "stream_pending",
+                 "stream_lag", "prompt_tokens_total", "generation_tokens_total", "num_preemptions_total",
+                 "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
+                 "e2e_request_latency_seconds_bucket", "request_queue_time_seconds_bucket"):
+        assert f"kvfleet:{name}{{" in metrics, name
+    assert 'finished_reason="length"' in metrics
     # Both processes did part of the work.
     assert fleet.metric("w1", "kvfleet:request_success_total") > 0
     assert fleet.metric("w2", "kvfleet:request_success_total") > 0

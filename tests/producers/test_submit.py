@@ -152,3 +152,16 @@ def test_cli_entry_point(redis_server, r, tmp_path):
     assert "torch" not in subprocess.run([sys.executable, "-c", "import sys, producers.submit, producers.api; "
                                           "print(sorted(m for m in sys.modules if m.startswith('torch')))"],
                                          capture_output=True, text=True, timeout=60).stdout.replace("[]", "")
+
+
+def test_status_prints_the_batch(r, redis_server, tmp_path, capsys):
+    from producers.status import main as status_main
+
+    path = write_lines(tmp_path / "in.jsonl", [chat("a"), chat("b")])
+    assert run(redis_server, path) == 0
+    batch_id = capsys.readouterr().out.split()[0]
+    assert status_main([batch_id, "--redis-url", redis_server.url]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == f"{batch_id}  in_progress  0 completed, 0 failed of 2"
+    assert json.loads(out.split("\n", 1)[1])["id"] == batch_id
+    assert status_main(["batch_missing", "--redis-url", redis_server.url]) == 1

@@ -1,0 +1,34 @@
+"""vLLM (CPU build) as a peer, run in its own virtualenv (`make bench` creates
+.bench-venv): it pins a transformers older than kvfleet's.
+
+    .bench-venv/bin/python benchmarks/vllm_peer.py MODEL_DIR WORKLOAD.json
+
+WORKLOAD.json: {"prompts": [[token ids]...], "output_lens": [...], "max_num_seqs": N}.
+Token-id prompts, no tokenizer, greedy, ignore_eos. Prints one JSON line:
+{"seconds", "output_tokens"}. Imports nothing from kvfleet.
+"""
+
+import json
+import sys
+import time
+
+
+def main() -> None:
+    model_dir, workload_path = sys.argv[1], sys.argv[2]
+    from vllm import LLM, SamplingParams
+
+    with open(workload_path) as handle:
+        workload = json.load(handle)
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", gpu_memory_utilization=0.3,
+              max_num_seqs=workload["max_num_seqs"], max_model_len=1024, seed=0)
+    prompts = [{"prompt_token_ids": ids} for ids in workload["prompts"]]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
+              for n in workload["output_lens"]]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    print(json.dumps({"seconds": seconds, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs)}))
+
+
+if __name__ == "__main__":
+    main()
