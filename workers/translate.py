@@ -46,12 +46,15 @@ def to_engine_request(request: Request, tokenizer) -> EngineRequest:
     return EngineRequest(list(prompt), params, body, request.url)
 
 
-def _openai_logprobs(output_logprobs, token_ids: list[int], tokenizer, url: str):
+def _openai_logprobs(output_logprobs, token_ids: list[int], num_top: int, tokenizer, url: str):
+    """Each engine entry holds the top `num_top` tokens and the sampled one; OpenAI's
+    top list is the top `num_top` (with the sampled token when it ranks there)."""
     if output_logprobs is None:
         return None
     tokens = [tokenizer.decode([t]) for t in token_ids]
     chosen = [entry[t] for entry, t in zip(output_logprobs, token_ids)]
-    tops = [{tokenizer.decode([k]): v for k, v in list(entry.items())[1:]} for entry in output_logprobs]
+    tops = [{tokenizer.decode([k]): v for k, v in sorted(entry.items(), key=lambda kv: -kv[1])[:num_top]}
+            for entry in output_logprobs]
     if url == CHAT_COMPLETIONS:
         return {"content": [{"token": tok, "logprob": lp, "top_logprobs": [
             {"token": k, "logprob": v} for k, v in top.items()]} for tok, lp, top in zip(tokens, chosen, tops)]}
@@ -64,6 +67,7 @@ def to_result_line(custom_id: str, request: EngineRequest, output: RequestOutput
                   completion_tokens=sum(len(c.token_ids) for c in output.outputs),
                   cached_tokens=output.num_cached_tokens)
     choices = [Choice(c.text, c.finish_reason or "stop",
-                      _openai_logprobs(c.logprobs, c.token_ids, tokenizer, request.url)) for c in output.outputs]
+                      _openai_logprobs(c.logprobs, c.token_ids, request.params.logprobs or 0, tokenizer,
+                                       request.url)) for c in output.outputs]
     build = chat_completion_body if request.url == CHAT_COMPLETIONS else completion_body
     return success_line(custom_id, build(model, choices, usage)), usage

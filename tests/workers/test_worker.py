@@ -173,3 +173,17 @@ def test_redis_restart_mid_batch_loses_and_doubles_nothing(worker, r, redis_serv
     ids = [line["custom_id"] for line in read_lines(r, batch["output_file_id"])]
     assert sorted(ids) == sorted(f"c{i}" for i in range(30))
     assert r.scard(keys.batch_done(batch_id)) == 30
+
+
+def test_n_samples_come_back_as_n_choices_with_summed_usage(worker, r):
+    line = {"custom_id": "many", "method": "POST", "url": "/v1/completions",
+            "body": {"model": MODEL, "prompt": "Summaries should be short and faithful.", "n": 3,
+                     "temperature": 0.9, "seed": 5, "max_tokens": 6, "ignore_eos": True, "logprobs": 2}}
+    batch_id = submit_lines(r, [line])
+    batch = run_until(worker, r, [batch_id])[batch_id]
+    body = read_lines(r, batch["output_file_id"])[0]["response"]["body"]
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert body["usage"]["completion_tokens"] == 18
+    assert all(len(c["logprobs"]["token_logprobs"]) == 6 for c in body["choices"])
+    assert all(len(top) == 2 for c in body["choices"] for top in c["logprobs"]["top_logprobs"])
+    assert batch["usage"]["output_tokens"] == 18
