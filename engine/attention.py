@@ -44,6 +44,19 @@ class TorchAttentionBackend:
 
     name = "torch"
 
+    def __init__(self) -> None:
+        self._gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def gather_buffers(self, key_cache: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two reusable [>= num_blocks, block_size, Hkv, D] buffers (grown by half as needed)."""
+        if self._gather_buffers is None or self._gather_buffers[0].shape[0] < num_blocks \
+                or self._gather_buffers[0].shape[1:] != key_cache.shape[1:]:
+            rows = max(num_blocks, int(1.5 * (self._gather_buffers[0].shape[0] if self._gather_buffers else 0)))
+            shape = (rows, *key_cache.shape[1:])
+            self._gather_buffers = (torch.empty(shape, dtype=key_cache.dtype, device=key_cache.device),
+                                    torch.empty(shape, dtype=key_cache.dtype, device=key_cache.device))
+        return self._gather_buffers
+
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float, sliding_window: int | None = None) -> torch.Tensor:
@@ -60,9 +73,10 @@ class TorchAttentionBackend:
             out[rows] = reference.prefill_attention(query[rows], keys, values, scale, sliding_window)
         if meta.num_prefill_tokens < query.shape[0]:
             decodes = slice(meta.num_prefill_tokens, None)
+            tables = meta.decode_block_tables
             out[decodes] = reference.paged_decode_attention(
-                query[decodes], key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens,
-                scale, sliding_window)
+                query[decodes], key_cache, value_cache, tables, meta.decode_context_lens, scale, sliding_window,
+                self.gather_buffers(key_cache, tables.shape[0] * tables.shape[1]))
         return out
 
 

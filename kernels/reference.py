@@ -69,7 +69,8 @@ PER_SEQUENCE_OVERHEAD_TOKENS = 256
 
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           sliding_window: int | None = None) -> torch.Tensor:
+                           sliding_window: int | None = None,
+                           gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One new token per sequence attending over its paged context.
 
     query:        [num_seqs, num_heads, head_dim]
@@ -81,22 +82,36 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     NOTE: two equivalent paths. One padded [num_seqs, max_context] gather and a single
     masked attention is cheapest when contexts are short or alike; when they differ a
     lot, gathering only each sequence's own blocks moves far fewer bytes.
+    `gather_buffers` (two tensors shaped like the caches, any number of blocks) are
+    reused for the padded gather: a fresh allocation of that size is returned to the
+    OS after each call and page-faults back in, which costs more than the copy.
     """
     lens = context_lens.tolist()
     padded_tokens = len(lens) * max(lens)
     if padded_tokens <= sum(lens) + PER_SEQUENCE_OVERHEAD_TOKENS * len(lens):
-        return _decode_padded(query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window)
+        return _decode_padded(query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window,
+                              gather_buffers)
     return _decode_per_sequence(query, key_cache, value_cache, block_tables, lens, scale, sliding_window)
 
 
-def _decode_padded(query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window):
+def _gather_blocks(cache: torch.Tensor, table: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:
+    """cache rows `table` -> [len(table), block_size, Hkv, D], into `buffer` when it is large enough."""
+    if buffer is None or buffer.shape[0] < table.shape[0]:
+        return cache.index_select(0, table)
+    return torch.index_select(cache, 0, table, out=buffer[: table.shape[0]])
+
+
+def _decode_padded(query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window,
+                   gather_buffers=None):
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     num_blocks = -(-int(context_lens.max()) // block_size)
     table = block_tables[:, :num_blocks].reshape(-1)
+    key_buffer, value_buffer = gather_buffers or (None, None)
     # [num_seqs, Hkv, max_context, D]
-    keys = key_cache.index_select(0, table).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
-    values = value_cache.index_select(0, table).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    keys = _gather_blocks(key_cache, table, key_buffer).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    values = _gather_blocks(value_cache, table, value_buffer).view(num_seqs, -1, num_kv_heads,
+                                                                    head_dim).transpose(1, 2)
     positions = torch.arange(keys.shape[2], device=query.device)
     mask = positions[None, :] < context_lens[:, None]  # [num_seqs, max_context]
     if sliding_window is not None:

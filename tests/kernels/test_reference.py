@@ -88,3 +88,16 @@ def test_prefill_attention_over_a_cached_prefix(num_cached):
         position = num_cached + i
         expected = naive_attention(query[i], keys[: position + 1], values[: position + 1], 0.25)
         assert (out[i] - expected).abs().max() < 1e-5
+
+
+def test_padded_decode_into_reused_buffers_matches_fresh_gather():
+    context_lens = [30, 31, 29, 32]
+    key_cache, value_cache, _, block_tables = paged_setup(context_lens, 16, 2, 32, seed=4)
+    query, lens = torch.randn(4, 4, 32), torch.tensor(context_lens)
+    fresh = reference._decode_padded(query, key_cache, value_cache, block_tables, lens, 0.2, None)
+    roomy = (torch.full((20, 16, 2, 32), float("nan")), torch.full((20, 16, 2, 32), float("nan")))
+    small = (torch.empty(3, 16, 2, 32), torch.empty(3, 16, 2, 32))  # too small: gathers afresh
+    assert torch.equal(reference._decode_padded(query, key_cache, value_cache, block_tables, lens, 0.2, None,
+                                                roomy), fresh)
+    assert torch.equal(reference._decode_padded(query, key_cache, value_cache, block_tables, lens, 0.2, None,
+                                                small), fresh)
