@@ -4,8 +4,9 @@
     .bench-venv/bin/python benchmarks/vllm_peer.py MODEL_DIR WORKLOAD.json
 
 WORKLOAD.json: {"prompts": [[token ids]...], "output_lens": [...], "max_num_seqs": N}.
-Token-id prompts, no tokenizer, greedy, ignore_eos. Prints one JSON line:
-{"seconds", "output_tokens"}. Imports nothing from kvfleet.
+Token-id prompts, no tokenizer, greedy, ignore_eos. Prints the result as a line
+`KVFLEET_RESULT {"seconds", "output_tokens"}` (vLLM logs to stdout too). Imports
+nothing from kvfleet.
 """
 
 import json
@@ -27,7 +28,8 @@ def main() -> None:
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    print(json.dumps({"seconds": seconds, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs)}))
+    result = {"seconds": seconds, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs)}
+    print("KVFLEET_RESULT " + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":
