@@ -47,10 +47,14 @@ def main() -> None:
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     args = parser.parse_args()
-    llm = LLM(args.model, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs)
-    custom_ids, prompts, max_tokens = read_prompts(args.prompts, llm.get_tokenizer(), args.max_tokens)
-    params = [SamplingParams(temperature=args.temperature, max_tokens=n) for n in max_tokens]
-    for custom_id, output in zip(custom_ids, llm.generate(prompts, params)):
+    try:
+        llm = LLM(args.model, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs)
+        custom_ids, prompts, max_tokens = read_prompts(args.prompts, llm.get_tokenizer(), args.max_tokens)
+        params = [SamplingParams(temperature=args.temperature, max_tokens=n) for n in max_tokens]
+        outputs = llm.generate(prompts, params)
+    except ValueError as error:
+        sys.exit(f"error: {error}")
+    for custom_id, output in zip(custom_ids, outputs):
         print(json.dumps({"custom_id": custom_id, "text": output.text, "finish_reason": output.finish_reason,
                           "prompt_tokens": len(output.prompt_token_ids), "completion_tokens": len(output.token_ids)}))
 

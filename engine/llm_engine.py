@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
@@ -40,6 +41,9 @@ def load_eos_token_ids(model: str, hf_config, tokenizer) -> set[int]:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        if not (Path(config.model) / "config.json").is_file():
+            raise ValueError(f"model: {config.model!r} is not a folder holding a Hugging Face checkpoint "
+                             "(config.json and *.safetensors); kvfleet never downloads weights")
         self.hf_config = AutoConfig.from_pretrained(config.model)
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         self.eos_token_ids = load_eos_token_ids(config.model, self.hf_config, self.tokenizer)

@@ -53,10 +53,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.tensor_parallel_size != 1:
         print("error: --tensor-parallel-size: only 1 is supported so far", file=sys.stderr)
         return 2
-    engine = LLMEngine(EngineConfig(
-        model=args.model, num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size, dtype=args.dtype, device=args.device))
+    try:
+        engine = LLMEngine(EngineConfig(
+            model=args.model, num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            block_size=args.block_size, dtype=args.dtype, device=args.device))
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     model = args.served_model_name or Path(args.model.rstrip("/")).name
     options = WorkerOptions(name=args.name, model=model, lease_seconds=args.lease_seconds,
                             max_deliveries=args.max_deliveries, drain_seconds=args.drain_seconds,

@@ -86,3 +86,10 @@ def test_invalid_engine_option(options, message):
 def test_max_model_len_beyond_the_model(tiny_llama):
     with pytest.raises(ValueError, match="max_position_embeddings 512"):
         LLM(tiny_llama, max_model_len=4096)
+
+
+def test_a_model_path_that_is_not_a_checkpoint(tmp_path):
+    with pytest.raises(ValueError, match="is not a folder holding a Hugging Face checkpoint"):
+        LLM(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="kvfleet never downloads weights"):
+        LLM("meta-llama/Llama-3.1-8B")
