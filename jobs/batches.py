@@ -96,6 +96,12 @@ def create_batch(r: redis.Redis, batch_id: str, *, endpoint: str, model: str, in
     return True
 
 
+def queue_transition(pipe: redis.client.Pipeline, batch_id: str, to_status: str) -> None:
+    """The same transition, queued in a MULTI; an illegal one leaves the status as it is."""
+    pipe.eval(_TRANSITION_LUA, 1, keys.batch(batch_id), to_status, TIMESTAMP_FIELDS[to_status],
+              *TRANSITIONS[to_status])
+
+
 def transition(r: redis.Redis, batch_id: str, to_status: str) -> str:
     """Move the batch to `to_status` if legal; return the status it left.
     Raises IllegalTransition (or BatchNotFound) and changes nothing otherwise."""

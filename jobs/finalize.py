@@ -10,7 +10,6 @@ atomic flag on the batch lets only the first caller enqueue the RQ job
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import tempfile
@@ -31,17 +30,32 @@ def finalize_queue(r: redis.Redis) -> Queue:
 
 
 def request_finalize(r: redis.Redis, batch_id: str) -> bool:
-    """Enqueue finalize_batch for this batch if nobody has; True if this call did."""
-    if not r.hsetnx(keys.batch(batch_id), "finalize_requested", 1):
-        return False
-    # A batch past its window goes from in_progress to expired in finalize_batch; from
-    # cancelling the transition is refused and finalize ends it cancelled.
-    if time.time() <= int(r.hget(keys.batch(batch_id), "expires_at") or 0):
-        with contextlib.suppress(batches.IllegalTransition):
-            batches.transition(r, batch_id, "finalizing")
-    finalize_queue(r).enqueue_call("jobs.finalize.finalize_batch", args=[batch_id], job_id=f"finalize-{batch_id}",
-                                   result_ttl=3600)
-    return True
+    """Enqueue finalize_batch for this batch if nobody has; True if this call did.
+
+    NOTE: the flag, the status change and the RQ job commit in one MULTI (under WATCH),
+    so a worker killed half-way cannot leave a batch flagged but never finalized.
+    """
+    key = keys.batch(batch_id)
+    queue = finalize_queue(r)
+    with r.pipeline() as pipe:
+        while True:
+            try:
+                pipe.watch(key)
+                if pipe.hexists(key, "finalize_requested"):
+                    return False
+                is_expired = time.time() > int(pipe.hget(key, "expires_at") or 0)
+                pipe.multi()
+                pipe.hset(key, "finalize_requested", 1)
+                # A batch past its window goes from in_progress to expired in finalize_batch;
+                # from cancelling the transition is refused and finalize ends it cancelled.
+                if not is_expired:
+                    batches.queue_transition(pipe, batch_id, "finalizing")
+                queue.enqueue_call("jobs.finalize.finalize_batch", args=[batch_id], job_id=f"finalize-{batch_id}",
+                                   result_ttl=3600, pipeline=pipe)
+                pipe.execute()
+                return True
+            except redis.WatchError:
+                continue  # the batch changed meanwhile (another result landed): look again
 
 
 def _connection() -> redis.Redis:

@@ -94,3 +94,23 @@ def test_cancelled_batch_keeps_partial_results(r):
     assert run_finalizer(r) == 1
     batch = batches.batch_object(r, batch_id)
     assert batch["status"] == "cancelled" and batch["output_file_id"] and batch["error_file_id"]
+
+
+def test_a_finalize_request_that_dies_half_way_leaves_nothing_behind(r, monkeypatch):
+    import jobs.finalize as finalize
+
+    batch_id = make_batch(r, "redis", total=1)
+    original = finalize.Queue.enqueue_call
+
+    def killed(*args, **kwargs):
+        raise ConnectionError("the worker died while enqueueing")
+
+    monkeypatch.setattr(finalize.Queue, "enqueue_call", killed)
+    with pytest.raises(ConnectionError):
+        request_finalize(r, batch_id)
+    assert not r.hexists(keys.batch(batch_id), "finalize_requested")  # no flag without its job
+    assert batches.batch_object(r, batch_id)["status"] == "in_progress"
+    monkeypatch.setattr(finalize.Queue, "enqueue_call", original)
+    assert request_finalize(r, batch_id)
+    assert run_finalizer(r) == 1
+    assert batches.batch_object(r, batch_id)["status"] == "completed"
