@@ -7,8 +7,20 @@ import threading
 import time
 
 import uvicorn
+from rq import SimpleWorker
+from rq.serializers import JSONSerializer
 
+from jobs.finalize import finalize_queue
 from jobs.local_redis import RedisServer, free_port  # noqa: F401 (re-exported for tests)
+
+
+def run_finalize_jobs(r) -> int:
+    """Run every queued finalize job in this process, as `workers.finalizer` would; how many."""
+    queue = finalize_queue(r)
+    num_jobs = queue.count
+    if num_jobs:
+        SimpleWorker([queue], connection=r, serializer=JSONSerializer).work(burst=True)
+    return num_jobs
 
 
 class S3Server:

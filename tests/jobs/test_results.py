@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from rq import SimpleWorker
-from rq.serializers import JSONSerializer
 
 from jobs import batches, keys
 from jobs.files import read_file
 from jobs.finalize import finalize_queue, request_finalize
 from jobs.results import Choice, Usage, completion_body, error_line, record_result, success_line
 from jobs.storage import open_storage
+from tests.services import run_finalize_jobs
 
 
 @pytest.fixture(params=["redis", "s3", "file"])
@@ -35,14 +34,6 @@ def make_batch(r, sink, total) -> str:
     return batch_id
 
 
-def run_finalizer(r) -> int:
-    """Run every queued finalize job in this process; return how many ran."""
-    queue = finalize_queue(r)
-    num_jobs = queue.count
-    SimpleWorker([queue], connection=r, serializer=JSONSerializer).work(burst=True)
-    return num_jobs
-
-
 def test_recording_twice_counts_once_and_finalize_runs_once(r, sink):
     batch_id = make_batch(r, sink, total=3)
     storage = open_storage(sink, r)
@@ -58,8 +49,8 @@ def test_recording_twice_counts_once_and_finalize_runs_once(r, sink):
     assert last.is_batch_done
     record_result(r, storage, batch_id, success_line("c", body), usage)  # redelivered after completion
     assert not request_finalize(r, batch_id)
-    assert run_finalizer(r) == 1
-    assert run_finalizer(r) == 0
+    assert run_finalize_jobs(r) == 1
+    assert run_finalize_jobs(r) == 0
     batch = batches.batch_object(r, batch_id)
     assert batch["status"] == "completed"
     assert batch["request_counts"] == {"total": 3, "completed": 2, "failed": 1}
@@ -91,7 +82,7 @@ def test_cancelled_batch_keeps_partial_results(r):
     record_result(r, storage, batch_id, success_line("a", {}))
     batches.transition(r, batch_id, "cancelling")
     record_result(r, storage, batch_id, error_line("b", "batch_cancelled", "cancelled before it ran"))
-    assert run_finalizer(r) == 1
+    assert run_finalize_jobs(r) == 1
     batch = batches.batch_object(r, batch_id)
     assert batch["status"] == "cancelled" and batch["output_file_id"] and batch["error_file_id"]
 
@@ -112,5 +103,5 @@ def test_a_finalize_request_that_dies_half_way_leaves_nothing_behind(r, monkeypa
     assert batches.batch_object(r, batch_id)["status"] == "in_progress"
     monkeypatch.setattr(finalize.Queue, "enqueue_call", original)
     assert request_finalize(r, batch_id)
-    assert run_finalizer(r) == 1
+    assert run_finalize_jobs(r) == 1
     assert batches.batch_object(r, batch_id)["status"] == "completed"

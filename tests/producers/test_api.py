@@ -7,16 +7,13 @@ import json
 import httpx
 import openai
 import pytest
-from rq import SimpleWorker
-from rq.serializers import JSONSerializer
 
 from jobs import batches, keys
-from jobs.finalize import finalize_queue
 from jobs.results import Choice, Usage, chat_completion_body, record_result, success_line
 from jobs.schemas import parse_line
 from jobs.storage import open_storage
 from producers.api import create_app
-from tests.services import ThreadedUvicorn
+from tests.services import ThreadedUvicorn, run_finalize_jobs
 
 
 @pytest.fixture
@@ -49,7 +46,7 @@ def act_as_worker(r, batch_id: str) -> None:
             body = chat_completion_body("demo", [Choice(f"answer to {request.custom_id}", "stop")], usage)
             record_result(r, storage, batch_id, success_line(request.custom_id, body), usage,
                           ack=(stream, keys.CONSUMER_GROUP, entry_id))
-    SimpleWorker([finalize_queue(r)], connection=r, serializer=JSONSerializer).work(burst=True)
+    assert run_finalize_jobs(r) == 1
 
 
 def test_openai_client_full_flow(api, r):

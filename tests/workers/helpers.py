@@ -5,13 +5,10 @@ from __future__ import annotations
 import json
 import time
 
-from rq import SimpleWorker
-from rq.serializers import JSONSerializer
-
 from jobs import batches
 from jobs.files import read_file
-from jobs.finalize import finalize_queue
 from producers.ingest import submit
+from tests.services import run_finalize_jobs
 
 MODEL = "tiny"
 
@@ -27,18 +24,12 @@ def completion(custom_id: str, prompt, max_tokens: int = 8, **fields) -> dict:
     return {"custom_id": custom_id, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **fields}
 
 
-def finalize_all(r) -> None:
-    queue = finalize_queue(r)
-    if queue.count:
-        SimpleWorker([queue], connection=r, serializer=JSONSerializer).work(burst=True)
-
-
 def run_until(worker, r, batch_ids, timeout: float = 120.0, statuses=batches.TERMINAL) -> dict[str, dict]:
     """Drive an in-process worker (and the finalizer) until every batch ends."""
     deadline = time.monotonic() + timeout
     while True:
         worker.run_once()
-        finalize_all(r)
+        run_finalize_jobs(r)
         objects = {b: batches.batch_object(r, b) for b in batch_ids}
         if all(o["status"] in statuses for o in objects.values()):
             return objects
