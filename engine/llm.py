@@ -44,7 +44,7 @@ class LLM:
             try:
                 self.engine.validate(ids, params)
             except ValueError as error:
-                raise ValueError(f"prompts[{index}]: {error}") from None
+                raise type(error)(f"prompts[{index}]: {error}") from None  # same class, with the index
         request_ids = []
         for prompt, ids, params in zip(prompts, token_ids, sampling_params):
             request_id = str(self._next_id)

@@ -19,6 +19,10 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 
 
+class ContextLengthExceeded(ValueError):
+    """The request is longer than the model or the KV pool can ever hold."""
+
+
 @dataclass
 class _Request:
     prompt: str | None
@@ -77,11 +81,11 @@ class LLMEngine:
         if not all(isinstance(t, int) and 0 <= t < self.hf_config.vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt: token ids must be integers in [0, {self.hf_config.vocab_size})")
         if num_prompt + params.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt: {num_prompt} prompt tokens + max_tokens {params.max_tokens} exceed "
+            raise ContextLengthExceeded(f"prompt: {num_prompt} prompt tokens + max_tokens {params.max_tokens} exceed "
                              f"max_model_len {self.max_model_len}")
         needed = self.num_blocks_needed(num_prompt, params.max_tokens) * params.n
         if needed > self.num_total_blocks:
-            raise ValueError(f"prompt: needs {needed} KV blocks ({num_prompt} prompt tokens + max_tokens "
+            raise ContextLengthExceeded(f"prompt: needs {needed} KV blocks ({num_prompt} prompt tokens + max_tokens "
                              f"{params.max_tokens}, n={params.n}) but num_kv_blocks is {self.num_total_blocks}")
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import redis
 from botocore.exceptions import BotoCoreError, ClientError
 
-from engine import LLMEngine
+from engine import ContextLengthExceeded, LLMEngine
 from jobs import batches, keys
 from jobs.results import Usage, error_line, record_result
 from jobs.schemas import LineError, parse_line
@@ -253,9 +253,8 @@ class Worker:
             request = to_engine_request(parse_line(line, line_number), self.engine.tokenizer)
             self.engine.validate(request.prompt_token_ids, request.params)
         except (LineError, RequestRejected, ValueError) as error:
-            code = getattr(error, "code", "invalid_request")
-            if "max_model_len" in str(error) or "KV blocks" in str(error):
-                code = "context_length_exceeded"
+            code = "context_length_exceeded" if isinstance(error, ContextLengthExceeded) else \
+                getattr(error, "code", "invalid_request")
             self.results.append(PendingResult(entry_id, batch_id, error_line(custom_id, code, str(error))))
             return None
         enqueued_at = float(fields[b"enqueued_at"]) if b"enqueued_at" in fields else None

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, EngineConfig, SamplingParams
+from engine import LLM, ContextLengthExceeded, EngineConfig, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -33,13 +33,13 @@ def test_empty_prompt(llm):
 
 
 def test_prompt_longer_than_max_model_len(llm):
-    with pytest.raises(ValueError, match="exceed max_model_len 300"):
+    with pytest.raises(ContextLengthExceeded, match="exceed max_model_len 300"):
         llm.generate([[5] * 295], SamplingParams(max_tokens=10), use_tqdm=False)
 
 
 def test_request_needing_more_blocks_than_the_pool(tiny_llama):
     small = LLM(tiny_llama, num_kv_blocks=4)  # 64 slots, while max_model_len is 512
-    with pytest.raises(ValueError, match="needs 5 KV blocks .* num_kv_blocks is 4"):
+    with pytest.raises(ContextLengthExceeded, match="needs 5 KV blocks .* num_kv_blocks is 4"):
         small.generate([[5] * 60], SamplingParams(max_tokens=10), use_tqdm=False)
     assert small.generate([[5] * 40], SamplingParams(max_tokens=10), use_tqdm=False)[0].finish_reason
 
