@@ -97,8 +97,7 @@ def filter_probs(probs: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:
 class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplerRow]) -> SamplerOutput:
         """logits [num_rows, vocab] (float32) -> one token per row."""
-        logits = logits.float()
-        logprobs = self._logprobs(logits, rows)
+        logits = raw_logits = logits.float()
         suppressed = [(i, r.suppressed_token_ids) for i, r in enumerate(rows) if r.suppressed_token_ids]
         if suppressed:
             logits = logits.clone()
@@ -117,26 +116,20 @@ class Sampler:
             # its noise from its own generator, so a seeded row is reproducible in any batch.
             noise = torch.stack([torch.empty_like(probs[0]).exponential_(generator=r.generator) for r in chosen])
             token_ids[index] = (probs / noise).argmax(dim=-1)
-        token_list = token_ids.tolist()
-        if logprobs is not None:
-            logprobs = [None if lp is None else {token_list[i]: float(logprobs_row[token_list[i]]), **lp}
-                        for i, (lp, logprobs_row) in enumerate(logprobs)]
-        return SamplerOutput(token_list, logprobs or [None] * len(rows))
+        return SamplerOutput(token_ids.tolist(), self._logprobs(raw_logits, rows, token_ids))
 
     @staticmethod
-    def _logprobs(logits: torch.Tensor, rows: list[SamplerRow]):
-        """log_softmax of the raw model logits, before any processing, as vLLM reports."""
+    def _logprobs(raw_logits: torch.Tensor, rows: list[SamplerRow],
+                  token_ids: torch.Tensor) -> list[dict[int, float] | None]:
+        """Per row asking for them: the sampled token's logprob first, then the top
+        `logprobs` tokens; log_softmax of the raw model logits, before any processing,
+        as vLLM reports."""
         wanted = [r.params.logprobs for r in rows]
         if all(n is None for n in wanted):
-            return None
-        all_logprobs = torch.log_softmax(logits, dim=-1)
-        top_n = max(n or 0 for n in wanted)
-        top_values, top_ids = all_logprobs.topk(top_n, dim=-1) if top_n else (None, None)
-        result = []
-        for i, n in enumerate(wanted):
-            if n is None:
-                result.append((None, None))
-                continue
-            top = dict(zip(top_ids[i, :n].tolist(), top_values[i, :n].tolist())) if n else {}
-            result.append((top, all_logprobs[i]))
-        return result
+            return [None] * len(rows)
+        all_logprobs = torch.log_softmax(raw_logits, dim=-1)  # [num_rows, vocab]
+        top_values, top_ids = all_logprobs.topk(max(n or 0 for n in wanted), dim=-1)
+        sampled = all_logprobs.gather(1, token_ids[:, None])[:, 0].tolist()
+        return [None if n is None else
+                {int(token_ids[i]): sampled[i], **dict(zip(top_ids[i, :n].tolist(), top_values[i, :n].tolist()))}
+                for i, n in enumerate(wanted)]
