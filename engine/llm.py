@@ -39,18 +39,16 @@ class LLM:
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts")
-        token_ids = [self.engine.tokenize(p) for p in prompts]
-        for index, (ids, params) in enumerate(zip(token_ids, sampling_params)):
-            try:
-                self.engine.validate(ids, params)
-            except ValueError as error:
-                raise type(error)(f"prompts[{index}]: {error}") from None  # same class, with the index
         request_ids = []
-        for prompt, ids, params in zip(prompts, token_ids, sampling_params):
+        for index, (prompt, params) in enumerate(zip(prompts, sampling_params)):
             request_id = str(self._next_id)
             self._next_id += 1
-            self.engine.add_request(request_id, ids, params,
-                                    prompt_text=prompt if isinstance(prompt, str) else None)
+            try:
+                self.engine.add_request(request_id, prompt, params)
+            except ValueError as error:
+                for queued in request_ids:  # all or nothing: leave the engine as it was
+                    self.engine.abort(queued)
+                raise type(error)(f"prompts[{index}]: {error}") from None  # same class, with the index
             request_ids.append(request_id)
         results: dict[str, RequestOutput] = {}
         with tqdm(total=len(prompts), desc="generate", disable=not use_tqdm) as progress:

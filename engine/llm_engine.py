@@ -89,16 +89,16 @@ class LLMEngine:
                              f"{params.max_tokens}, n={params.n}) but num_kv_blocks is {self.num_total_blocks}")
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None, prompt_text: str | None = None) -> None:
+                    arrival_time: float | None = None) -> None:
         """Queue a request; raises ValueError (and queues nothing) if it can never run.
-        `prompt_text` is echoed in the output when `prompt` is given as token ids."""
+        A text prompt is echoed in the output."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")
         prompt_token_ids = self.tokenize(prompt)
         self.validate(prompt_token_ids, params)
         seq = Sequence(request_id, prompt_token_ids, params, arrival_time)
-        self.requests[request_id] = _Request(prompt if isinstance(prompt, str) else prompt_text, [seq])
+        self.requests[request_id] = _Request(prompt if isinstance(prompt, str) else None, [seq])
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> None:
