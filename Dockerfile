@@ -4,6 +4,10 @@ FROM python:3.11-slim
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 WORKDIR /app
 
+# A C/C++ compiler: Triton builds its launcher with it on GPUs, and the CPU attention
+# kernel (kernels/csrc) is compiled on a worker's first start.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
+
 # torch first (the CUDA build from PyPI), so the project install does not re-resolve it.
 RUN pip install "torch>=2.5,<2.15"
 COPY pyproject.toml README.md ./

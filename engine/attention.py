@@ -9,12 +9,15 @@ Token layout of one step (flattened, prefills first):
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
 import torch
 
 from kernels import reference
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -73,11 +76,34 @@ class TorchAttentionBackend:
             out[rows] = reference.prefill_attention(query[rows], keys, values, scale, sliding_window)
         if meta.num_prefill_tokens < query.shape[0]:
             decodes = slice(meta.num_prefill_tokens, None)
-            tables = meta.decode_block_tables
-            out[decodes] = reference.paged_decode_attention(
-                query[decodes], key_cache, value_cache, tables, meta.decode_context_lens, scale, sliding_window,
-                self.gather_buffers(key_cache, tables.shape[0] * tables.shape[1]))
+            out[decodes] = self.decode(query[decodes], key_cache, value_cache, meta, scale, sliding_window)
         return out
+
+    def decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
+        """query [num_decodes, Hq, D] -> [num_decodes, Hq, D]"""
+        tables = meta.decode_block_tables
+        return reference.paged_decode_attention(
+            query, key_cache, value_cache, tables, meta.decode_context_lens, scale, sliding_window,
+            self.gather_buffers(key_cache, tables.shape[0] * tables.shape[1]))
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    """The torch backend with decode attention in native code reading the paged cache
+    in place (kernels/cpu_paged_attention.py); the CPU default where it builds."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        super().__init__()
+        from kernels import cpu_paged_attention  # noqa: PLC0415
+
+        self._decode = cpu_paged_attention.paged_decode_attention
+
+    def decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
+        return self._decode(query, key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens,
+                            scale, sliding_window)
 
 
 class TritonAttentionBackend:
@@ -111,6 +137,20 @@ class TritonAttentionBackend:
 
 
 def select_backend(name: str, device: torch.device):
+    """auto: triton on CUDA; on the CPU the native kernel, or torch where it cannot be built."""
+    if name in ("auto", "cpu") and device.type == "cpu":
+        from kernels.cpu_paged_attention import load_error  # noqa: PLC0415
+
+        error = load_error()
+        if error is None:
+            return CpuAttentionBackend()
+        if name == "cpu":
+            raise ValueError(f"attention_backend='cpu' needs its native kernel, which could not be built "
+                             f"(a C++ compiler and ninja are required): {error}")
+        logger.warning("native CPU attention unavailable, using the torch path: %s", error)
+        return TorchAttentionBackend()
+    if name == "cpu":
+        raise ValueError(f"attention_backend='cpu' runs on the CPU only, not on {device.type}")
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
@@ -127,4 +167,4 @@ class ForwardContext:
 
     meta: AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [num_blocks, block_size, Hkv, D] x2
-    backend: TorchAttentionBackend | TritonAttentionBackend
+    backend: TorchAttentionBackend | CpuAttentionBackend | TritonAttentionBackend

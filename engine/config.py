@@ -47,7 +47,8 @@ class EngineConfig:
     device: str = "auto"
     """cpu, cuda, cuda:N, or auto (cuda when available)."""
     attention_backend: str = "auto"
-    """torch (reference, the CPU default) or triton (the CUDA default)."""
+    """auto: triton on CUDA; on the CPU, cpu (native decode kernel) where a C++ compiler
+    can build it, else torch (the reference, gather + SDPA)."""
     seed: int = 0
     """Seeds unseeded requests' samplers, in arrival order."""
     tokenizer: str | None = None
@@ -70,7 +71,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch, cpu or triton, got {self.attention_backend!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")

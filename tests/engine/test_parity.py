@@ -59,17 +59,21 @@ def assert_token_identical(llm: LLM, expected: list[list[int]]):
     assert engine.num_free_blocks == engine.num_total_blocks, "blocks leaked after generate"
 
 
+# "cpu" is the native decode kernel (the CPU default), "torch" the gather + SDPA reference.
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
 @pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "opt"])
-def test_greedy_matches_transformers(tiny_models, references, name):
-    llm = LLM(tiny_models[name], num_kv_blocks=512)
+def test_greedy_matches_transformers(tiny_models, references, name, backend):
+    llm = LLM(tiny_models[name], num_kv_blocks=512, attention_backend=backend)
+    assert llm.engine.model_runner.backend.name == backend
     assert_token_identical(llm, references(name))
     assert llm.engine.scheduler.num_preemptions == 0
 
 
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
 @pytest.mark.parametrize("name", ["llama", "opt"])
-def test_greedy_matches_transformers_under_preemption(tiny_models, references, name):
+def test_greedy_matches_transformers_under_preemption(tiny_models, references, name, backend):
     # The longest request needs ceil((200 + 64) / 16) = 17 blocks; 24 cannot hold the batch.
-    llm = LLM(tiny_models[name], num_kv_blocks=24)
+    llm = LLM(tiny_models[name], num_kv_blocks=24, attention_backend=backend)
     assert_token_identical(llm, references(name))
     assert llm.engine.scheduler.num_preemptions > 0
 

@@ -1,0 +1,76 @@
+"""paged_decode_attention for the CPU in native code (csrc/paged_decode_cpu.cpp), the
+CPU peer of the Triton decode kernel: it reads K/V through the block tables in place.
+
+The C++ source is compiled on first use by torch.utils.cpp_extension (g++ and ninja),
+for this machine's instruction set, and cached under TORCH_EXTENSIONS_DIR (default
+~/.cache/torch_extensions); later processes load the cached library in milliseconds.
+Where no compiler is present, `load_error()` says why and the engine keeps the torch path.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
+# -fopenmp: at::parallel_for is inlined OpenMP, sharing torch's own libgomp thread pool.
+# The math flags let g++ vectorise the dot-product reductions; not -ffast-math, whose
+# finite-math assumption would break the -inf masking.
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-funsafe-math-optimizations"]
+
+
+def build_directory() -> Path:
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    return root / f"kvfleet_cpu_ops-torch{torch.__version__}"  # the library is tied to torch's ABI
+
+
+@functools.cache
+def _build() -> str | None:
+    """Compile and load the library once per process; the error text when that fails."""
+    from torch.utils import cpp_extension  # noqa: PLC0415 (slow import, only when asked)
+
+    build_dir = build_directory()
+    try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+        with open(build_dir / "kvfleet.flock", "w") as guard:
+            # torch's own lock is a plain file: a worker killed mid-build would leave it behind and
+            # every later start would wait on it forever. An flock dies with its holder, so while we
+            # hold it no other build runs here and a leftover torch lock is stale.
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            (build_dir / "lock").unlink(missing_ok=True)
+            cpp_extension.load(name="kvfleet_cpu_ops", sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
+                               extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
+                               is_python_module=False, verbose=False)
+    except Exception as error:  # noqa: BLE001 (no compiler, no ninja, a build error: all mean "not here")
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def load_error() -> str | None:
+    """None when the native kernel is usable; otherwise why not (builds on first call)."""
+    return _build()
+
+
+def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           sliding_window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as kernels.reference.paged_decode_attention.
+
+    query:        [num_seqs, num_heads, head_dim]
+    key_cache:    [num_blocks, block_size, num_kv_heads, head_dim] (value_cache alike)
+    block_tables: [num_seqs, max_blocks_per_seq] int64
+    context_lens: [num_seqs] int64, including the new token
+    returns       [num_seqs, num_heads, head_dim]
+    """
+    error = _build()
+    if error is not None:
+        raise RuntimeError(f"the native CPU attention kernel could not be built: {error}")
+    out = torch.empty_like(query) if out is None else out
+    # Shapes, dtypes and strides are checked in the C++ op (TORCH_CHECK), where they are read.
+    torch.ops.kvfleet_cpu.paged_decode_attention(out, query, key_cache, value_cache, block_tables, context_lens,
+                                                 scale, sliding_window or 0)
+    return out

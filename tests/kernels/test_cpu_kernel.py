@@ -1,0 +1,113 @@
+"""The native CPU decode kernel (kernels/csrc/paged_decode_cpu.cpp) against the torch
+reference: the same grid as the Triton kernel plus a head size with no compiled
+specialisation, sliding windows, half-precision caches, and its input checks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.attention import select_backend
+from kernels import reference
+from kernels.cpu_paged_attention import load_error, paged_decode_attention
+from tests.kernels.test_reference import paged_setup
+
+GQA = [(4, 4), (4, 2), (8, 2)]  # ratios 1, 2, 4
+
+
+def test_the_kernel_builds_here():
+    # This machine has g++ and ninja: a build failure here is a bug, not an environment gap.
+    assert load_error() is None
+
+
+def decode_case(context_lens, num_heads, num_kv_heads, head_dim, block_size, sliding_window=None,
+                dtype=torch.float32):
+    key_cache, value_cache, _, block_tables = paged_setup(context_lens, block_size, num_kv_heads, head_dim)
+    query = torch.randn(len(context_lens), num_heads, head_dim)
+    lens = torch.tensor(context_lens)
+    scale = 1 / math.sqrt(head_dim)
+    expected = reference.paged_decode_attention(query, key_cache, value_cache, block_tables, lens, scale,
+                                                sliding_window)
+    got = paged_decode_attention(query.to(dtype), key_cache.to(dtype), value_cache.to(dtype), block_tables, lens,
+                                 scale, sliding_window)
+    assert got.dtype == dtype and got.shape == expected.shape
+    return got.float(), expected
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads", GQA)
+@pytest.mark.parametrize("head_dim", [64, 128, 80])  # 80: the run-time head size path
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("context_lens", [[1], [32], [1, 16, 33, 64, 70, 300]])
+def test_matches_reference(num_heads, num_kv_heads, head_dim, block_size, context_lens):
+    got, expected = decode_case(context_lens, num_heads, num_kv_heads, head_dim, block_size)
+    assert (got - expected).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("sliding_window", [1, 24, 64])
+def test_sliding_window(sliding_window):
+    got, expected = decode_case([5, 24, 40, 77, 130], 4, 2, 64, 16, sliding_window)
+    assert (got - expected).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_caches_accumulate_in_fp32(dtype):
+    got, expected = decode_case([3, 50, 200], 8, 2, 64, 16, dtype=dtype)
+    # Inputs rounded to 8 (bf16) or 11 (fp16) mantissa bits; the sums themselves stay fp32.
+    assert (got - expected).abs().max() <= (3e-2 if dtype == torch.bfloat16 else 4e-3)
+
+
+def test_writes_into_a_strided_out_and_reads_a_strided_query():
+    key_cache, value_cache, _, block_tables = paged_setup([9, 40], 16, 2, 64)
+    rows = torch.randn(5, 4, 64)  # the decode rows of a step sit after the prefill rows
+    out = torch.full((5, 4, 64), 7.0)
+    lens = torch.tensor([9, 40])
+    paged_decode_attention(rows[3:], key_cache, value_cache, block_tables, lens, 0.125, out=out[3:])
+    expected = reference.paged_decode_attention(rows[3:], key_cache, value_cache, block_tables, lens, 0.125)
+    assert (out[3:] - expected).abs().max() <= 1e-5
+    assert torch.equal(out[:3], torch.full((3, 4, 64), 7.0))
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda a: {**a, "context_lens": a["context_lens"].int()}, "must be int64"),
+    (lambda a: {**a, "context_lens": torch.tensor([9, 999])}, r"context_lens must be in \[1, max_blocks"),
+    (lambda a: {**a, "context_lens": torch.tensor([0, 9])}, r"context_lens must be in \[1, max_blocks"),
+    (lambda a: {**a, "query": a["query"].double()}, "must share a dtype"),
+    (lambda a: {**a, "query": torch.randn(2, 3, 64)}, "multiple of num_kv_heads"),
+    (lambda a: {**a, "query": torch.randn(2, 4, 32)}, "head_dim of query and cache differ"),
+    (lambda a: {**a, "block_tables": a["block_tables"][:1]}, "block_tables must be"),
+])
+def test_bad_arguments_are_clear_errors(change, message):
+    key_cache, value_cache, _, block_tables = paged_setup([9, 40], 16, 2, 64)
+    args = {"query": torch.randn(2, 4, 64), "key_cache": key_cache, "value_cache": value_cache,
+            "block_tables": block_tables, "context_lens": torch.tensor([9, 40])}
+    with pytest.raises(RuntimeError, match=message):
+        paged_decode_attention(**change(args), scale=0.125)
+
+
+def test_backend_selection_on_the_cpu(monkeypatch):
+    cpu = torch.device("cpu")
+    assert select_backend("auto", cpu).name == "cpu"
+    assert select_backend("torch", cpu).name == "torch"
+    # No compiler: auto falls back to the reference path, an explicit "cpu" says why it cannot.
+    monkeypatch.setattr("kernels.cpu_paged_attention.load_error", lambda: "RuntimeError: no g++")
+    assert select_backend("auto", cpu).name == "torch"
+    with pytest.raises(ValueError, match="could not be built.*no g\\+\\+"):
+        select_backend("cpu", cpu)
+
+
+def test_a_lock_left_by_a_killed_build_does_not_block_the_next_start(tmp_path):
+    # torch.utils.cpp_extension waits for its lock file to vanish; a worker killed while
+    # building would leave it forever. Another process must still load the kernel.
+    import subprocess
+    import sys
+
+    from kernels import cpu_paged_attention
+
+    assert load_error() is None
+    (cpu_paged_attention.build_directory() / "lock").write_text("")
+    code = "from kernels.cpu_paged_attention import load_error; print(load_error())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "None", done.stderr
+    assert not (cpu_paged_attention.build_directory() / "lock").exists()
