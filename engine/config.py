@@ -49,6 +49,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     """auto: triton on CUDA; on the CPU, cpu (native decode kernel) where a C++ compiler
     can build it, else torch (the reference, gather + SDPA)."""
+    onednn_linear: bool = True
+    """On the CPU in fp32, reorder linear weights once for oneDNN (faster small-batch matmuls)."""
     seed: int = 0
     """Seeds unseeded requests' samplers, in arrival order."""
     tokenizer: str | None = None

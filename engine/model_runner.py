@@ -11,7 +11,7 @@ from engine.attention import AttentionMetadata, ForwardContext, PrefillSpan, sel
 from engine.config import EngineConfig
 from engine.loader import iterate_weights, load_weights
 from engine.models import get_model_class
-from engine.models.layers import use_triton_layers
+from engine.models.layers import can_use_onednn_linear, use_onednn_linears, use_triton_layers
 from engine.sampler import Sampler, SamplerOutput, SamplerRow
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
@@ -56,6 +56,8 @@ class ModelRunner:
         self.backend = select_backend(config.attention_backend, self.device)
         if self.backend.name == "triton":
             use_triton_layers(self.model)
+        if config.onednn_linear and can_use_onednn_linear(self.device, self.dtype):
+            use_onednn_linears(self.model, batch_size_hint=config.max_num_seqs)
         attention_layers = [m for m in self.model.modules() if hasattr(m, "num_kv_heads")]
         self.num_layers = len(attention_layers)
         self.num_kv_heads, self.head_dim = attention_layers[0].num_kv_heads, attention_layers[0].head_dim

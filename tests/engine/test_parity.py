@@ -59,21 +59,33 @@ def assert_token_identical(llm: LLM, expected: list[list[int]]):
     assert engine.num_free_blocks == engine.num_total_blocks, "blocks leaked after generate"
 
 
-# "cpu" is the native decode kernel (the CPU default), "torch" the gather + SDPA reference.
-@pytest.mark.parametrize("backend", ["cpu", "torch"])
+# The CPU default (native decode kernel, oneDNN-packed linears) and the plain torch path.
+CPU_PATHS = {"default": {"attention_backend": "cpu", "onednn_linear": True},
+             "plain-torch": {"attention_backend": "torch", "onednn_linear": False}}
+
+
+def check_cpu_path(llm: LLM, path: str) -> None:
+    runner = llm.engine.model_runner
+    assert runner.backend.name == CPU_PATHS[path]["attention_backend"]
+    kinds = {type(m).__name__ for m in runner.model.modules()}
+    assert ("OneDNNLinear" in kinds) == CPU_PATHS[path]["onednn_linear"]
+    assert ("Linear" in kinds) != CPU_PATHS[path]["onednn_linear"]
+
+
+@pytest.mark.parametrize("path", CPU_PATHS)
 @pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "opt"])
-def test_greedy_matches_transformers(tiny_models, references, name, backend):
-    llm = LLM(tiny_models[name], num_kv_blocks=512, attention_backend=backend)
-    assert llm.engine.model_runner.backend.name == backend
+def test_greedy_matches_transformers(tiny_models, references, name, path):
+    llm = LLM(tiny_models[name], num_kv_blocks=512, **CPU_PATHS[path])
+    check_cpu_path(llm, path)
     assert_token_identical(llm, references(name))
     assert llm.engine.scheduler.num_preemptions == 0
 
 
-@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("path", CPU_PATHS)
 @pytest.mark.parametrize("name", ["llama", "opt"])
-def test_greedy_matches_transformers_under_preemption(tiny_models, references, name, backend):
+def test_greedy_matches_transformers_under_preemption(tiny_models, references, name, path):
     # The longest request needs ceil((200 + 64) / 16) = 17 blocks; 24 cannot hold the batch.
-    llm = LLM(tiny_models[name], num_kv_blocks=24, attention_backend=backend)
+    llm = LLM(tiny_models[name], num_kv_blocks=24, **CPU_PATHS[path])
     assert_token_identical(llm, references(name))
     assert llm.engine.scheduler.num_preemptions > 0
 
