@@ -20,7 +20,7 @@ from benchmarks.common import ensure_model, llama_50m_config, print_summary
 from engine import EngineConfig, LLMEngine, SamplingParams
 
 SETTINGS = {
-    "chunked": {"enable_chunked_prefill": True, "max_num_batched_tokens": 128},
+    "chunked": {"enable_chunked_prefill": True, "max_num_batched_tokens": 32},
     "unchunked": {"enable_chunked_prefill": False, "max_num_batched_tokens": 1024},
 }
 
@@ -66,8 +66,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--load", type=float, default=0.7, help="arrival rate as a fraction of capacity")
+    parser.add_argument("--chunk-budget", type=int, default=SETTINGS["chunked"]["max_num_batched_tokens"],
+                        help="max_num_batched_tokens with chunking on (decode tokens included)")
     parser.add_argument("--model-dir", default="out/bench-llama-50m")
     args = parser.parse_args()
+    SETTINGS["chunked"]["max_num_batched_tokens"] = args.chunk_budget
     config = llama_50m_config()
     model_dir = ensure_model(args.model_dir, config)
     requests = workload(args.num_requests, config.vocab_size)
@@ -79,13 +82,14 @@ def main() -> None:
         clock += rng.expovariate(rate)
         arrivals.append(clock)
     results = {name: run(model_dir, requests, options, arrivals) for name, options in SETTINGS.items()}
-    print(f"capacity {capacity:.2f} req/s; arrivals at {rate:.2f} req/s ({args.load:.0%})")
+    print(f"capacity {capacity:.2f} req/s; arrivals at {rate:.2f} req/s ({args.load:.0%}); "
+          f"chunk budget {args.chunk_budget} tokens")
     for name, r in results.items():
         print(f"{name:10s} TTFT p50 {r['ttft_p50'] * 1e3:7.0f} ms  p99 {r['ttft_p99'] * 1e3:7.0f} ms   "
               f"ITL p50 {r['itl_p50'] * 1e3:6.1f} ms  p99 {r['itl_p99'] * 1e3:6.1f} ms  "
               f"(p99/p50 {r['itl_p99'] / r['itl_p50']:.2f})")
     print_summary({"benchmark": "latency", "num_requests": args.num_requests, "capacity_requests_per_s": capacity,
-                   "arrival_rate": rate, "results": results})
+                   "arrival_rate": rate, "chunk_budget": args.chunk_budget, "results": results})
 
 
 if __name__ == "__main__":
