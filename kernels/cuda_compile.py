@@ -1,0 +1,122 @@
+"""Compile every Triton kernel for a CUDA architecture on a machine without a GPU.
+
+    python -m kernels.cuda_compile [--arch 80 90] [--dtype bf16 fp16 fp32]
+
+The interpreter (TRITON_INTERPRET=1) proves the kernels' arithmetic on the CPU but
+never lowers them: a construct that does not compile, a bf16/fp16 type clash or a
+register spill only shows on the real toolchain. Triton ships that toolchain (its
+own LLVM and ptxas), so this builds each kernel to a cubin for the given SM
+architectures and reads the cubin's resource usage (registers, spills, shared
+memory) with the cuobjdump Triton also ships. Run it without TRITON_INTERPRET.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+# Per kernel: its argument types ("T" is the activation/cache dtype under test), then the
+# compile-time shapes to build: the engine's common cases at both ends of the grid.
+# Integer arguments are strides and counts: i32, as Triton's launcher passes values below 2**31.
+KERNELS = {
+    "paged_attention": ("kernels.paged_attention", "_paged_decode_kernel", {
+        "out_ptr": "*T", "query_ptr": "*T", "key_cache_ptr": "*T", "value_cache_ptr": "*T",
+        "block_tables_ptr": "*i64", "context_lens_ptr": "*i64", "scale": "fp32"},
+        [{"NUM_QUERIES_PER_KV": 4, "GROUP_BLOCK": 4, "HEAD_DIM": 128, "BLOCK_SIZE": 16},
+         {"NUM_QUERIES_PER_KV": 7, "GROUP_BLOCK": 8, "HEAD_DIM": 64, "BLOCK_SIZE": 32}]),
+    "prefill_attention": ("kernels.prefill_attention", "_prefill_kernel", {
+        "out_ptr": "*T", "query_ptr": "*T", "key_cache_ptr": "*T", "value_cache_ptr": "*T",
+        "block_tables_ptr": "*i64", "query_starts_ptr": "*i64", "context_lens_ptr": "*i64", "scale": "fp32"},
+        [{"NUM_QUERIES_PER_KV": 4, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "BLOCK_M": 64, "DOT_PRECISION": "tf32"},
+         {"NUM_QUERIES_PER_KV": 1, "HEAD_DIM": 64, "BLOCK_SIZE": 32, "BLOCK_M": 16, "DOT_PRECISION": "tf32"}]),
+    "store_kv": ("kernels.store_kv", "_store_kv_kernel", {
+        "key_ptr": "*T", "value_ptr": "*T", "key_cache_ptr": "*T", "value_cache_ptr": "*T",
+        "slot_mapping_ptr": "*i64"}, [{"ROW": 1024, "ROW_BLOCK": 1024}, {"ROW": 320, "ROW_BLOCK": 512}]),
+    "rms_norm": ("kernels.rms_norm", "_rms_norm_kernel", {
+        "out_ptr": "*T", "x_ptr": "*T", "residual_ptr": "*T", "residual_out_ptr": "*T", "weight_ptr": "*T",
+        "eps": "fp32"}, [{"HIDDEN": 4096, "BLOCK": 4096, "HAS_RESIDUAL": True},
+                         {"HIDDEN": 896, "BLOCK": 1024, "HAS_RESIDUAL": False}]),
+    "rotary": ("kernels.rotary", "_rotary_kernel", {
+        "query_ptr": "*T", "key_ptr": "*T", "cos_ptr": "*T", "sin_ptr": "*T"},
+        [{"HALF": 64, "HEADS_BLOCK": 32}, {"HALF": 32, "HEADS_BLOCK": 16}]),
+}
+DTYPES = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
+
+
+@dataclass
+class Compiled:
+    kernel: str
+    variant: int
+    arch: int
+    dtype: str
+    registers: int
+    spill_bytes: int  # local memory per thread: 0 unless registers ran out
+    shared_bytes: int
+    num_warps: int
+
+
+def _cuobjdump() -> Path:
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+
+
+def compile_kernel(kernel: str, variant: int, arch: int, dtype: str) -> Compiled:
+    module_name, function_name, typed, variants = KERNELS[kernel]
+    constexprs = variants[variant]
+    module = __import__(module_name, fromlist=[function_name])
+    function = getattr(module, function_name)
+    if not isinstance(function, triton.runtime.JITFunction):
+        raise RuntimeError("kernels were imported under TRITON_INTERPRET=1; run this without it")
+    signature = {}
+    for name in function.arg_names:
+        kind = typed.get(name, "i32")
+        signature[name] = "constexpr" if name in constexprs else kind.replace("T", DTYPES[dtype])
+    compiled = triton.compile(ASTSource(function, signature, constexprs), target=GPUTarget("cuda", arch, 32))
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([str(_cuobjdump()), "--dump-resource-usage", cubin.name], check=True,
+                               capture_output=True, text=True).stdout
+    fields = dict(re.findall(r"(REG|LOCAL|SHARED):(\d+)", usage))
+    return Compiled(kernel, variant, arch, dtype, int(fields["REG"]), int(fields["LOCAL"]), int(fields["SHARED"]) or
+                    compiled.metadata.shared, compiled.metadata.num_warps)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", type=int, nargs="+", default=[80, 90], help="SM versions, e.g. 80 (A100) 90 (H100)")
+    parser.add_argument("--dtype", nargs="+", default=["bf16", "fp16"], choices=sorted(DTYPES))
+    parser.add_argument("--kernel", nargs="+", default=list(KERNELS), choices=list(KERNELS))
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        parser.error("unset TRITON_INTERPRET: the interpreter never compiles")
+    failures = 0
+    cases = [(kernel, variant, arch, dtype) for kernel in args.kernel for variant in range(len(KERNELS[kernel][3]))
+             for arch in args.arch for dtype in args.dtype]
+    for kernel, variant, arch, dtype in cases:
+        name = f"{kernel}#{variant}"
+        try:
+            c = compile_kernel(kernel, variant, arch, dtype)
+        except Exception as error:  # noqa: BLE001 (report every kernel, then fail)
+            failures += 1
+            print(f"FAIL   {name:20s} sm_{arch} {dtype}: {type(error).__name__}: {error}")
+            continue
+        verdict = "ok" if c.spill_bytes == 0 else "SPILLS"
+        failures += c.spill_bytes != 0
+        print(f"{verdict:6s} {name:20s} sm_{arch} {dtype:4s} registers {c.registers:3d}  "
+              f"spill {c.spill_bytes:4d} B  shared {c.shared_bytes:6d} B  warps {c.num_warps}")
+    print(f"{len(cases) - failures} of {len(cases)} compiled without spills")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
