@@ -46,9 +46,11 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch", "triton"])
     args = parser.parse_args()
     try:
-        llm = LLM(args.model, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs)
+        llm = LLM(args.model, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+                  attention_backend=args.attention_backend)
         custom_ids, prompts, max_tokens = read_prompts(args.prompts, llm.get_tokenizer(), args.max_tokens)
         params = [SamplingParams(temperature=args.temperature, max_tokens=n) for n in max_tokens]
         outputs = llm.generate(prompts, params)

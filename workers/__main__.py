@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch", "triton"],
+                        help="auto: triton on CUDA; on the CPU the native kernel, else torch")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     parser.add_argument("--lease-seconds", type=float, default=60.0,
@@ -57,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         engine = LLMEngine(EngineConfig(
             model=args.model, num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            block_size=args.block_size, dtype=args.dtype, device=args.device))
+            block_size=args.block_size, dtype=args.dtype, device=args.device,
+            attention_backend=args.attention_backend))
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
