@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +26,9 @@ class PrefillSpan:
     num_queries: int
     context_len: int  # tokens cached before this step + num_queries
     block_table: torch.Tensor  # [num_blocks_of_seq] int64
+    # Additive masks [num_queries, context_len] by sliding window, built by the first layer
+    # that needs one and reused by the rest of the step.
+    biases: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -73,7 +76,13 @@ class TorchAttentionBackend:
             else:
                 keys = reference.gather_kv(key_cache, span.block_table, span.context_len)
                 values = reference.gather_kv(value_cache, span.block_table, span.context_len)
-            out[rows] = reference.prefill_attention(query[rows], keys, values, scale, sliding_window)
+            bias = None
+            if span.context_len != span.num_queries or sliding_window is not None:
+                if sliding_window not in span.biases:
+                    span.biases[sliding_window] = reference.prefill_bias(
+                        span.num_queries, span.context_len, sliding_window, query.dtype, query.device)
+                bias = span.biases[sliding_window]
+            out[rows] = reference.prefill_attention(query[rows], keys, values, scale, sliding_window, bias)
         if meta.num_prefill_tokens < query.shape[0]:
             decodes = slice(meta.num_prefill_tokens, None)
             out[decodes] = self.decode(query[decodes], key_cache, value_cache, meta, scale, sliding_window)

@@ -42,24 +42,45 @@ def _window_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, sli
     return mask
 
 
+def prefill_bias(num_queries: int, context_len: int, sliding_window: int | None, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+    """[num_queries, context_len] additive mask (0 or -inf) for queries at the last
+    num_queries positions of the context: causal, and inside the sliding window if any."""
+    query_positions = torch.arange(context_len - num_queries, context_len, device=device)
+    key_positions = torch.arange(context_len, device=device)
+    visible = _window_mask(query_positions, key_positions, sliding_window)
+    return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+
+
 def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-                      sliding_window: int | None = None) -> torch.Tensor:
+                      sliding_window: int | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of one sequence's new tokens over its whole context.
 
     query: [num_queries, num_heads, head_dim]   (the last num_queries positions of the context)
     key, value: [context_len, num_kv_heads, head_dim]
+    bias: prefill_bias(...) when the caller keeps it across layers; built here otherwise
     returns [num_queries, num_heads, head_dim]
     """
-    num_queries, context_len = query.shape[0], key.shape[0]
-    q, k, v = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
+    num_queries, num_heads, head_dim = query.shape
+    context_len, num_kv_heads = key.shape[0], key.shape[1]
+    k, v = key.transpose(0, 1), value.transpose(0, 1)  # [Hkv, C, D]
     if num_queries == context_len and sliding_window is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    else:
-        query_positions = torch.arange(context_len - num_queries, context_len, device=query.device)
-        key_positions = torch.arange(context_len, device=query.device)
-        mask = _window_mask(query_positions, key_positions, sliding_window)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)
+        out = F.scaled_dot_product_attention(query.transpose(0, 1), k, v, is_causal=True, scale=scale,
+                                             enable_gqa=True)
+        return out.transpose(0, 1)
+    if bias is None:
+        bias = prefill_bias(num_queries, context_len, sliding_window, query.dtype, query.device)
+    # GQA without expanding K/V: a group's query heads become extra query rows of their KV head.
+    # Spelled out (baddbmm, softmax, bmm) because SDPA takes its slower math path for a
+    # masked 3-d call on the CPU: 1.04 -> 0.59 ms for 32 queries over 900 keys here.
+    # Every query sees at least its own key, so no softmax row is all -inf.
+    group = num_heads // num_kv_heads
+    q = query.view(num_queries, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, Q, D]
+    q = q.reshape(num_kv_heads, group * num_queries, head_dim)  # rows g * Q + i
+    rows_bias = bias.repeat(group, 1).expand(num_kv_heads, -1, -1)  # [Hkv, G * Q, C]
+    probs = torch.softmax(torch.baddbmm(rows_bias, q, k.transpose(1, 2), alpha=scale), dim=-1)
+    out = torch.bmm(probs, v)  # [Hkv, G * Q, D]
+    return out.view(num_kv_heads, group, num_queries, head_dim).permute(2, 0, 1, 3).reshape(query.shape)
 
 
 # A padded batch call costs about this many extra context tokens per sequence less
