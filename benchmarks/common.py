@@ -57,23 +57,31 @@ def matmul_probe_flops(size: int = 2048, repeats: int = 10) -> float:
     return 2 * size**3 * repeats / (time.perf_counter() - start)
 
 
-def workload_flops(config: LlamaConfig, workload: Workload) -> float:
-    """Useful FLOPs of the workload: every linear layer on every token, the LM head
-    on every sampled token, and attention (QK^T and PV) over each token's context."""
+def flops_per_token(config: LlamaConfig) -> tuple[float, float, float]:
+    """(every linear layer, the LM head, attention per context token): FLOPs for one token."""
     head_dim = config.hidden_size // config.num_attention_heads
     q_size, kv_size = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
     per_layer = config.hidden_size * (q_size + 2 * kv_size) + q_size * config.hidden_size \
         + 3 * config.hidden_size * config.intermediate_size
-    linear_per_token = 2 * per_layer * config.num_hidden_layers
-    lm_head_per_token = 2 * config.hidden_size * config.vocab_size
-    attention_per_context_token = 4 * q_size * config.num_hidden_layers
+    return (2 * per_layer * config.num_hidden_layers, 2 * config.hidden_size * config.vocab_size,
+            4 * q_size * config.num_hidden_layers)  # QK^T and PV
+
+
+def workload_flops(config: LlamaConfig, workload: Workload) -> float:
+    """Useful FLOPs of the workload: every linear layer on every token, the LM head
+    on every sampled token, and attention (QK^T and PV) over each token's context."""
+    linear, lm_head, attention = flops_per_token(config)
     total = 0.0
     for prompt, num_out in zip(workload.prompts, workload.output_lens):
-        num_prompt = len(prompt)
-        num_tokens = num_prompt + num_out - 1  # the last sampled token is never fed back
-        total += linear_per_token * num_tokens + lm_head_per_token * num_out
-        total += attention_per_context_token * num_tokens * (num_tokens + 1) / 2
+        num_tokens = len(prompt) + num_out - 1  # the last sampled token is never fed back
+        total += linear * num_tokens + lm_head * num_out + attention * num_tokens * (num_tokens + 1) / 2
     return total
+
+
+def decode_step_flops(config: LlamaConfig, context_lens: list[int]) -> float:
+    """FLOPs of one decode step: a new token per sequence over its context (new token included)."""
+    linear, lm_head, attention = flops_per_token(config)
+    return (linear + lm_head) * len(context_lens) + attention * sum(context_lens)
 
 
 def print_summary(summary: dict) -> None:
