@@ -23,6 +23,17 @@ _SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-funsafe-math-optimizations"]
 
 
+def _put_ninja_on_path() -> None:
+    """cpp_extension runs `ninja` from PATH; the pip-installed one sits beside this
+    interpreter, which is not on PATH when a venv's python is run without activating it."""
+    try:
+        import ninja  # noqa: PLC0415
+    except ImportError:
+        return  # a system ninja may still be on PATH
+    if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
 def build_directory() -> Path:
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
     return root / f"kvfleet_cpu_ops-torch{torch.__version__}"  # the library is tied to torch's ABI
@@ -33,6 +44,7 @@ def _build() -> str | None:
     """Compile and load the library once per process; the error text when that fails."""
     from torch.utils import cpp_extension  # noqa: PLC0415 (slow import, only when asked)
 
+    _put_ninja_on_path()
     build_dir = build_directory()
     try:
         build_dir.mkdir(parents=True, exist_ok=True)

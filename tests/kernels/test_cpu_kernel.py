@@ -5,6 +5,8 @@ specialisation, sliding windows, half-precision caches, and its input checks."""
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,3 +117,23 @@ def test_a_lock_left_by_a_killed_build_does_not_block_the_next_start(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "None", done.stderr
     assert not (cpu_paged_attention.build_directory() / "lock").exists()
+
+
+def test_builds_from_scratch_with_only_the_venv_on_hand(tmp_path):
+    # A fresh machine: an empty extension cache, and no ninja on PATH but the pip-installed one
+    # beside this interpreter (a venv's python run without activating the venv).
+    import subprocess
+    import sys
+
+    tools = tmp_path / "bin"  # every tool on PATH but ninja
+    tools.mkdir()
+    for directory in os.environ["PATH"].split(os.pathsep):
+        if Path(directory).is_dir() and Path(directory).resolve() != Path(sys.executable).parent.resolve():
+            for tool in Path(directory).iterdir():
+                if tool.name != "ninja" and not (tools / tool.name).exists():
+                    (tools / tool.name).symlink_to(tool)
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "cache"), "PATH": str(tools)}
+    code = "from kernels.cpu_paged_attention import load_error; print(load_error())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.stdout.strip() == "None", done.stdout + done.stderr
+    assert list((tmp_path / "cache").glob("*/kvfleet_cpu_ops*.so"))
