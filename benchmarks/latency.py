@@ -20,7 +20,7 @@ from benchmarks.common import ensure_model, llama_50m_config, print_summary
 from engine import EngineConfig, LLMEngine, SamplingParams
 
 SETTINGS = {
-    "chunked": {"enable_chunked_prefill": True, "max_num_batched_tokens": 32},
+    "chunked": {"enable_chunked_prefill": True, "max_num_batched_tokens": 24},
     "unchunked": {"enable_chunked_prefill": False, "max_num_batched_tokens": 1024},
 }
 

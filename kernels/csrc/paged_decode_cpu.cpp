@@ -127,6 +127,7 @@ void dispatch_head_dim(const at::Tensor& out, const at::Tensor& query, const at:
 
 // out, query: [num_seqs, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim];
 // block_tables: [num_seqs, max_blocks] int64; context_lens: [num_seqs] int64, each >= 1.
+// As for the Triton kernel, block ids must be valid rows of the caches: they are not checked per read.
 void paged_decode_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
                             const at::Tensor& context_lens, double scale, int64_t sliding_window) {
@@ -144,7 +145,8 @@ void paged_decode_attention(const at::Tensor& out, const at::Tensor& query, cons
               "block_tables must be [num_seqs, max_blocks], rows dense");
   TORCH_CHECK(context_lens.dim() == 1 && context_lens.size(0) == query.size(0) && context_lens.is_contiguous(),
               "context_lens must be [num_seqs]");
-  TORCH_CHECK(query.device().is_cpu() && key_cache.device().is_cpu() && block_tables.device().is_cpu(),
+  TORCH_CHECK(query.device().is_cpu() && out.device().is_cpu() && key_cache.device().is_cpu() &&
+                  value_cache.device().is_cpu() && block_tables.device().is_cpu() && context_lens.device().is_cpu(),
               "CPU tensors only");
   switch (query.scalar_type()) {
     case at::kFloat: dispatch_head_dim<float>(out, query, key_cache, value_cache, block_tables, context_lens,
