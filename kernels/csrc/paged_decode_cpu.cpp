@@ -54,21 +54,25 @@ void decode_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_cac
       }
       std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<float>::infinity());
 
-      for (int64_t start = first - first % block_size; start < len; start += block_size) {
-        const scalar_t* block = key_cache + table[start / block_size] * st.cache_block
-            + first_kv_head * st.cache_head;
-        const int64_t lo = std::max<int64_t>(first - start, 0), hi = std::min(len - start, block_size);
-        for (int64_t slot = lo; slot < hi; ++slot) {
-          for (int64_t r = 0; r < rows; ++r) {
-            const scalar_t* k = block + slot * st.cache_slot + (r / group) * st.cache_head;
-            const float* q = queries.data() + r * head_dim;
-            float dot = 0.f;
-            for (int64_t d = 0; d < head_dim; ++d) dot += q[d] * static_cast<float>(k[d]);
-            scores[r * max_context + start + slot] = dot;
-            row_max[r] = std::max(row_max[r], dot);
-          }
+      // Calls visit(row, position) for every position in [first, len); row points at that
+      // position's K (or V) for the item's first KV head, straight in the paged cache.
+      auto for_each_position = [&](const scalar_t* cache, auto&& visit) {
+        for (int64_t start = first - first % block_size; start < len; start += block_size) {
+          const scalar_t* block = cache + table[start / block_size] * st.cache_block + first_kv_head * st.cache_head;
+          const int64_t lo = std::max<int64_t>(first - start, 0), hi = std::min(len - start, block_size);
+          for (int64_t slot = lo; slot < hi; ++slot) visit(block + slot * st.cache_slot, start + slot);
         }
-      }
+      };
+      for_each_position(key_cache, [&](const scalar_t* key_row, int64_t pos) {
+        for (int64_t r = 0; r < rows; ++r) {
+          const scalar_t* k = key_row + (r / group) * st.cache_head;
+          const float* q = queries.data() + r * head_dim;
+          float dot = 0.f;
+          for (int64_t d = 0; d < head_dim; ++d) dot += q[d] * static_cast<float>(k[d]);
+          scores[r * max_context + pos] = dot;
+          row_max[r] = std::max(row_max[r], dot);
+        }
+      });
       // Softmax numerators in place; the 1/sum is applied once to the output.
       for (int64_t r = 0; r < rows; ++r) {
         float* s = scores.data() + r * max_context;
@@ -80,19 +84,14 @@ void decode_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_cac
         inv_sum[r] = 1.f / total;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t start = first - first % block_size; start < len; start += block_size) {
-        const scalar_t* block = value_cache + table[start / block_size] * st.cache_block
-            + first_kv_head * st.cache_head;
-        const int64_t lo = std::max<int64_t>(first - start, 0), hi = std::min(len - start, block_size);
-        for (int64_t slot = lo; slot < hi; ++slot) {
-          for (int64_t r = 0; r < rows; ++r) {
-            const scalar_t* v = block + slot * st.cache_slot + (r / group) * st.cache_head;
-            const float weight = scores[r * max_context + start + slot];
-            float* a = acc.data() + r * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) a[d] += weight * static_cast<float>(v[d]);
-          }
+      for_each_position(value_cache, [&](const scalar_t* value_row, int64_t pos) {
+        for (int64_t r = 0; r < rows; ++r) {
+          const scalar_t* v = value_row + (r / group) * st.cache_head;
+          const float weight = scores[r * max_context + pos];
+          float* a = acc.data() + r * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) a[d] += weight * static_cast<float>(v[d]);
         }
-      }
+      });
       for (int64_t r = 0; r < rows; ++r) {
         scalar_t* o = out + seq * st.out_seq + (first_kv_head * group + r) * st.out_head;
         for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<scalar_t>(acc[r * head_dim + d] * inv_sum[r]);
