@@ -77,7 +77,7 @@ class TorchAttentionBackend:
                 keys = reference.gather_kv(key_cache, span.block_table, span.context_len)
                 values = reference.gather_kv(value_cache, span.block_table, span.context_len)
             bias = None
-            if span.context_len != span.num_queries or sliding_window is not None:
+            if reference.needs_prefill_bias(span.num_queries, span.context_len, sliding_window):
                 if sliding_window not in span.biases:
                     span.biases[sliding_window] = reference.prefill_bias(
                         span.num_queries, span.context_len, sliding_window, query.dtype, query.device)

@@ -42,6 +42,11 @@ def _window_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, sli
     return mask
 
 
+def needs_prefill_bias(num_queries: int, context_len: int, sliding_window: int | None) -> bool:
+    """False when the queries are the whole context with no window: plain causal attention."""
+    return num_queries != context_len or sliding_window is not None
+
+
 def prefill_bias(num_queries: int, context_len: int, sliding_window: int | None, dtype: torch.dtype,
                  device: torch.device) -> torch.Tensor:
     """[num_queries, context_len] additive mask (0 or -inf) for queries at the last
@@ -64,7 +69,7 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     num_queries, num_heads, head_dim = query.shape
     context_len, num_kv_heads = key.shape[0], key.shape[1]
     k, v = key.transpose(0, 1), value.transpose(0, 1)  # [Hkv, C, D]
-    if num_queries == context_len and sliding_window is None:
+    if not needs_prefill_bias(num_queries, context_len, sliding_window):
         out = F.scaled_dot_product_attention(query.transpose(0, 1), k, v, is_causal=True, scale=scale,
                                              enable_gqa=True)
         return out.transpose(0, 1)
