@@ -52,8 +52,6 @@ class RotaryEmbedding(nn.Module):
         return self.kernel(query, key, cos, sin)
 
 
-
-
 def use_triton_layers(model: nn.Module) -> None:
     """Route RMSNorm and rotary through the Triton kernels (the attention backend is
     chosen separately)."""
@@ -94,13 +92,10 @@ def can_use_onednn_linear(device: torch.device, dtype: torch.dtype) -> bool:
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
-def use_onednn_linears(model: nn.Module, batch_size_hint: int) -> int:
-    """Swap every nn.Linear of `model` for a OneDNNLinear; returns how many. A weight tied
-    to an embedding stays where it is (the embedding still reads it)."""
-    swapped = 0
+def use_onednn_linears(model: nn.Module, batch_size_hint: int) -> None:
+    """Swap every nn.Linear of `model` for a OneDNNLinear. A weight tied to an embedding
+    stays where it is (the embedding still reads it)."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(parent, name, OneDNNLinear(child, batch_size_hint))
-                swapped += 1
-    return swapped

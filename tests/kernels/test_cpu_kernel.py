@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -103,18 +105,20 @@ def test_backend_selection_on_the_cpu(monkeypatch):
         select_backend("cpu", cpu)
 
 
+def load_error_in_a_new_process(env, timeout: float) -> subprocess.CompletedProcess:
+    """A fresh interpreter's load_error(), printed: what a worker starting up would see."""
+    code = "from kernels.cpu_paged_attention import load_error; print(load_error())"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
+
+
 def test_a_lock_left_by_a_killed_build_does_not_block_the_next_start(tmp_path):
     # torch.utils.cpp_extension waits for its lock file to vanish; a worker killed while
     # building would leave it forever. Another process must still load the kernel.
-    import subprocess
-    import sys
-
     from kernels import cpu_paged_attention
 
     assert load_error() is None
     (cpu_paged_attention.build_directory() / "lock").write_text("")
-    code = "from kernels.cpu_paged_attention import load_error; print(load_error())"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = load_error_in_a_new_process(os.environ, timeout=120)
     assert done.stdout.strip() == "None", done.stderr
     assert not (cpu_paged_attention.build_directory() / "lock").exists()
 
@@ -122,9 +126,6 @@ def test_a_lock_left_by_a_killed_build_does_not_block_the_next_start(tmp_path):
 def test_builds_from_scratch_with_only_the_venv_on_hand(tmp_path):
     # A fresh machine: an empty extension cache, and no ninja on PATH but the pip-installed one
     # beside this interpreter (a venv's python run without activating the venv).
-    import subprocess
-    import sys
-
     tools = tmp_path / "bin"  # every tool on PATH but ninja
     tools.mkdir()
     for directory in os.environ["PATH"].split(os.pathsep):
@@ -133,7 +134,6 @@ def test_builds_from_scratch_with_only_the_venv_on_hand(tmp_path):
                 if tool.name != "ninja" and not (tools / tool.name).exists():
                     (tools / tool.name).symlink_to(tool)
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "cache"), "PATH": str(tools)}
-    code = "from kernels.cpu_paged_attention import load_error; print(load_error())"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    done = load_error_in_a_new_process(env, timeout=300)
     assert done.stdout.strip() == "None", done.stdout + done.stderr
     assert list((tmp_path / "cache").glob("*/kvfleet_cpu_ops*.so"))
