@@ -12,6 +12,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -21,13 +23,110 @@ struct Strides {
   int64_t query_seq, query_head, out_seq, out_head, table_seq, cache_block, cache_slot, cache_head;
 };
 
-// HEAD_DIM > 0 fixes the inner loop length at compile time so it vectorises fully;
-// HEAD_DIM == 0 reads it at run time (any other head size).
-//
+// 16 fp32 lanes: one AVX-512 register, or two AVX2 / four NEON ones, as g++ lowers it.
+using vfloat = float __attribute__((vector_size(64)));
+constexpr int kLanes = 16;
+
+// 16 consecutive elements widened to fp32 (memcpy: unaligned, no aliasing assumptions).
+inline vfloat load16(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline vfloat load16(const at::BFloat16* p) {  // bf16 is the top half of an fp32
+  using u16x16 = uint16_t __attribute__((vector_size(32)));
+  using u32x16 = uint32_t __attribute__((vector_size(64)));
+  u16x16 raw;
+  std::memcpy(&raw, p, sizeof raw);
+  const u32x16 wide = __builtin_convertvector(raw, u32x16) << 16;
+  vfloat v;
+  std::memcpy(&v, &wide, sizeof v);
+  return v;
+}
+inline vfloat load16(const at::Half* p) {
+  using f16x16 = _Float16 __attribute__((vector_size(32)));
+  f16x16 raw;
+  std::memcpy(&raw, p, sizeof raw);
+  return __builtin_convertvector(raw, vfloat);
+}
+inline void store16(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
+inline float reduce_add(vfloat v) {  // a tree of halves: log2(16) dependent adds, not 15
+  using v8 = float __attribute__((vector_size(32)));
+  using v4 = float __attribute__((vector_size(16)));
+  v8 low, high;
+  std::memcpy(&low, &v, sizeof low);
+  std::memcpy(&high, reinterpret_cast<const char*>(&v) + sizeof low, sizeof high);
+  low += high;
+  v4 a, b;
+  std::memcpy(&a, &low, sizeof a);
+  std::memcpy(&b, reinterpret_cast<const char*>(&low) + sizeof a, sizeof b);
+  a += b;
+  return (a[0] + a[2]) + (a[1] + a[3]);
+}
+
+// e^x for x <= 0 (scores minus their row max), 16 lanes at once: x = n ln2 + r with
+// |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error < 2e-7), 2^n
+// through the exponent bits. Scalar std::exp was a third of the kernel's compute time.
+inline vfloat exp16(vfloat x) {
+  const vfloat floor_x = vfloat{} - 87.0f;  // e^-87 ~ 1.6e-38: n stays above -126, a normal float
+  x = x < floor_x ? floor_x : x;
+  using i32x16 = int32_t __attribute__((vector_size(64)));
+  const i32x16 n = __builtin_convertvector(x * 1.44269504f - 0.5f, i32x16);  // round(x / ln2), x <= 0
+  const vfloat nf = __builtin_convertvector(n, vfloat);
+  const vfloat r = (x - nf * 0.693145752f) - nf * 1.42860677e-6f;  // ln2 split in two for precision
+  vfloat poly = 1.f / 720 + r * 0.f;
+  poly = poly * r + 1.f / 120;
+  poly = poly * r + 1.f / 24;
+  poly = poly * r + 1.f / 6;
+  poly = poly * r + 0.5f;
+  poly = poly * r + 1.f;
+  poly = poly * r + 1.f;
+  const i32x16 bits = (n + 127) << 23;
+  vfloat two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return poly * two_n;
+}
+
+// q . k over head_dim; q is fp32, k a cache row. Vector code when HEAD_DIM is a fixed
+// multiple of 16 (64 and 128 are instantiated), a plain loop otherwise.
+template <int HEAD_DIM, typename scalar_t>
+inline float dot(const float* q, const scalar_t* k, int64_t head_dim) {
+  if constexpr (HEAD_DIM > 0 && HEAD_DIM % kLanes == 0) {
+    vfloat acc = load16(q) * load16(k);
+    for (int d = kLanes; d < HEAD_DIM; d += kLanes) acc += load16(q + d) * load16(k + d);
+    return reduce_add(acc);
+  } else {
+    float total = 0.f;
+    for (int64_t d = 0; d < head_dim; ++d) total += q[d] * static_cast<float>(k[d]);
+    return total;
+  }
+}
+
+// acc[0:head_dim] += sum over rows i of weights[i] * rows[i], rows[i] = first + i * row_stride.
+// The accumulator stays in registers across the rows of a block.
+template <int HEAD_DIM, typename scalar_t>
+inline void weighted_rows_add(float* acc, const float* weights, const scalar_t* first, int64_t row_stride,
+                              int64_t num_rows, int64_t head_dim) {
+  if constexpr (HEAD_DIM > 0 && HEAD_DIM % kLanes == 0) {
+    vfloat sum[HEAD_DIM / kLanes];
+    for (int c = 0; c < HEAD_DIM / kLanes; ++c) sum[c] = load16(acc + c * kLanes);
+    for (int64_t i = 0; i < num_rows; ++i) {
+      const scalar_t* row = first + i * row_stride;
+      for (int c = 0; c < HEAD_DIM / kLanes; ++c) sum[c] += weights[i] * load16(row + c * kLanes);
+    }
+    for (int c = 0; c < HEAD_DIM / kLanes; ++c) store16(acc + c * kLanes, sum[c]);
+  } else {
+    for (int64_t i = 0; i < num_rows; ++i)
+      for (int64_t d = 0; d < head_dim; ++d) acc[d] += weights[i] * static_cast<float>(first[i * row_stride + d]);
+  }
+}
+
 // A work item is one sequence and a span of its KV heads. With many sequences the span is
-// every head, so each cache block [block_size, num_kv_heads, head_dim] is read front to back
-// (22% faster than a head at a time at batch 64 here); with few, items are single heads so
-// that every thread still has work.
+// every head, so each cache block [block_size, num_kv_heads, head_dim] is one contiguous
+// read (22% faster than a head at a time at batch 64 here); with few, items are single
+// heads so that every thread still has work. Within a block the loops run head by head,
+// query row by query row, over the block's slots: the block stays in L1 while each K (V)
+// row is reused by the GQA group, and a V accumulator stays in registers for a block.
 template <typename scalar_t, int HEAD_DIM>
 void decode_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_cache, const scalar_t* value_cache,
                    const int64_t* block_tables, const int64_t* context_lens, int64_t num_seqs, int64_t num_heads,
@@ -54,43 +153,48 @@ void decode_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_cac
       }
       std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<float>::infinity());
 
-      // Calls visit(row, position) for every position in [first, len); row points at that
-      // position's K (or V) for the item's first KV head, straight in the paged cache.
-      auto for_each_position = [&](const scalar_t* cache, auto&& visit) {
+      // Calls visit(rows_of_head, r, start, lo, hi) for every block of [first, len) and every
+      // query row r: rows_of_head points at slot 0 of r's KV head in that block, straight in
+      // the paged cache, and slots [lo, hi) of the block are in range.
+      auto for_each_block_row = [&](const scalar_t* cache, auto&& visit) {
         for (int64_t start = first - first % block_size; start < len; start += block_size) {
           const scalar_t* block = cache + table[start / block_size] * st.cache_block + first_kv_head * st.cache_head;
           const int64_t lo = std::max<int64_t>(first - start, 0), hi = std::min(len - start, block_size);
-          for (int64_t slot = lo; slot < hi; ++slot) visit(block + slot * st.cache_slot, start + slot);
+          for (int64_t r = 0; r < rows; ++r) visit(block + (r / group) * st.cache_head, r, start, lo, hi);
         }
       };
-      for_each_position(key_cache, [&](const scalar_t* key_row, int64_t pos) {
-        for (int64_t r = 0; r < rows; ++r) {
-          const scalar_t* k = key_row + (r / group) * st.cache_head;
-          const float* q = queries.data() + r * head_dim;
-          float dot = 0.f;
-          for (int64_t d = 0; d < head_dim; ++d) dot += q[d] * static_cast<float>(k[d]);
-          scores[r * max_context + pos] = dot;
-          row_max[r] = std::max(row_max[r], dot);
+      for_each_block_row(key_cache, [&](const scalar_t* keys, int64_t r, int64_t start, int64_t lo, int64_t hi) {
+        const float* q = queries.data() + r * head_dim;
+        float* s = scores.data() + r * max_context + start;
+        float best = row_max[r];
+        for (int64_t slot = lo; slot < hi; ++slot) {
+          s[slot] = dot<HEAD_DIM>(q, keys + slot * st.cache_slot, head_dim);
+          best = std::max(best, s[slot]);
         }
+        row_max[r] = best;
       });
       // Softmax numerators in place; the 1/sum is applied once to the output.
       for (int64_t r = 0; r < rows; ++r) {
         float* s = scores.data() + r * max_context;
-        float total = 0.f;
-        for (int64_t pos = first; pos < len; ++pos) {
+        const vfloat max16 = vfloat{} + row_max[r];
+        vfloat sum16{};
+        int64_t pos = first;
+        for (; pos + kLanes <= len; pos += kLanes) {
+          const vfloat numerators = exp16(load16(s + pos) - max16);
+          store16(s + pos, numerators);
+          sum16 += numerators;
+        }
+        float total = reduce_add(sum16);
+        for (; pos < len; ++pos) {
           s[pos] = std::exp(s[pos] - row_max[r]);
           total += s[pos];
         }
         inv_sum[r] = 1.f / total;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_position(value_cache, [&](const scalar_t* value_row, int64_t pos) {
-        for (int64_t r = 0; r < rows; ++r) {
-          const scalar_t* v = value_row + (r / group) * st.cache_head;
-          const float weight = scores[r * max_context + pos];
-          float* a = acc.data() + r * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += weight * static_cast<float>(v[d]);
-        }
+      for_each_block_row(value_cache, [&](const scalar_t* values, int64_t r, int64_t start, int64_t lo, int64_t hi) {
+        weighted_rows_add<HEAD_DIM>(acc.data() + r * head_dim, scores.data() + r * max_context + start + lo,
+                                    values + lo * st.cache_slot, st.cache_slot, hi - lo, head_dim);
       });
       for (int64_t r = 0; r < rows; ++r) {
         scalar_t* o = out + seq * st.out_seq + (first_kv_head * group + r) * st.out_head;

@@ -58,6 +58,18 @@ def test_sliding_window(sliding_window, context_lens):
     assert (got - expected).abs().max() <= 1e-5
 
 
+def test_score_gaps_beyond_the_exponent_range():
+    # Scores hundreds apart: the kernel's vector exp clamps its input at -87 and must still
+    # give the (near-)one-hot softmax that torch's exp gives, including in the scalar tail.
+    key_cache, value_cache, _, block_tables = paged_setup([37, 300], 16, 2, 64)
+    query = 40 * torch.randn(2, 4, 64)
+    lens = torch.tensor([37, 300])
+    expected = reference.paged_decode_attention(query, key_cache, value_cache, block_tables, lens, 0.125)
+    got = paged_decode_attention(query, key_cache, value_cache, block_tables, lens, 0.125)
+    assert torch.isfinite(got).all()
+    assert (got - expected).abs().max() <= 1e-4
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("context_lens", [[3, 50, 200], MANY])
 def test_half_precision_caches_accumulate_in_fp32(dtype, context_lens):
