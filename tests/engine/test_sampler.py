@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
-from engine.sampler import Sampler, SamplerRow, apply_penalties, filter_probs
+from engine.sampler import Sampler, SamplerRow, apply_penalties, filter_probs, first_argmax
 from engine.sequence import Sequence
 
 
@@ -67,6 +67,18 @@ def test_temperature_zero_is_argmax_and_sampling_follows_the_distribution():
     drawn = torch.tensor(Sampler()(logits.repeat(4000, 1), rows).token_ids)
     frequencies = torch.bincount(drawn, minlength=3).float() / 4000
     assert torch.allclose(frequencies, torch.softmax(logits[0], -1), atol=0.03)
+
+
+def test_greedy_ties_go_to_the_first_index_as_argmax():
+    # Ties placed across a 32k row (the vectorised and threaded reduction paths) and in a row
+    # that suppression left all -inf but two.
+    logits = torch.randn(64, 32000)
+    for row in range(64):
+        logits[row, [31999 - row * 7, 100 + row, 20000 - row]] = 50.0
+    logits[5] = float("-inf")
+    logits[5, [900, 30]] = 1.0
+    assert torch.equal(first_argmax(logits), logits.argmax(dim=-1))
+    assert first_argmax(logits)[5].item() == 30
 
 
 def test_penalties_match_their_formulas():
