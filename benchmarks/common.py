@@ -57,6 +57,18 @@ def matmul_probe_flops(size: int = 2048, repeats: int = 10) -> float:
     return 2 * size**3 * repeats / (time.perf_counter() - start)
 
 
+def stream_read_probe_bytes_per_s(num_bytes: int = 1 << 30, repeats: int = 3) -> float:
+    """Bytes/s of one pass summing a fp32 buffer larger than this host's L3: the memory
+    bandwidth a decode step's K/V reads can reach, right now. The best of `repeats`."""
+    buffer = torch.ones(num_bytes // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - start)
+    return num_bytes / best
+
+
 def flops_per_token(config: LlamaConfig) -> tuple[float, float, float]:
     """(every linear layer, the LM head, attention per context token): FLOPs for one token."""
     head_dim = config.hidden_size // config.num_attention_heads
@@ -82,6 +94,21 @@ def decode_step_flops(config: LlamaConfig, context_lens: list[int]) -> float:
     """FLOPs of one decode step: a new token per sequence over its context (new token included)."""
     linear, lm_head, attention = flops_per_token(config)
     return (linear + lm_head) * len(context_lens) + attention * sum(context_lens)
+
+
+def decode_step_roofline_seconds(config: LlamaConfig, context_lens: list[int], matmul_flops: float,
+                                 read_bytes_per_s: float, dtype_bytes: int = 4) -> float:
+    """The least time one decode step can take here: its matmuls at the probe's FLOP/s (or
+    its weights at read bandwidth, if slower), plus its K/V reads at read bandwidth (or the
+    attention FLOPs at the probe, if slower). K/V bytes carry ~1 FLOP each, so at long
+    contexts this bound, not the matmul probe, caps a decode step's FLOP/s."""
+    linear, lm_head, attention = flops_per_token(config)
+    head_dim = config.hidden_size // config.num_attention_heads
+    kv_bytes_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype_bytes
+    weight_bytes = (linear + lm_head) / 2 * dtype_bytes  # 2 FLOPs per weight per token
+    matmuls = max((linear + lm_head) * len(context_lens) / matmul_flops, weight_bytes / read_bytes_per_s)
+    kv = max(attention * sum(context_lens) / matmul_flops, kv_bytes_per_token * sum(context_lens) / read_bytes_per_s)
+    return matmuls + kv
 
 
 def print_summary(summary: dict) -> None:

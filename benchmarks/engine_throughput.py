@@ -8,8 +8,10 @@ ignore_eos, on a random fp32 Llama of ~56M parameters. Peers:
   * transformers `generate` in static, left-padded batches of --max-batch-size;
   * transformers continuous batching (`init_continuous_batching`, the engine behind
     `generate_batch`), with each request's own output length.
-Prints output tokens/s, ratios, achieved FLOP/s against a matmul probe, KV
-utilization at peak, then a JSON summary.
+Prints output tokens/s, ratios, achieved FLOP/s against a matmul probe (over the
+whole run, and over decode-only steps of >= 32 sequences beside those steps' roofline:
+matmuls at the probe, K/V reads at a memory-read probe), KV utilization at peak, then
+a JSON summary.
 """
 
 from __future__ import annotations
@@ -29,17 +31,21 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from benchmarks.common import (
     Workload,
     decode_step_flops,
+    decode_step_roofline_seconds,
     ensure_model,
     llama_50m_config,
     make_workload,
     matmul_probe_flops,
     print_summary,
+    stream_read_probe_bytes_per_s,
     workload_flops,
 )
 from engine import LLM, SamplingParams
 
 
-def run_kvfleet(model_dir: str, workload: Workload, max_batch_size: int, config: LlamaConfig) -> dict:
+def run_kvfleet(model_dir: str, workload: Workload, max_batch_size: int,
+                config: LlamaConfig) -> tuple[dict, list[list[int]]]:
+    """The result, and the context lengths of each decode-only step of >= 32 sequences."""
     llm = LLM(model_dir, max_num_seqs=max_batch_size, enable_prefix_caching=False)
     engine = llm.engine
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
@@ -73,12 +79,13 @@ def run_kvfleet(model_dir: str, workload: Workload, max_batch_size: int, config:
             peak_used, peak_live = stats["num_used_slots"], stats["num_live_tokens"]
     elapsed = time.perf_counter() - start
     assert num_out == workload.num_output_tokens, (num_out, workload.num_output_tokens)
-    return {"seconds": elapsed, "output_tokens_per_s": num_out / elapsed, "steps": num_steps,
+    result = {"seconds": elapsed, "output_tokens_per_s": num_out / elapsed, "steps": num_steps,
             "preemptions": engine.scheduler.num_preemptions,
             "decode_batch_ge_32": {"steps": sum(1 for c in decode_contexts if c), "seconds": decode_seconds,
                                    "achieved_flops": decode_flops / decode_seconds if decode_seconds else 0.0},
             "kv_utilization_at_peak": peak_live / peak_used if peak_used else 0.0,
             "peak_used_slots": peak_used, "kv_blocks": engine.num_total_blocks}
+    return result, [c for c in decode_contexts if c]
 
 
 def run_hf_static(model_dir: str, workload: Workload, max_batch_size: int) -> dict:
@@ -137,6 +144,28 @@ def run_vllm(model_dir: str, workload: Workload, max_batch_size: int, python: st
     return {"seconds": result["seconds"], "output_tokens_per_s": result["output_tokens"] / result["seconds"]}
 
 
+def report_decode_steps(decode: dict, decode_steps: list[list[int]], config: LlamaConfig, probe: float,
+                        bandwidth: float) -> None:
+    """Adds to `decode` (and prints) the FLOP/s of decode-only steps of >= 32 sequences
+    against the probe and against those steps' own roofline."""
+    if not decode_steps:
+        print("  no decode-only step of >= 32 sequences (raise --num-requests or --max-batch-size)")
+        return
+    decode["fraction_of_matmul_probe"] = decode["achieved_flops"] / probe
+    roofline_seconds = sum(decode_step_roofline_seconds(config, c, probe, bandwidth) for c in decode_steps)
+    decode["roofline_flops"] = sum(decode_step_flops(config, c) for c in decode_steps) / roofline_seconds
+    decode["roofline_fraction_of_matmul_probe"] = decode["roofline_flops"] / probe
+    decode["fraction_of_roofline"] = decode["achieved_flops"] / decode["roofline_flops"]
+    decode["mean_batch"] = sum(map(len, decode_steps)) / len(decode_steps)
+    decode["mean_context"] = sum(map(sum, decode_steps)) / sum(map(len, decode_steps))
+    print(f"  decode-only steps of >= 32 sequences ({decode['steps']} steps, mean batch {decode['mean_batch']:.1f}, "
+          f"mean context {decode['mean_context']:.0f}): {decode['achieved_flops'] / 1e9:.1f} GFLOP/s = "
+          f"{decode['fraction_of_matmul_probe']:.0%} of the probe")
+    print(f"  their roofline (matmuls at the probe, K/V at the {bandwidth / 1e9:.1f} GB/s read probe): "
+          f"{decode['roofline_flops'] / 1e9:.1f} GFLOP/s = {decode['roofline_fraction_of_matmul_probe']:.0%} "
+          f"of the probe; achieved = {decode['fraction_of_roofline']:.0%} of the roofline")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-requests", type=int, default=256)
@@ -153,9 +182,11 @@ def main() -> None:
     model_dir = ensure_model(args.model_dir, config)
     workload = make_workload(args.num_requests, config.vocab_size, args.seed)
     # The probe brackets the kvfleet run (this host's speed drifts); the faster reading counts.
-    probe_before = matmul_probe_flops()
-    results = {"kvfleet": run_kvfleet(model_dir, workload, args.max_batch_size, config)}
+    probe_before, bandwidth_before = matmul_probe_flops(), stream_read_probe_bytes_per_s()
+    kvfleet, decode_steps = run_kvfleet(model_dir, workload, args.max_batch_size, config)
+    results = {"kvfleet": kvfleet}
     probe = max(probe_before, matmul_probe_flops())
+    bandwidth = max(bandwidth_before, stream_read_probe_bytes_per_s())
     peers = {"transformers_static": run_hf_static, "transformers_continuous": run_hf_continuous}
     for name in filter(None, args.peers.split(",")):
         if name == "vllm":
@@ -171,7 +202,6 @@ def main() -> None:
                                                                             args.max_batch_size)
 
     flops = workload_flops(config, workload)
-    kvfleet = results["kvfleet"]
     kvfleet["achieved_flops"] = flops / kvfleet["seconds"]
     kvfleet["fraction_of_matmul_probe"] = kvfleet["achieved_flops"] / probe
     print(f"\nworkload: {args.num_requests} requests, {workload.num_output_tokens} output tokens, "
@@ -184,14 +214,11 @@ def main() -> None:
         print(f"{name:40s} {ratio:6.2f}x")
     print(f"achieved {kvfleet['achieved_flops'] / 1e9:.1f} GFLOP/s = {kvfleet['fraction_of_matmul_probe']:.0%} "
           f"of the {probe / 1e9:.1f} GFLOP/s matmul probe")
-    decode = kvfleet["decode_batch_ge_32"]
-    decode["fraction_of_matmul_probe"] = decode["achieved_flops"] / probe
-    print(f"  decode-only steps of >= 32 sequences ({decode['steps']} steps): "
-          f"{decode['achieved_flops'] / 1e9:.1f} GFLOP/s = {decode['fraction_of_matmul_probe']:.0%} of the probe")
+    report_decode_steps(kvfleet["decode_batch_ge_32"], decode_steps, config, probe, bandwidth)
     print(f"KV utilization at peak: {kvfleet['kv_utilization_at_peak']:.1%}")
     print_summary({"benchmark": "engine_throughput", "num_requests": args.num_requests,
                    "max_batch_size": args.max_batch_size, "output_tokens": workload.num_output_tokens,
-                   "matmul_probe_flops": probe, "results": results, "ratios": ratios})
+                   "matmul_probe_flops": probe, "read_probe_bytes_per_s": bandwidth, "results": results, "ratios": ratios})
 
 
 if __name__ == "__main__":

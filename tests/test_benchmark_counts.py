@@ -1,0 +1,49 @@
+"""The analytic counts the benchmarks divide by: FLOPs per token against a real
+transformers model's parameter counts, and the decode-step roofline at its two limits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from benchmarks.common import (
+    decode_step_flops,
+    decode_step_roofline_seconds,
+    flops_per_token,
+    llama_50m_config,
+)
+
+
+@pytest.fixture(scope="module")
+def config_and_params():
+    config = llama_50m_config()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    linear_weights = sum(m.weight.numel() for name, m in model.named_modules()
+                         if isinstance(m, torch.nn.Linear) and name != "lm_head")
+    return config, linear_weights, model.lm_head.weight.numel()
+
+
+def test_flops_per_token_are_two_per_weight(config_and_params):
+    config, linear_weights, lm_head_weights = config_and_params
+    linear, lm_head, attention = flops_per_token(config)
+    assert linear == 2 * linear_weights and lm_head == 2 * lm_head_weights
+    # QK^T and PV: 2 FLOPs each per query-head dimension per layer, for each context token.
+    assert attention == 4 * config.num_attention_heads * (config.hidden_size // config.num_attention_heads) \
+        * config.num_hidden_layers
+
+
+def test_roofline_is_the_matmul_time_when_memory_is_free():
+    config, contexts = llama_50m_config(), [100, 700, 33]
+    seconds = decode_step_roofline_seconds(config, contexts, matmul_flops=1e11, read_bytes_per_s=1e30)
+    assert seconds == pytest.approx(decode_step_flops(config, contexts) / 1e11, rel=1e-12)
+
+
+def test_roofline_is_the_bytes_read_when_compute_is_free(config_and_params):
+    config, linear_weights, lm_head_weights = config_and_params
+    contexts = [100, 700, 33]
+    kv_bytes = sum(contexts) * 2 * config.num_hidden_layers * config.num_key_value_heads \
+        * (config.hidden_size // config.num_attention_heads) * 4  # K and V, fp32
+    seconds = decode_step_roofline_seconds(config, contexts, matmul_flops=1e30, read_bytes_per_s=1e9)
+    assert seconds == pytest.approx((kv_bytes + 4 * (linear_weights + lm_head_weights)) / 1e9, rel=1e-12)
