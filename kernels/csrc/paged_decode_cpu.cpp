@@ -137,7 +137,23 @@ void decode_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_cac
   const int64_t span = num_seqs >= 4 * at::get_num_threads() ? num_kv_heads : 1;  // KV heads per item
   const int64_t spans_per_seq = num_kv_heads / span;
   const int64_t rows = span * group;  // query heads per item
-  at::parallel_for(0, num_seqs * spans_per_seq, 1, [&](int64_t begin, int64_t end) {
+  // Items cost about their number of positions, which differ by up to the longest context:
+  // an even split of the item range left one thread idle (and half the bandwidth unused) at
+  // the end. Each thread takes one contiguous run of items with an equal share of positions.
+  const int64_t num_items = num_seqs * spans_per_seq;
+  std::vector<int64_t> cost_before(num_items + 1, 0);  // [num_items + 1], prefix sums
+  for (int64_t work = 0; work < num_items; ++work) {
+    const int64_t len = context_lens[work / spans_per_seq];
+    const int64_t positions = sliding_window > 0 ? std::min(len, sliding_window) : len;
+    cost_before[work + 1] = cost_before[work] + positions + block_size;  // + a block's fixed work
+  }
+  const int64_t num_shares = std::min<int64_t>(num_items, at::get_num_threads());
+  auto share_start = [&](int64_t share) {  // first item whose positions start in this share
+    const int64_t target = cost_before[num_items] * share / num_shares;
+    return std::lower_bound(cost_before.begin(), cost_before.end(), target) - cost_before.begin();
+  };
+  at::parallel_for(0, num_shares, 1, [&](int64_t first_share, int64_t end_share) {
+    const int64_t begin = share_start(first_share), end = share_start(end_share);
     std::vector<float> scores(rows * max_context);  // [rows, max_context]
     std::vector<float> queries(rows * head_dim);    // [rows, head_dim], fp32, pre-scaled
     std::vector<float> acc(rows * head_dim);        // [rows, head_dim]
