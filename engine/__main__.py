@@ -2,8 +2,9 @@
 
     python -m engine MODEL_DIR prompts.jsonl [--max-tokens DEFAULT] [--temperature T] [--num-kv-blocks N]
 
-Each line is a short form {"custom_id"?, "prompt", "max_tokens"?} or an OpenAI batch
-line whose body has "prompt" or "messages". The whole file is read first: a malformed
+Lines are validated as `python -m producers.submit` validates them (jobs.schemas): a
+short form {"custom_id"?, "prompt", sampling fields} or an OpenAI batch line for
+/v1/completions or /v1/chat/completions. The whole file is read first: a malformed
 line is reported as FILE:LINE: field: message and nothing runs (exit 1). A request
 that can never fit the model or the KV pool gets its own error object; the others run.
 Prints one JSON object per line, in input order.
@@ -16,42 +17,27 @@ import json
 import sys
 
 from engine import LLM, ContextLengthExceeded, SamplingParams
+from jobs.schemas import CHAT_COMPLETIONS, LineError, parse_line
 
 
-class LineError(ValueError):
-    def __init__(self, path: str, line_number: int, field: str, message: str) -> None:
-        super().__init__(f"{path}:{line_number}: {field}: {message}")
-
-
-def parse_line(path: str, line_number: int, line: str, tokenizer, defaults: dict) -> tuple[str, object, dict]:
-    """(custom_id, prompt as text or token ids, SamplingParams keyword arguments)"""
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as error:
-        raise LineError(path, line_number, "line", f"not valid JSON ({error})") from None
-    if not isinstance(record, dict):
-        raise LineError(path, line_number, "line", "must be a JSON object")
-    body = record.get("body", record)
-    if not isinstance(body, dict):
-        raise LineError(path, line_number, "body", "must be a JSON object")
-    if isinstance(body.get("messages"), list):
+def to_request(line: str, line_number: int, tokenizer, defaults: dict) -> tuple[str, object, dict]:
+    """(custom_id, prompt as text or token ids, SamplingParams keyword arguments), or LineError."""
+    request = parse_line(line, line_number)
+    body = request.parsed_body()
+    if request.url == CHAT_COMPLETIONS:
         try:  # token ids straight from the template, so the BOS it writes is not doubled
-            prompt = tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True,
-                                                   return_dict=False)
-        except Exception as error:  # noqa: BLE001 (jinja and tokenizer errors alike)
-            raise LineError(path, line_number, "messages", str(error)) from None
-    elif isinstance(body.get("prompt"), str) and body["prompt"]:
-        prompt = body["prompt"]
+            prompt = tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=True,
+                                                   tokenize=True, return_dict=False)
+        except Exception as error:  # noqa: BLE001 (a template error is the line's fault)
+            raise LineError(line_number, "messages", f"the chat template failed: {error}") from None
     else:
-        raise LineError(path, line_number, "prompt", "a non-empty string 'prompt' or a 'messages' list is required")
-    options = {**defaults, **{k: body[k] for k in ("max_tokens", "temperature") if k in body}}
-    try:
+        prompt = body.prompt
+    options = {**defaults, **body.sampling_kwargs()}
+    try:  # cross-field checks (min_tokens <= max_tokens, ...) before anything runs
         SamplingParams(**options)
-    except (TypeError, ValueError) as error:
-        field = next((k for k in ("max_tokens", "temperature") if k in str(error)), "body")
-        raise LineError(path, line_number, field, str(error)) from None
-    custom_id = record.get("custom_id", f"line-{line_number}")
-    return str(custom_id), prompt, options
+    except ValueError as error:
+        raise LineError(line_number, "body", str(error)) from None
+    return request.custom_id, prompt, options
 
 
 def read_requests(path: str, tokenizer, defaults: dict) -> list[tuple[str, object, dict]]:
@@ -60,9 +46,9 @@ def read_requests(path: str, tokenizer, defaults: dict) -> list[tuple[str, objec
         for line_number, line in enumerate(handle, start=1):
             if line.strip():
                 try:
-                    requests.append(parse_line(path, line_number, line, tokenizer, defaults))
-                except LineError as error:
-                    errors.append(str(error))
+                    requests.append(to_request(line, line_number, tokenizer, defaults))
+                except LineError as error:  # "LINE: field: message", as producers.submit prints it
+                    errors.append(f"{path}:{error}")
     if errors:
         sys.exit("\n".join(errors[:20] + ([f"... and {len(errors) - 20} more"] if len(errors) > 20 else [])))
     return requests

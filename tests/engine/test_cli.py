@@ -1,5 +1,6 @@
 """`python -m engine MODEL FILE`: outputs in input order, a request that cannot fit gets
-its own error object, and malformed lines are named by line and field before anything runs."""
+its own error object, and malformed lines are named by line and field (jobs.schemas, as
+producers.submit names them) before anything runs."""
 
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ def test_malformed_lines_are_named_and_nothing_runs(tiny_llama, tmp_path, monkey
         json.dumps({"custom_id": "x"}),
         json.dumps({"prompt": "p", "max_tokens": 0}),
         json.dumps(["a list"]),
+        json.dumps({"prompt": "p", "min_tokens": 9, "max_tokens": 2}),  # fields valid alone, not together
     ]) + "\n")
     with pytest.raises(SystemExit) as exit_info:
         run_cli(monkeypatch, capsys, tiny_llama, path)
@@ -53,5 +55,6 @@ def test_malformed_lines_are_named_and_nothing_runs(tiny_llama, tmp_path, monkey
     assert f"{path}:3: prompt:" in message
     assert f"{path}:4: max_tokens:" in message
     assert f"{path}:5: line: must be a JSON object" in message
+    assert f"{path}:6: body: min_tokens" in message
     assert ":1:" not in message
     assert capsys.readouterr().out == ""
