@@ -43,8 +43,7 @@ from benchmarks.common import (
 from engine import LLM, SamplingParams
 
 
-def run_kvfleet(model_dir: str, workload: Workload, max_batch_size: int,
-                config: LlamaConfig) -> tuple[dict, list[list[int]]]:
+def run_kvfleet(model_dir: str, workload: Workload, max_batch_size: int) -> tuple[dict, list[list[int]]]:
     """The result, and the context lengths of each decode-only step of >= 32 sequences."""
     llm = LLM(model_dir, max_num_seqs=max_batch_size, enable_prefix_caching=False)
     engine = llm.engine
@@ -61,7 +60,7 @@ def run_kvfleet(model_dir: str, workload: Workload, max_batch_size: int,
         return batch
 
     engine.scheduler.schedule = recording_schedule
-    decode_flops = decode_seconds = 0.0
+    decode_seconds = 0.0
     start = time.perf_counter()
     for index, (prompt, p) in enumerate(zip(workload.prompts, params)):
         engine.add_request(str(index), prompt, p)
@@ -72,7 +71,6 @@ def run_kvfleet(model_dir: str, workload: Workload, max_batch_size: int,
             num_out += len(output.token_ids)
         if decode_contexts[-1]:
             decode_seconds += time.perf_counter() - step_start
-            decode_flops += decode_step_flops(config, decode_contexts[-1])
         num_steps += 1
         stats = engine.stats()
         if stats["num_used_slots"] > peak_used:
@@ -81,8 +79,7 @@ def run_kvfleet(model_dir: str, workload: Workload, max_batch_size: int,
     assert num_out == workload.num_output_tokens, (num_out, workload.num_output_tokens)
     result = {"seconds": elapsed, "output_tokens_per_s": num_out / elapsed, "steps": num_steps,
             "preemptions": engine.scheduler.num_preemptions,
-            "decode_batch_ge_32": {"steps": sum(1 for c in decode_contexts if c), "seconds": decode_seconds,
-                                   "achieved_flops": decode_flops / decode_seconds if decode_seconds else 0.0},
+            "decode_batch_ge_32": {"seconds": decode_seconds},
             "kv_utilization_at_peak": peak_live / peak_used if peak_used else 0.0,
             "peak_used_slots": peak_used, "kv_blocks": engine.num_total_blocks}
     return result, [c for c in decode_contexts if c]
@@ -151,9 +148,12 @@ def report_decode_steps(decode: dict, decode_steps: list[list[int]], config: Lla
     if not decode_steps:
         print("  no decode-only step of >= 32 sequences (raise --num-requests or --max-batch-size)")
         return
+    decode["steps"] = len(decode_steps)
+    flops = sum(decode_step_flops(config, c) for c in decode_steps)
+    decode["achieved_flops"] = flops / decode["seconds"]
     decode["fraction_of_matmul_probe"] = decode["achieved_flops"] / probe
     roofline_seconds = sum(decode_step_roofline_seconds(config, c, probe, bandwidth) for c in decode_steps)
-    decode["roofline_flops"] = sum(decode_step_flops(config, c) for c in decode_steps) / roofline_seconds
+    decode["roofline_flops"] = flops / roofline_seconds
     decode["roofline_fraction_of_matmul_probe"] = decode["roofline_flops"] / probe
     decode["fraction_of_roofline"] = decode["achieved_flops"] / decode["roofline_flops"]
     decode["mean_batch"] = sum(map(len, decode_steps)) / len(decode_steps)
@@ -183,7 +183,7 @@ def main() -> None:
     workload = make_workload(args.num_requests, config.vocab_size, args.seed)
     # The probe brackets the kvfleet run (this host's speed drifts); the faster reading counts.
     probe_before, bandwidth_before = matmul_probe_flops(), stream_read_probe_bytes_per_s()
-    kvfleet, decode_steps = run_kvfleet(model_dir, workload, args.max_batch_size, config)
+    kvfleet, decode_steps = run_kvfleet(model_dir, workload, args.max_batch_size)
     results = {"kvfleet": kvfleet}
     probe = max(probe_before, matmul_probe_flops())
     bandwidth = max(bandwidth_before, stream_read_probe_bytes_per_s())
