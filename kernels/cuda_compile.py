@@ -50,7 +50,7 @@ KERNELS = {
         "query_ptr": "*T", "key_ptr": "*T", "cos_ptr": "*T", "sin_ptr": "*T"},
         [{"HALF": 64, "HEADS_BLOCK": 32}, {"HALF": 32, "HEADS_BLOCK": 16}]),
 }
-DTYPES = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
+DTYPES = ("bf16", "fp16", "fp32")  # Triton's own names
 
 
 @dataclass
@@ -79,7 +79,7 @@ def compile_kernel(kernel: str, variant: int, arch: int, dtype: str) -> Compiled
     signature = {}
     for name in function.arg_names:
         kind = typed.get(name, "i32")
-        signature[name] = "constexpr" if name in constexprs else kind.replace("T", DTYPES[dtype])
+        signature[name] = "constexpr" if name in constexprs else kind.replace("T", dtype)
     compiled = triton.compile(ASTSource(function, signature, constexprs), target=GPUTarget("cuda", arch, 32))
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
@@ -94,7 +94,7 @@ def compile_kernel(kernel: str, variant: int, arch: int, dtype: str) -> Compiled
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, nargs="+", default=[80, 90], help="SM versions, e.g. 80 (A100) 90 (H100)")
-    parser.add_argument("--dtype", nargs="+", default=["bf16", "fp16"], choices=sorted(DTYPES))
+    parser.add_argument("--dtype", nargs="+", default=["bf16", "fp16"], choices=DTYPES)
     parser.add_argument("--kernel", nargs="+", default=list(KERNELS), choices=list(KERNELS))
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
