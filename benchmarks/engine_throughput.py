@@ -73,8 +73,8 @@ def run_kvfleet(model_dir: str, workload: Workload, max_batch_size: int) -> tupl
             decode_seconds += time.perf_counter() - step_start
         num_steps += 1
         stats = engine.stats()
-        if stats["num_used_slots"] > peak_used:
-            peak_used, peak_live = stats["num_used_slots"], stats["num_live_tokens"]
+        if stats.num_used_slots > peak_used:
+            peak_used, peak_live = stats.num_used_slots, stats.num_live_tokens
     elapsed = time.perf_counter() - start
     assert num_out == workload.num_output_tokens, (num_out, workload.num_output_tokens)
     result = {"seconds": elapsed, "output_tokens_per_s": num_out / elapsed, "steps": num_steps,

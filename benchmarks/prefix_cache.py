@@ -17,7 +17,7 @@ import time
 from transformers import LlamaConfig
 
 from benchmarks.common import ensure_model, print_summary
-from engine import LLM, SamplingParams
+from engine import LLM, EngineStats, SamplingParams
 
 
 def model_config() -> LlamaConfig:
@@ -27,14 +27,15 @@ def model_config() -> LlamaConfig:
                        architectures=["LlamaForCausalLM"])
 
 
-def run(model_dir: str, prompts: list[list[int]], caching: bool, max_tokens: int) -> tuple[float, dict]:
+def run(model_dir: str, prompts: list[list[int]], caching: bool,
+        max_tokens: int) -> tuple[float, EngineStats, list[list[int]]]:
     llm = LLM(model_dir, enable_prefix_caching=caching, max_num_seqs=64)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     assert all(len(o.token_ids) == max_tokens for o in outputs)
-    return elapsed, llm.engine.stats() | {"token_ids": [o.token_ids for o in outputs]}
+    return elapsed, llm.engine.stats(), [o.token_ids for o in outputs]
 
 
 def main() -> None:
@@ -50,14 +51,14 @@ def main() -> None:
     prefix = [rng.randrange(3, config.vocab_size) for _ in range(args.prefix_len)]
     prompts = [prefix + [rng.randrange(3, config.vocab_size) for _ in range(rng.randint(8, 64))]
                for _ in range(args.num_requests)]
-    cached_seconds, cached = run(model_dir, prompts, True, args.max_tokens)
-    plain_seconds, plain = run(model_dir, prompts, False, args.max_tokens)
-    assert cached["token_ids"] == plain["token_ids"], "prefix caching changed the outputs"
-    hit_rate = cached["prefix_cache_hits"] / cached["prefix_cache_queries"]
+    cached_seconds, cached, cached_tokens = run(model_dir, prompts, True, args.max_tokens)
+    plain_seconds, _, plain_tokens = run(model_dir, prompts, False, args.max_tokens)
+    assert cached_tokens == plain_tokens, "prefix caching changed the outputs"
+    hit_rate = cached.num_prefix_hit_tokens / cached.num_prefix_queried_tokens
     speedup = plain_seconds / cached_seconds
     print(f"caching off: {plain_seconds:.1f} s   caching on: {cached_seconds:.1f} s   speed-up {speedup:.2f}x")
-    print(f"hit rate: {hit_rate:.1%} of {cached['prefix_cache_queries']} prompt tokens "
-          f"({cached['prefix_cache_hits']} served from cache); outputs identical")
+    print(f"hit rate: {hit_rate:.1%} of {cached.num_prefix_queried_tokens} prompt tokens "
+          f"({cached.num_prefix_hit_tokens} served from cache); outputs identical")
     print_summary({"benchmark": "prefix_cache", "num_requests": args.num_requests, "prefix_len": args.prefix_len,
                    "seconds_with_caching": cached_seconds, "seconds_without_caching": plain_seconds,
                    "speedup": speedup, "hit_rate": hit_rate})

@@ -2,8 +2,9 @@
 
 from engine.config import EngineConfig
 from engine.llm import LLM
-from engine.llm_engine import ContextLengthExceeded, LLMEngine
+from engine.llm_engine import ContextLengthExceeded, EngineStats, LLMEngine
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "ContextLengthExceeded", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LLMEngine", "ContextLengthExceeded", "EngineConfig", "EngineStats", "SamplingParams",
+           "RequestOutput", "CompletionOutput"]

@@ -35,20 +35,23 @@ class PrefillSpan:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64
     num_prefill_tokens: int
-    prefills: list[PrefillSpan]
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64
     decode_context_lens: torch.Tensor  # [num_decodes] int64
-    # The prefills again, as tensors for kernels that take every sequence at once:
-    prefill_query_starts: torch.Tensor  # [num_prefills + 1] int64
-    prefill_context_lens: torch.Tensor  # [num_prefills] int64
-    prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks] int64
-    max_prefill_queries: int
+    # Prefills in one of two forms, whichever the backend reads (`reads_prefill_spans`):
+    # one span each (torch, cpu) ...
+    prefills: list[PrefillSpan] = field(default_factory=list)
+    # ... or tensors over every prefill at once (the Triton kernel).
+    prefill_query_starts: torch.Tensor | None = None  # [num_prefills + 1] int64
+    prefill_context_lens: torch.Tensor | None = None  # [num_prefills] int64
+    prefill_block_tables: torch.Tensor | None = None  # [num_prefills, max_blocks] int64
+    max_prefill_queries: int = 0
 
 
 class TorchAttentionBackend:
     """Reference backend: gather K/V by block table, then SDPA. Runs everywhere."""
 
     name = "torch"
+    reads_prefill_spans = True
 
     def __init__(self) -> None:
         self._gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -120,6 +123,7 @@ class TritonAttentionBackend:
     decode attention. On the CPU only under TRITON_INTERPRET=1 (tests)."""
 
     name = "triton"
+    reads_prefill_spans = False
 
     def __init__(self) -> None:
         from kernels import paged_attention, prefill_attention, store_kv  # noqa: PLC0415 (imports triton)

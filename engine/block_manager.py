@@ -18,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Sequence as SequenceOf
 
 from engine.sequence import Sequence
+from kernels import cdiv
 
 
 class Block:
@@ -33,8 +34,8 @@ class Block:
         return f"Block({self.block_id}, ref={self.ref_count}, hash={self.hash})"
 
 
-def hash_block(parent_hash: int | None, token_ids: SequenceOf[int], extra_keys: tuple = ()) -> int:
-    return hash((parent_hash, tuple(token_ids), extra_keys))
+def hash_block(parent_hash: int | None, token_ids: SequenceOf[int]) -> int:
+    return hash((parent_hash, tuple(token_ids)))
 
 
 class BlockManager:
@@ -58,7 +59,7 @@ class BlockManager:
         return len(self.free_blocks)
 
     def num_blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     # -- prefix cache --------------------------------------------------------
     def _compute_block_hashes(self, seq: Sequence, num_tokens: int) -> None:

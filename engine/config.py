@@ -55,6 +55,11 @@ class EngineConfig:
     """Seeds unseeded requests' samplers, in arrival order."""
     tokenizer: str | None = None
     """Tokenizer path; default: the model path."""
+    tensor_parallel_size: int = 1
+    """Devices one engine spans; only 1 so far."""
+    skip_tokenizer_init: bool = False
+    """Run without a tokenizer: prompts must be token ids, outputs carry token ids and empty
+    text, and stop strings are refused (as in vLLM)."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -75,5 +80,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
             raise ValueError(f"attention_backend must be auto, torch, cpu or triton, got {self.attention_backend!r}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size: only 1 is supported so far, got {self.tensor_parallel_size}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")

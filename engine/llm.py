@@ -19,6 +19,8 @@ class LLM:
 
     >>> llm = LLM(model="out/demo-model", num_kv_blocks=256)
     >>> llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=8))[0].text
+
+    Options are EngineConfig's fields (e.g. num_kv_blocks, dtype, skip_tokenizer_init).
     """
 
     def __init__(self, model: str, **options) -> None:

@@ -1,6 +1,6 @@
 """The incremental engine the worker loop drives: add_request / abort / step().
 
-    step():  schedule -> run the model -> append tokens and check stops -> collect finished
+    step():  schedule -> execute the model -> postprocess (append tokens, stop checks) -> collect finished
 """
 
 from __future__ import annotations
@@ -13,10 +13,14 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.outputs import RequestOutput
+from engine.postprocess import StopChecker, make_request_output
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+
+# Any one of these makes a folder loadable by AutoTokenizer (with tokenizer_config.json beside it).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 
 class ContextLengthExceeded(ValueError):
@@ -27,6 +31,48 @@ class ContextLengthExceeded(ValueError):
 class _Request:
     prompt: str | None
     seqs: list[Sequence]
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's numbers at one moment, for admission, metrics and the heartbeat.
+
+    `unstarted` requests were added but never scheduled; `waiting` counts those and
+    the preempted ones that wait to be recomputed."""
+
+    num_running: int
+    num_waiting: int
+    num_unstarted: int
+    num_unstarted_blocks_needed: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_live_tokens: int  # tokens whose K/V sit in the cache ...
+    num_used_slots: int  # ... against the slots of the blocks in use
+    num_preemptions: int
+    num_prefix_queried_tokens: int
+    num_prefix_hit_tokens: int
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV blocks in use, 0 to 1."""
+        return 1 - self.num_free_blocks / self.num_total_blocks if self.num_total_blocks else 0.0
+
+
+def load_tokenizer(config: EngineConfig):
+    """The checkpoint's tokenizer; None with skip_tokenizer_init. A folder without
+    tokenizer files is a one-line error naming them and the way around it."""
+    if config.skip_tokenizer_init:
+        return None
+    path = config.tokenizer or config.model
+    if Path(path).is_dir() and not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"tokenizer: {path} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+                         "point --tokenizer at one, or pass --skip-tokenizer-init (skip_tokenizer_init=True) "
+                         "to run token-id prompts without it")
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as error:  # noqa: BLE001 (transformers raises many kinds; one line says enough)
+        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"tokenizer: cannot load it from {path}: {message}") from None
 
 
 def load_eos_token_ids(model: str, hf_config, tokenizer) -> set[int]:
@@ -49,10 +95,11 @@ class LLMEngine:
             raise ValueError(f"model: {config.model!r} is not a folder holding a Hugging Face checkpoint "
                              "(config.json and *.safetensors); kvfleet never downloads weights")
         self.hf_config = AutoConfig.from_pretrained(config.model)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        self.tokenizer = load_tokenizer(config)
         self.eos_token_ids = load_eos_token_ids(config.model, self.hf_config, self.tokenizer)
         self.model_runner = ModelRunner(config, self.hf_config, self.eos_token_ids)
         self.max_model_len = self.model_runner.max_model_len
+        self.stop_checker = StopChecker(self.eos_token_ids, self.max_model_len, self.tokenizer)
         self.scheduler = Scheduler(config, self.model_runner.num_kv_blocks)
         self.requests: dict[str, _Request] = {}
 
@@ -71,11 +118,19 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if self.tokenizer is None:
+            raise ValueError("prompt: a text prompt needs a tokenizer; this engine was started with "
+                             "skip_tokenizer_init, so pass token ids")
+        return self.tokenizer.encode(prompt)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError, naming the field and the limit, for a request that can never run."""
         num_prompt = len(prompt_token_ids)
+        if self.tokenizer is None and params.stop:
+            raise ValueError("stop: stop strings need a tokenizer (skip_tokenizer_init is set); "
+                             "use stop_token_ids")
         if num_prompt == 0:
             raise ValueError("prompt: must not be empty")
         if not all(isinstance(t, int) and 0 <= t < self.hf_config.vocab_size for t in prompt_token_ids):
@@ -115,91 +170,37 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        now = time.monotonic()
-        for seq in batch.seqs:
-            seq.first_scheduled_time = seq.first_scheduled_time or now
         sampled_seqs, sampled = self.model_runner.execute(batch)
-        self.scheduler.update(batch)
-        for children in batch.forks.values():
+        for children in batch.forks.values():  # n > 1: samples forked this step join their request
             self.requests[children[0].request_id].seqs.extend(children)
-        finished: list[RequestOutput] = []
-        now = time.monotonic()
-        for seq, token_id, logprobs in zip(sampled_seqs, sampled.token_ids, sampled.logprobs):
-            seq.token_ids.append(token_id)
-            seq.first_token_time = seq.first_token_time or now
-            if seq.last_token_time is not None:
-                seq.inter_token_latencies.append(now - seq.last_token_time)
-            seq.last_token_time = now
-            if logprobs is not None:
-                seq.logprobs.append(logprobs)
-            reason = self._check_stop(seq)
-            if reason is None:
-                continue
-            self.scheduler.finish(seq, reason)
+        finished_seqs = self.scheduler.postprocess(batch, sampled_seqs, sampled, self.stop_checker.check)
+        return self._collect_finished(finished_seqs)
+
+    def _collect_finished(self, finished_seqs: list[Sequence]) -> list[RequestOutput]:
+        """Release each finished sample; a request is done once all n of its samples are."""
+        for seq in finished_seqs:
             self.model_runner.release(seq)
-            request = self.requests[seq.request_id]
-            if len(request.seqs) == seq.params.n and all(s.is_finished for s in request.seqs):
-                del self.requests[seq.request_id]
-                finished.append(self._make_output(request, now))
-        return finished
+        outputs, now = [], time.monotonic()
+        for request_id in dict.fromkeys(seq.request_id for seq in finished_seqs):  # once each, in order
+            request = self.requests[request_id]
+            if len(request.seqs) == request.seqs[0].params.n and all(s.is_finished for s in request.seqs):
+                del self.requests[request_id]
+                outputs.append(make_request_output(request.prompt, request.seqs, self.tokenizer, now))
+        return outputs
 
-    def _check_stop(self, seq: Sequence) -> str | None:
-        params, token_id = seq.params, seq.token_ids[-1]
-        may_stop = seq.num_output_tokens >= params.min_tokens
-        if may_stop and token_id in params.stop_token_ids:
-            seq.stop_reason = token_id
-            return "stop"
-        if may_stop and not params.ignore_eos and token_id in self.eos_token_ids:
-            return "stop"
-        if params.stop and may_stop and self._find_stop_string(seq):
-            return "stop"
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
-    def _find_stop_string(self, seq: Sequence) -> bool:
-        """Re-decode the output and look for a stop string in its new tail; on a hit,
-        cut the text just before it."""
-        previous_len = len(seq.text)
-        seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-        longest = max(len(s) for s in seq.params.stop)
-        search_from = max(0, previous_len - longest + 1)
-        hits = [(index, stop) for stop in seq.params.stop if (index := seq.text.find(stop, search_from)) >= 0]
-        if not hits:
-            return False
-        index, stop = min(hits)
-        seq.text, seq.stop_reason = seq.text[:index], stop
-        return True
-
-    def _make_output(self, request: _Request, now: float) -> RequestOutput:
-        completions = []
-        for seq in sorted(request.seqs, key=lambda s: s.sample_index):
-            if seq.params.detokenize and not isinstance(seq.stop_reason, str):
-                seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-            completions.append(CompletionOutput(seq.sample_index, seq.text, seq.output_token_ids, seq.finish_reason,
-                                                seq.stop_reason, seq.logprobs if seq.params.logprobs is not None
-                                                else None))
-        first = min(request.seqs, key=lambda s: s.sample_index)
-        metrics = RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time, now,
-                                 first.inter_token_latencies)
-        return RequestOutput(first.request_id, request.prompt, first.prompt_token_ids, completions,
-                             first.num_cached_tokens, True, metrics)
-
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         manager = self.scheduler.block_manager
-        # Waiting sequences that never ran (as opposed to preempted ones, which wait to be recomputed).
         unstarted = [s for s in self.scheduler.waiting if s.first_scheduled_time is None]
-        return {
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "num_unstarted": len(unstarted),
-            "num_unstarted_blocks_needed": sum(self.num_blocks_needed(s.num_tokens) for s in unstarted),
-            "num_free_blocks": manager.num_free_blocks,
-            "num_total_blocks": manager.num_total_blocks,
-            # Tokens whose K/V sit in the cache, against the slots of the blocks in use.
-            "num_live_tokens": sum(s.num_computed_tokens for s in self.scheduler.running),
-            "num_used_slots": (manager.num_total_blocks - manager.num_free_blocks) * manager.block_size,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "prefix_cache_queries": manager.num_prefix_queries,
-            "prefix_cache_hits": manager.num_prefix_hits,
-        }
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_unstarted=len(unstarted),
+            num_unstarted_blocks_needed=sum(self.num_blocks_needed(s.num_tokens) for s in unstarted),
+            num_free_blocks=manager.num_free_blocks,
+            num_total_blocks=manager.num_total_blocks,
+            num_live_tokens=sum(s.num_computed_tokens for s in self.scheduler.running),
+            num_used_slots=(manager.num_total_blocks - manager.num_free_blocks) * manager.block_size,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prefix_queried_tokens=manager.num_prefix_queries,
+            num_prefix_hit_tokens=manager.num_prefix_hits,
+        )

@@ -15,6 +15,7 @@ from engine.models.layers import can_use_onednn_linear, use_onednn_linears, use_
 from engine.sampler import Sampler, SamplerOutput, SamplerRow
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
+from kernels import cdiv
 
 CPU_DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
 CUDA_MEMORY_FRACTION = 0.9
@@ -95,7 +96,7 @@ class ModelRunner:
             memory = int(free * CUDA_MEMORY_FRACTION)
         elif memory is None:
             # Enough for max_num_seqs full-length sequences, never more than 2 GiB.
-            blocks_for_all = self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
+            blocks_for_all = self.config.max_num_seqs * cdiv(self.max_model_len, self.block_size)
             memory = min(CPU_DEFAULT_KV_CACHE_BYTES, blocks_for_all * self.bytes_per_block)
         num_blocks = memory // self.bytes_per_block
         if num_blocks < 1:
@@ -112,22 +113,32 @@ class ModelRunner:
         num_new = [batch.num_new_tokens[i] for i in order]
         for source, destination in batch.block_copies:
             self.kv_cache[:, :, destination].copy_(self.kv_cache[:, :, source])
-        input_ids, positions, meta, last_rows = self._prepare_inputs(seqs, num_new)
+        input_ids, positions, meta = self._prepare_inputs(seqs, num_new)
         ctx = ForwardContext(meta, self.kv_caches, self.backend)
         hidden = self.model(input_ids, positions, ctx)  # [num_tokens, hidden]
-        sampling = [i for i, (s, n) in enumerate(zip(seqs, num_new)) if s.num_computed_tokens + n == s.num_tokens]
-        if not sampling:
+        # Rows whose sequence reaches its end this step sample a token; forked samples (n > 1)
+        # draw from their parent's row.
+        rows, sampled_seqs, row = [], [], 0
+        for seq, n in zip(seqs, num_new):
+            row += n
+            if seq.num_computed_tokens + n == seq.num_tokens:
+                for sampled in (seq, *batch.forks.get(seq.seq_id, ())):
+                    rows.append(row - 1)
+                    sampled_seqs.append(sampled)
+        if not rows:
             return [], SamplerOutput([], [])
-        # Forked samples (n > 1) draw from their parent's row: [num_sampling + num_forked, vocab].
-        rows, sampled_seqs = [], []
-        for i in sampling:
-            for seq in (seqs[i], *batch.forks.get(seqs[i].seq_id, ())):
-                rows.append(int(last_rows[i]))
-                sampled_seqs.append(seq)
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        logits = self.model.compute_logits(hidden[self._to_device(torch.tensor(rows))])  # [num_sampled, vocab]
         return sampled_seqs, self.sampler(logits, [self._sampler_row(s) for s in sampled_seqs])
 
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the model's device: through pinned memory and without waiting on CUDA."""
+        if self.device.type != "cuda":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
     def _prepare_inputs(self, seqs: list[Sequence], num_new: list[int]):
+        """Every step input is built on the host and copied to the device once; nothing here
+        reads a device tensor back. Prefills are described in the form the backend reads."""
         num_prefills = sum(1 for n in num_new if n > 1)
         input_ids: list[int] = []
         for seq, n in zip(seqs, num_new):
@@ -140,29 +151,29 @@ class ModelRunner:
         width = max(len(s.block_table) for s in seqs)
         block_tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs])
         slot_mapping = (block_tables[seq_of_token, positions // self.block_size] * self.block_size
-                        + positions % self.block_size)
-        context_lens = starts + lens
-        prefills = [PrefillSpan(int(offsets[i]), num_new[i], int(context_lens[i]),
-                                block_tables[i, : len(seqs[i].block_table)].to(self.device))
-                    for i in range(num_prefills)]
+                        + positions % self.block_size)  # [T]
+        context_lens = starts + lens  # [num_seqs]
+        device_tables = self._to_device(block_tables)  # [num_seqs, width]
         num_decode_blocks = max((len(s.block_table) for s in seqs[num_prefills:]), default=0)
-        num_prefill_blocks = max((len(s.block_table) for s in seqs[:num_prefills]), default=0)
-        prefill_query_starts = torch.zeros(num_prefills + 1, dtype=torch.int64)
-        prefill_query_starts[1:] = lens[:num_prefills].cumsum(0)
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(self.device),
+            slot_mapping=self._to_device(slot_mapping),
             num_prefill_tokens=int(lens[:num_prefills].sum()),
-            prefills=prefills,
-            decode_block_tables=block_tables[num_prefills:, :num_decode_blocks].to(self.device),
-            decode_context_lens=context_lens[num_prefills:].to(self.device),
-            prefill_query_starts=prefill_query_starts.to(self.device),
-            prefill_context_lens=context_lens[:num_prefills].to(self.device),
-            prefill_block_tables=block_tables[:num_prefills, :num_prefill_blocks].to(self.device),
-            max_prefill_queries=max(num_new[:num_prefills], default=0),
+            decode_block_tables=device_tables[num_prefills:, :num_decode_blocks],
+            decode_context_lens=self._to_device(context_lens[num_prefills:]),
         )
-        last_rows = offsets + lens - 1
-        return (torch.tensor(input_ids, device=self.device), positions.to(self.device), meta,
-                last_rows.to(self.device))
+        if num_prefills and self.backend.reads_prefill_spans:
+            meta.prefills = [PrefillSpan(int(offsets[i]), num_new[i], int(context_lens[i]),
+                                         device_tables[i, : len(seqs[i].block_table)])
+                             for i in range(num_prefills)]
+        elif num_prefills:
+            query_starts = torch.zeros(num_prefills + 1, dtype=torch.int64)
+            query_starts[1:] = lens[:num_prefills].cumsum(0)
+            num_prefill_blocks = max(len(s.block_table) for s in seqs[:num_prefills])
+            meta.prefill_query_starts = self._to_device(query_starts)
+            meta.prefill_context_lens = self._to_device(context_lens[:num_prefills])
+            meta.prefill_block_tables = device_tables[:num_prefills, :num_prefill_blocks]
+            meta.max_prefill_queries = max(num_new[:num_prefills])
+        return self._to_device(torch.tensor(input_ids)), self._to_device(positions), meta
 
     def _sampler_row(self, seq: Sequence) -> SamplerRow:
         params = seq.params

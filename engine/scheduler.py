@@ -6,17 +6,26 @@ their next prefill chunk; waiting sequences are then admitted in arrival order
 while their blocks are free. A running sequence that cannot get a block makes
 the newest running sequence give up its blocks (preemption by recompute).
 
+After the model ran, `postprocess` advances progress, appends the sampled tokens
+and finishes the sequences that stop.
+
 Plain Python: the model runner turns a `ScheduledBatch` into tensors.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:  # the sampler imports torch; the scheduler stays plain Python
+    from engine.sampler import SamplerOutput
 
 
 @dataclass
@@ -29,10 +38,6 @@ class ScheduledBatch:
     forks: dict[str, list[Sequence]] = field(default_factory=dict)
     """n > 1: parent seq_id -> samples forked this step. They share the parent's blocks and
     draw their first token from the parent's logits."""
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -99,13 +104,18 @@ class Scheduler:
         # Forked samples join after this step's scheduling: they compute nothing in it.
         for children in batch.forks.values():
             self.running.extend(children)
+        now = time.monotonic()
+        for seq in batch.seqs:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
         return batch
 
     def _grow(self, seq: Sequence, num_new: int, batch: ScheduledBatch) -> None:
         copy = self.block_manager.copy_on_write(seq)
         if copy is not None:
             batch.block_copies.append(copy)
-        assert self.block_manager.allocate(seq, num_new)
+        if not self.block_manager.allocate(seq, num_new):  # can_allocate said yes just before
+            raise RuntimeError(f"block manager refused {num_new} tokens for {seq} after can_allocate")
         self._schedule(seq, num_new, batch)
 
     def _schedule(self, seq: Sequence, num_new: int, batch: ScheduledBatch) -> None:
@@ -131,13 +141,25 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def update(self, batch: ScheduledBatch) -> None:
-        """After the model ran `batch`: advance progress and publish finished blocks to the prefix cache."""
+    def postprocess(self, batch: ScheduledBatch, sampled_seqs: list[Sequence], sampled: SamplerOutput,
+                    check_stop: Callable[[Sequence], str | None]) -> list[Sequence]:
+        """After the model ran `batch`: advance progress, publish finished blocks to the
+        prefix cache, append each sampled token, and finish the sequences that stop.
+        Returns the finished ones."""
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += num_new
             self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens)
             for child in batch.forks.get(seq.seq_id, ()):
                 child.num_computed_tokens = seq.num_computed_tokens
+        now = time.monotonic()
+        finished = []
+        for seq, token_id, logprobs in zip(sampled_seqs, sampled.token_ids, sampled.logprobs):
+            seq.append_token(token_id, logprobs, now)
+            reason = check_stop(seq)
+            if reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED

@@ -72,9 +72,16 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    @property
-    def is_prefilling(self) -> bool:
-        return self.num_computed_tokens < self.num_tokens - 1
+    def append_token(self, token_id: int, logprobs: dict[int, float] | None, now: float) -> None:
+        """Add a sampled token, with its logprobs and the latency stamps the metrics read."""
+        self.token_ids.append(token_id)
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        if self.last_token_time is not None:
+            self.inter_token_latencies.append(now - self.last_token_time)
+        self.last_token_time = now
 
     def fork(self, sample_index: int) -> Sequence:
         """A sibling sample: the same prompt and progress; blocks are shared by the caller."""

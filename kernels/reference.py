@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import cdiv
+
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
@@ -131,7 +133,7 @@ def _decode_padded(query, key_cache, value_cache, block_tables, context_lens, sc
                    gather_buffers=None):
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    num_blocks = -(-int(context_lens.max()) // block_size)
+    num_blocks = cdiv(int(context_lens.max()), block_size)
     table = block_tables[:, :num_blocks].reshape(-1)
     key_buffer, value_buffer = gather_buffers or (None, None)
     # [num_seqs, Hkv, max_context, D]
@@ -155,7 +157,7 @@ def _decode_per_sequence(query, key_cache, value_cache, block_tables, lens, scal
     out = torch.empty_like(query)
     for index, context_len in enumerate(lens):
         first = 0 if sliding_window is None else max(0, context_len - sliding_window)
-        blocks = block_tables[index, : -(-context_len // block_size)]
+        blocks = block_tables[index, : cdiv(context_len, block_size)]
         keys = key_cache.index_select(0, blocks).flatten(0, 1)[first:context_len].transpose(0, 1)  # [Hkv, C, D]
         values = value_cache.index_select(0, blocks).flatten(0, 1)[first:context_len].transpose(0, 1)
         probs = torch.softmax(torch.matmul(keys, grouped_query[index]) * scale, dim=1)  # [Hkv, C, G]

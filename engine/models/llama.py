@@ -12,14 +12,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from engine.attention import ForwardContext
-from engine.models.layers import RMSNorm, RotaryEmbedding
-
-
-def fused_linear(in_features: int, shard_sizes: list[int], bias: bool) -> nn.Linear:
-    layer = nn.Linear(in_features, sum(shard_sizes), bias=bias)
-    for param in layer.parameters():
-        param.shard_sizes = shard_sizes  # read by engine.loader
-    return layer
+from engine.models.layers import RMSNorm, RotaryEmbedding, fused_linear
 
 
 class LlamaAttention(nn.Module):

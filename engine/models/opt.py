@@ -8,7 +8,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from engine.attention import ForwardContext
-from engine.models.llama import fused_linear
+from engine.models.layers import fused_linear
 
 POSITION_OFFSET = 2  # OPT's learned position table reserves its first two rows
 

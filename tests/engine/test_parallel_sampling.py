@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
+from engine.sampler import SamplerOutput
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 
@@ -18,16 +19,19 @@ def test_fork_shares_prompt_blocks_and_copies_the_partial_one_on_write():
     assert [c.sample_index for c in children] == [1, 2]
     assert parent.block_table == [0, 1, 2] and all(c.block_table == [0, 1, 2] for c in children)
     assert [scheduler.block_manager.blocks[i].ref_count for i in (0, 1, 2)] == [3, 3, 3]
-    scheduler.update(batch)
+    # Each sample draws its own first token from the parent's logits; the second one stops at once.
+    finished = scheduler.postprocess(batch, [parent, *children], SamplerOutput([7, 8, 9], [None] * 3),
+                                     check_stop=lambda seq: "stop" if seq is children[1] else None)
+    assert finished == [children[1]] and children[1].finish_reason == "stop"
     assert all(c.num_computed_tokens == 10 for c in children)
-    for seq, token in zip([parent, *children], (7, 8, 9)):  # each sample drew its own first token
-        seq.token_ids.append(token)
+    assert [s.output_token_ids for s in (parent, *children)] == [[7], [8], [9]]
+    assert [scheduler.block_manager.blocks[i].ref_count for i in (0, 1, 2)] == [2, 2, 2]
     batch = scheduler.schedule()
-    assert [s.sample_index for s in batch.seqs] == [0, 1, 2] and batch.num_new_tokens == [1, 1, 1]
-    # The first two writers into the shared partial block 2 get copies; the last keeps it.
-    assert batch.block_copies == [(2, 3), (2, 4)]
-    assert [s.block_table for s in batch.seqs] == [[0, 1, 3], [0, 1, 4], [0, 1, 2]]
-    assert [scheduler.block_manager.blocks[i].ref_count for i in (0, 1, 2, 3, 4)] == [3, 3, 1, 1, 1]
+    assert [s.sample_index for s in batch.seqs] == [0, 1] and batch.num_new_tokens == [1, 1]
+    # The first writer into the shared partial block 2 gets a copy; the last one keeps it.
+    assert batch.block_copies == [(2, 3)]
+    assert [s.block_table for s in batch.seqs] == [[0, 1, 3], [0, 1, 2]]
+    assert [scheduler.block_manager.blocks[i].ref_count for i in (0, 1, 2, 3)] == [2, 2, 1, 1]
     for seq in batch.seqs:
         scheduler.finish(seq, "stop")
     assert scheduler.block_manager.num_free_blocks == 16

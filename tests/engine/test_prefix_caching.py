@@ -71,5 +71,5 @@ def test_hit_and_query_counters_are_exact(tiny_llama):
     run_one(llm, "2", base[:48] + tokens(8, 10))  # 58 queried, 3 full blocks hit
     run_one(llm, "3", base)  # 50 queried; (50 - 1) // 16 = 3 blocks may hit
     stats = llm.engine.stats()
-    assert stats["prefix_cache_queries"] == 50 + 58 + 50
-    assert stats["prefix_cache_hits"] == 48 + 48
+    assert stats.num_prefix_queried_tokens == 50 + 58 + 50
+    assert stats.num_prefix_hit_tokens == 48 + 48

@@ -1,6 +1,7 @@
 """Scheduler policy on exact numbers: budget, admission by free blocks, preemption."""
 
 from engine.config import EngineConfig
+from engine.sampler import SamplerOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
@@ -12,12 +13,11 @@ def make_scheduler(num_blocks, **options) -> Scheduler:
 
 
 def run_step(scheduler: Scheduler):
-    """Pretend the model ran: advance progress and append one token to each sampled sequence."""
+    """Pretend the model ran: every sequence whose tokens all ran this step samples token 0."""
     batch = scheduler.schedule()
-    scheduler.update(batch)
-    for seq in batch.seqs:
-        if seq.num_computed_tokens == seq.num_tokens:
-            seq.token_ids.append(0)
+    sampled = [s for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens]
+    scheduler.postprocess(batch, sampled, SamplerOutput([0] * len(sampled), [None] * len(sampled)),
+                          check_stop=lambda seq: None)
     return batch
 
 

@@ -1,0 +1,50 @@
+"""Engine options on the command line, shared by every CLI that starts an engine
+(`python -m workers`, `python -m workers.run_batch`), named as vLLM names them.
+Defaults are EngineConfig's own, so they are written down once."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+
+from engine.config import EngineConfig
+
+_DEFAULTS = {f.name: f.default for f in fields(EngineConfig)}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", required=True, help="Hugging Face checkpoint folder (config.json, *.safetensors)")
+    group.add_argument("--tokenizer", help="tokenizer folder; default: the model folder")
+    group.add_argument("--skip-tokenizer-init", action="store_true",
+                       help="run without a tokenizer: token-id prompts only, outputs carry token ids")
+    group.add_argument("--dtype", default=_DEFAULTS["dtype"], choices=["auto", "float32", "bfloat16", "float16"])
+    group.add_argument("--device", default=_DEFAULTS["device"], help="auto, cpu, cuda or cuda:N")
+    group.add_argument("--block-size", type=int, default=_DEFAULTS["block_size"], help="tokens per KV block")
+    group.add_argument("--num-kv-blocks", type=int, help="exact KV pool size in blocks")
+    group.add_argument("--kv-cache-memory", help="KV pool in bytes or a size like 8GiB")
+    group.add_argument("--max-num-seqs", type=int, default=_DEFAULTS["max_num_seqs"])
+    group.add_argument("--max-num-batched-tokens", type=int, default=_DEFAULTS["max_num_batched_tokens"],
+                       help="token budget of one step")
+    group.add_argument("--max-model-len", type=int, help="longest prompt + completion; default: the model's")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=_DEFAULTS["enable_prefix_caching"])
+    group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                       default=_DEFAULTS["enable_chunked_prefill"])
+    group.add_argument("--seed", type=int, default=_DEFAULTS["seed"], help="seeds unseeded requests' samplers")
+    group.add_argument("--attention-backend", default=_DEFAULTS["attention_backend"],
+                       choices=["auto", "cpu", "torch", "triton"],
+                       help="auto: triton on CUDA; on the CPU the native kernel, else torch")
+    group.add_argument("--tensor-parallel-size", type=int, default=_DEFAULTS["tensor_parallel_size"])
+    return parser
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """Raises ValueError, naming the option, for a value EngineConfig refuses."""
+    return EngineConfig(
+        model=args.model, tokenizer=args.tokenizer, skip_tokenizer_init=args.skip_tokenizer_init, dtype=args.dtype,
+        device=args.device, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
+        seed=args.seed, attention_backend=args.attention_backend, tensor_parallel_size=args.tensor_parallel_size)
