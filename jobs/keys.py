@@ -2,7 +2,7 @@
 
 | key                              | type        | holds                                                        |
 |----------------------------------|-------------|--------------------------------------------------------------|
-| kvfleet:stream:{model}           | stream      | one entry per request: batch_id, custom_id, request (JSON)   |
+| kvfleet:stream:{model}           | stream      | one entry per request, fields STREAM_ENTRY_FIELDS below      |
 | kvfleet:batch:{id}               | hash        | the batch object's fields, counts, timestamps, sink          |
 | kvfleet:batch:{id}:done          | set         | custom ids with a durable result (counted once)              |
 | kvfleet:batch:{id}:results       | hash        | custom id -> result line (the redis sink)                    |
@@ -10,8 +10,18 @@
 | kvfleet:file:{id}                | hash        | a file object: bytes, filename, purpose, location            |
 | kvfleet:file:{id}:content        | string      | the content of a file stored in Redis                        |
 | kvfleet:dead                     | stream      | dead-lettered entries with their last error                  |
-| kvfleet:worker:{name}            | hash + TTL  | heartbeat, model, free/total KV blocks, running count        |
+| kvfleet:worker:{name}            | hash + TTL  | heartbeat: served models, KV blocks, running/waiting/...     |
+| kvfleet:workers                  | sorted set  | worker names by last heartbeat (jobs/heartbeats.py)          |
 | rq:queue:kvfleet-finalize        | RQ queue    | finalize_batch jobs (JSON serializer), one per batch         |
+
+A stream entry's fields, as producers/ingest.py writes them and workers read them:
+
+    batch_id      the batch it belongs to
+    custom_id     the request's id within the batch
+    line_number   its line in the input file (1-based), for error messages
+    line          the original JSONL line; workers re-validate it with jobs.schemas.parse_line
+    enqueued_at   wall-clock seconds at XADD, for the queue-time metric
+    requeues      (only on a copy handed back by a worker) how often it was handed back
 """
 
 from __future__ import annotations
@@ -23,6 +33,9 @@ CONSUMER_GROUP = "workers"
 FINALIZE_QUEUE = "kvfleet-finalize"
 BATCHES = f"{PREFIX}:batches"
 DEAD_LETTERS = f"{PREFIX}:dead"
+WORKERS = f"{PREFIX}:workers"
+STREAM_ENTRY_FIELDS = ("batch_id", "custom_id", "line_number", "line", "enqueued_at")
+HANDED_BACK_FIELD = "requeues"
 
 
 def stream(model: str) -> str:

@@ -49,20 +49,24 @@ class Choice:
     text: str
     finish_reason: str
     logprobs: dict[str, Any] | None = None
+    token_ids: list[int] | None = None  # set by workers without a tokenizer (vLLM's return_token_ids field)
+
+    def extra(self) -> dict[str, Any]:
+        return {} if self.token_ids is None else {"token_ids": self.token_ids}
 
 
 def completion_body(model: str, choices: list[Choice], usage: Usage) -> dict[str, Any]:
     return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": model, "usage": usage.as_openai(),
-            "choices": [{"index": i, "text": c.text, "finish_reason": c.finish_reason, "logprobs": c.logprobs}
-                        for i, c in enumerate(choices)]}
+            "choices": [{"index": i, "text": c.text, "finish_reason": c.finish_reason, "logprobs": c.logprobs,
+                         **c.extra()} for i, c in enumerate(choices)]}
 
 
 def chat_completion_body(model: str, choices: list[Choice], usage: Usage) -> dict[str, Any]:
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": model, "usage": usage.as_openai(),
             "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
-                         "finish_reason": c.finish_reason, "logprobs": c.logprobs}
+                         "finish_reason": c.finish_reason, "logprobs": c.logprobs, **c.extra()}
                         for i, c in enumerate(choices)]}
 
 

@@ -23,6 +23,7 @@ MAX_OUTPUT_TOKENS = 1_000_000
 MAX_MESSAGES = 1024
 MAX_STOP = 16
 MAX_ID_CHARS = 512
+MAX_REPORTED_ERRORS = 100  # invalid lines named one by one; past that, only counted
 
 ShortStr = Annotated[str, Field(max_length=256)]
 
@@ -181,3 +182,13 @@ def parse_line(text: str | bytes, line_number: int) -> Request:
         raise LineError(line_number, *_first_error(error)) from None
     body = short.model_dump(exclude_none=True, exclude={"custom_id"})
     return Request(custom_id=short.custom_id or f"line-{line_number}", url=COMPLETIONS, body=body)
+
+
+def custom_id_of(raw: str | bytes, line_number: int) -> str:
+    """The line's custom id if it has a usable one, even when the line is invalid
+    otherwise; else "line-<n>", as for short-form lines without one."""
+    try:
+        custom_id = json.loads(raw).get("custom_id")
+    except (ValueError, AttributeError):
+        custom_id = None
+    return custom_id if isinstance(custom_id, str) and custom_id else f"line-{line_number}"

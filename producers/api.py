@@ -2,7 +2,8 @@
 
     python -m producers.api [--host 127.0.0.1] [--port 8000] [--redis-url URL]
 
-Routes: POST /v1/files, GET /v1/files/{id}, GET /v1/files/{id}/content,
+Routes: GET /v1/models (what live workers serve), GET /v1/models/{model},
+POST /v1/files, GET /v1/files/{id}, GET /v1/files/{id}/content,
 POST /v1/batches, GET /v1/batches, GET /v1/batches/{id}, POST /v1/batches/{id}/cancel,
 and beyond OpenAI GET /v1/batches/{id}/results/{custom_id}; GET /healthz and
 GET /metrics. With KVFLEET_API_KEY set, every /v1 route needs
@@ -25,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
-from jobs import batches, keys
+from jobs import batches, heartbeats, keys
 from jobs.files import FileNotFound, create_file, file_object, new_file_id, read_file
 from jobs.storage import RedisStorage, open_storage
 from producers.ingest import submit
@@ -90,6 +91,24 @@ def create_app(redis_url: str | None = None) -> FastAPI:
         route = request.scope.get("route")
         http_requests.labels(getattr(route, "path", "unmatched"), str(response.status_code)).inc()
         return response
+
+    def model_object(name: str, served: dict[str, Any]) -> dict[str, Any]:
+        """OpenAI's model object, with vLLM's max_model_len and root."""
+        return {"id": name, "object": "model", "created": served["created"], "owned_by": "kvfleet",
+                "root": served["root"], "parent": None, "max_model_len": served["max_model_len"]}
+
+    @v1.get("/models")
+    def list_models():
+        served = heartbeats.served_models(r)
+        return {"object": "list", "data": [model_object(name, served[name]) for name in sorted(served)]}
+
+    @v1.get("/models/{model:path}")
+    def retrieve_model(model: str):
+        served = heartbeats.served_models(r)
+        if model not in served:
+            raise APIError(404, f"The model '{model}' does not exist: no live worker serves it.", "model_not_found",
+                           "model")
+        return model_object(model, served[model])
 
     def get_batch(batch_id: str) -> dict[str, Any]:
         try:

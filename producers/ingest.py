@@ -15,7 +15,6 @@ with the same `jobs.schemas.parse_line`.
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from array import array
 from collections.abc import Callable, Iterable, Iterator
@@ -26,10 +25,9 @@ import redis
 
 from jobs import batches, keys
 from jobs.results import error_line, record_result
-from jobs.schemas import COMPLETIONS, ENDPOINTS, LineError, parse_line
+from jobs.schemas import COMPLETIONS, ENDPOINTS, MAX_REPORTED_ERRORS, LineError, custom_id_of, parse_line
 from jobs.storage import open_storage, validate_sink
 
-MAX_REPORTED_ERRORS = 100
 CHUNK_LINES = 1000
 
 LineSource = Callable[[], Iterable[bytes]]  # opens the file anew for each pass
@@ -62,14 +60,6 @@ def _digest(custom_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(custom_id.encode(), digest_size=8).digest(), "little")
 
 
-def _fallback_custom_id(raw: bytes, line_number: int) -> str:
-    try:
-        custom_id = json.loads(raw).get("custom_id")
-    except (ValueError, AttributeError):
-        custom_id = None
-    return custom_id if isinstance(custom_id, str) and custom_id else f"line-{line_number}"
-
-
 def validate(source: LineSource, endpoint: str | None = None, model: str | None = None) -> Report:
     """Pass 1. The batch's endpoint and model default to the first line's."""
     report = Report(endpoint=endpoint, model=model)
@@ -88,7 +78,7 @@ def validate(source: LineSource, endpoint: str | None = None, model: str | None 
                 raise LineError(line_number, "body.model", f"must match the batch model {report.model!r}")
             digests.append(_digest(request.custom_id))
         except LineError as error:
-            report.add_error(error, _fallback_custom_id(raw, line_number))
+            report.add_error(error, custom_id_of(raw, line_number))
     _report_duplicates(source, digests, report)
     if report.num_lines == 0:
         report.add_error(LineError(0, "file", "contains no requests"), "")
@@ -109,7 +99,7 @@ def _report_duplicates(source: LineSource, digests: array, report: Report) -> No
     for line_number, raw in _lines(source):
         if line_number in report.invalid:
             continue
-        custom_id = _fallback_custom_id(raw, line_number)
+        custom_id = custom_id_of(raw, line_number)
         digest = _digest(custom_id)
         if digest in repeated:
             if digest in seen:
@@ -129,15 +119,19 @@ class Submission:
 def submit(r: redis.Redis, source: LineSource, *, batch_id: str | None = None, endpoint: str | None = None,
            model: str | None = None, sink: str = "redis", completion_window: str = "24h",
            metadata: dict[str, str] | None = None, input_file_id: str | None = None, skip_invalid: bool = False,
-           on_progress: Callable[[int], None] | None = None) -> Submission:
+           on_progress: Callable[[int], None] | None = None,
+           before_enqueue: Callable[[Report], None] | None = None) -> Submission:
     """Validate, then create (or resume) the batch and enqueue its valid lines.
-    With errors and without skip_invalid, nothing is created or enqueued."""
+    With errors and without skip_invalid, nothing is created or enqueued.
+    `before_enqueue` sees the validated report first; what it raises stops the submission."""
     sink = validate_sink(sink)
     batches.parse_window(completion_window)
     batch_id = batch_id or batches.new_batch_id()
     report = validate(source, endpoint, model)
     if report.num_errors and (not skip_invalid or report.num_errors == report.num_lines or not report.num_lines):
         return Submission(batch_id, report, 0, accepted=False)
+    if before_enqueue is not None:
+        before_enqueue(report)
     batches.create_batch(r, batch_id, endpoint=report.endpoint, model=report.model, input_file_id=input_file_id,
                          completion_window=completion_window, sink=sink, metadata=metadata)
     fields = batches.load_fields(r, batch_id)
@@ -166,7 +160,7 @@ def _enqueue(r: redis.Redis, source: LineSource, batch_id: str, report: Report, 
         index += 1
         if index <= already:
             continue
-        custom_id = _fallback_custom_id(raw, line_number)
+        custom_id = custom_id_of(raw, line_number)
         pipe.xadd(stream, {"batch_id": batch_id, "custom_id": custom_id, "line_number": line_number,
                            "line": raw.strip(), "enqueued_at": f"{time.time():.3f}"})
         pending += 1

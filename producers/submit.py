@@ -2,13 +2,15 @@
 
     python -m producers.submit FILE.jsonl [--model M] [--endpoint /v1/completions]
         [--output redis|s3://bucket/prefix|file:///dir] [--completion-window 24h]
-        [--metadata k=v ...] [--batch-id ID] [--skip-invalid] [--wait] [--json]
+        [--metadata k=v ...] [--batch-id ID] [--skip-invalid] [--require-worker] [--wait] [--json]
 
 Validates the whole file first (streaming). Any invalid line is printed as
 FILE:LINE: field: message and nothing is enqueued (exit 1), unless
 --skip-invalid, which enqueues the valid lines and records the others as failed
 requests. Prints the batch id; --json prints the batch object as the last line.
-Re-running with the same --batch-id enqueues nothing twice.
+Re-running with the same --batch-id enqueues nothing twice. When no live worker
+serves the batch's model, a warning names the models that live workers do serve;
+--require-worker makes that an error (exit 2, nothing enqueued).
 """
 
 from __future__ import annotations
@@ -22,8 +24,25 @@ import time
 import redis
 from tqdm import tqdm
 
-from jobs import batches, keys
-from producers.ingest import MAX_REPORTED_ERRORS, submit
+from jobs import batches, heartbeats, keys
+from jobs.schemas import MAX_REPORTED_ERRORS
+from producers.ingest import submit
+
+
+class NoWorkerServes(Exception):
+    pass
+
+
+def check_served(r: redis.Redis, model: str, required: bool) -> None:
+    """Warn on stderr, or raise NoWorkerServes when required, if no live worker serves `model`."""
+    served = heartbeats.served_models(r)
+    if model in served:
+        return
+    message = (f"no live worker serves model {model!r}; live workers serve: "
+               f"{', '.join(repr(m) for m in sorted(served)) or 'none'}")
+    if required:
+        raise NoWorkerServes(message)
+    print(f"warning: {message}. The batch waits in the queue until a worker for it starts.", file=sys.stderr)
 
 
 def parse_metadata(pairs: list[str]) -> dict[str, str]:
@@ -63,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--batch-id")
     parser.add_argument("--skip-invalid", action="store_true")
+    parser.add_argument("--require-worker", action="store_true",
+                        help="fail (exit 2) instead of warning when no live worker serves the model")
     parser.add_argument("--wait", action="store_true", help="poll until the batch ends")
     parser.add_argument("--json", action="store_true", help="print the batch object as the last line")
     return parser
@@ -85,7 +106,11 @@ def main(argv: list[str] | None = None) -> int:
         submission = submit(r, source, batch_id=args.batch_id, endpoint=args.endpoint, model=args.model,
                             sink=args.output, completion_window=args.completion_window,
                             metadata=parse_metadata(args.metadata), skip_invalid=args.skip_invalid,
-                            on_progress=progress.update)
+                            on_progress=progress.update,
+                            before_enqueue=lambda report: check_served(r, report.model, args.require_worker))
+    except NoWorkerServes as error:
+        print(f"error: {error}; nothing enqueued", file=sys.stderr)
+        return 2
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

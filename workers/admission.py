@@ -1,8 +1,9 @@
 """How many stream entries a worker may pull now.
 
-The rule, on the engine's own numbers:
+The rule, on the engine's own numbers (EngineStats):
 
-    k = 0                                   if the engine holds any request not yet started
+    k = 0                                   if any request waits in the engine (unstarted,
+                                            or preempted and waiting to be recomputed)
     k = min(free_seats, spare_blocks // blocks_per_request)   otherwise, where
         free_seats         = max_num_seqs - running
         spare_blocks       = free_blocks - running          (one block of growth reserved
@@ -17,24 +18,16 @@ holds pulled-but-unstartable work that another worker could run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from engine import EngineStats
 
 
-@dataclass
-class EngineCapacity:
-    max_num_seqs: int
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    block_size: int
-
-    @property
-    def spare_blocks(self) -> int:
-        return max(0, self.num_free_blocks - self.num_running)
+def spare_blocks(stats: EngineStats) -> int:
+    return max(0, stats.num_free_blocks - stats.num_running)
 
 
 class Admission:
-    def __init__(self, initial_blocks_per_request: float = 8.0, smoothing: float = 0.2) -> None:
+    def __init__(self, max_num_seqs: int, initial_blocks_per_request: float = 8.0, smoothing: float = 0.2) -> None:
+        self.max_num_seqs = max_num_seqs
         self.blocks_per_request = initial_blocks_per_request
         self.smoothing = smoothing
 
@@ -42,16 +35,16 @@ class Admission:
         """Update the estimate with the start-up blocks of a request just seen."""
         self.blocks_per_request += self.smoothing * (num_blocks - self.blocks_per_request)
 
-    def count(self, capacity: EngineCapacity) -> int:
-        if capacity.num_waiting:
+    def count(self, stats: EngineStats) -> int:
+        if stats.num_waiting:
             return 0
-        free_seats = capacity.max_num_seqs - capacity.num_running
-        return max(0, min(free_seats, int(capacity.spare_blocks // max(1.0, self.blocks_per_request))))
+        free_seats = self.max_num_seqs - stats.num_running
+        return max(0, min(free_seats, int(spare_blocks(stats) // max(1.0, self.blocks_per_request))))
 
     @staticmethod
-    def fit(capacity: EngineCapacity, blocks_needed: list[int]) -> int:
+    def fit(stats: EngineStats, blocks_needed: list[int]) -> int:
         """How many of the pulled requests, in order, can start with the spare blocks."""
-        spare, admitted = capacity.spare_blocks, 0
+        spare, admitted = spare_blocks(stats), 0
         for needed in blocks_needed:
             if needed > spare:
                 break

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from engine import RequestOutput
+from engine import EngineStats, RequestOutput
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
 TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5)
@@ -26,7 +26,10 @@ class WorkerMetrics:
             return Histogram(f"kvfleet:{name}", doc, names, buckets=buckets, registry=self.registry).labels(**labels)
 
         self.num_requests_running = gauge("num_requests_running", "Requests the engine is running")
-        self.num_requests_waiting = gauge("num_requests_waiting", "Pulled requests not started yet")
+        self.num_requests_waiting = gauge("num_requests_waiting",
+                                          "Requests waiting in the engine: unstarted, or preempted and waiting "
+                                          "to be recomputed")
+        self.num_requests_unstarted = gauge("num_requests_unstarted", "Pulled requests the engine has not started")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)")
         self.num_free_blocks = gauge("num_free_kv_blocks", "Free KV blocks")
         self.stream_pending = gauge("stream_pending", "Entries delivered to some worker, not yet acked")
@@ -67,11 +70,11 @@ class WorkerMetrics:
         if enqueued_at is not None and metrics.first_scheduled_time is not None:
             self.request_queue_time.observe(max(0.0, metrics.first_scheduled_time + wall_offset - enqueued_at))
 
-    def update_engine(self, stats: dict) -> None:
-        self.num_requests_running.set(stats["num_running"])
-        self.num_requests_waiting.set(stats["num_waiting"])
-        total = stats["num_total_blocks"]
-        self.kv_cache_usage_perc.set((total - stats["num_free_blocks"]) / total if total else 0.0)
-        self.num_free_blocks.set(stats["num_free_blocks"])
-        self.num_preemptions.inc(stats["num_preemptions"] - self._seen_preemptions)
-        self._seen_preemptions = stats["num_preemptions"]
+    def update_engine(self, stats: EngineStats) -> None:
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.num_requests_unstarted.set(stats.num_unstarted)
+        self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        self.num_free_blocks.set(stats.num_free_blocks)
+        self.num_preemptions.inc(stats.num_preemptions - self._seen_preemptions)
+        self._seen_preemptions = stats.num_preemptions

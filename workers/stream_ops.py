@@ -8,8 +8,6 @@ entries of dead or stuck workers ever go idle past the lease and get reclaimed.
 
 from __future__ import annotations
 
-import json
-
 import redis
 
 from jobs import keys
@@ -25,12 +23,14 @@ def ensure_group(r: redis.Redis, stream: str) -> None:
             raise
 
 
-def read_new(r: redis.Redis, stream: str, consumer: str, count: int, block_ms: int | None):
-    """Up to `count` never-delivered entries: [(entry_id, fields)]."""
+def read_new(r: redis.Redis, streams: list[str], consumer: str, count: int, block_ms: int | None):
+    """Never-delivered entries of the streams, the first stream's first:
+    [(stream, entry_id, fields)]. COUNT applies to each stream, so up to count x len(streams)
+    come back; every one is delivered, and admission hands back what does not fit."""
     if count <= 0:
         return []
-    reply = r.xreadgroup(GROUP, consumer, {stream: ">"}, count=count, block=block_ms)
-    return [(eid.decode(), fields) for _, entries in reply or [] for eid, fields in entries]
+    reply = r.xreadgroup(GROUP, consumer, dict.fromkeys(streams, ">"), count=count, block=block_ms)
+    return [(stream.decode(), eid.decode(), fields) for stream, items in reply or [] for eid, fields in items]
 
 
 def reclaim_stale(r: redis.Redis, stream: str, consumer: str, lease_ms: int, count: int):
@@ -56,7 +56,7 @@ def touch(r: redis.Redis, stream: str, consumer: str, entry_ids: list[str]) -> N
 def requeue(r: redis.Redis, stream: str, entry_id: str, fields: dict) -> None:
     """Hand an entry back to the fleet at once: ack it and append a copy, atomically."""
     copy = {k: v for k, v in fields.items()}
-    copy[b"requeues"] = int(fields.get(b"requeues", 0)) + 1
+    copy[keys.HANDED_BACK_FIELD.encode()] = int(fields.get(keys.HANDED_BACK_FIELD.encode(), 0)) + 1
     pipe = r.pipeline(transaction=True)
     pipe.xack(stream, GROUP, entry_id)
     pipe.xadd(stream, copy)
@@ -99,10 +99,3 @@ def stream_backlog(r: redis.Redis, stream: str) -> tuple[int, int]:
             return int(group["pending"]), int(group.get("lag") or 0)
     return 0, 0
 
-
-def decode_fields(fields: dict) -> dict[str, str]:
-    return {k.decode(): v.decode() for k, v in fields.items()}
-
-
-def describe(fields: dict) -> str:
-    return json.dumps(decode_fields(fields))[:200]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine import RequestOutput, SamplingParams
+from engine import ContextLengthExceeded, RequestOutput, SamplingParams
 from jobs.results import Choice, Usage, chat_completion_body, completion_body, success_line
 from jobs.schemas import CHAT_COMPLETIONS, ChatBody, CompletionBody, Request
 
@@ -19,6 +19,13 @@ class RequestRejected(ValueError):
         self.code = code
 
 
+def error_code(error: Exception) -> str:
+    """The error line's code for a request refused before it ran."""
+    if isinstance(error, ContextLengthExceeded):
+        return "context_length_exceeded"
+    return getattr(error, "code", "invalid_request")
+
+
 @dataclass
 class EngineRequest:
     prompt_token_ids: list[int]
@@ -28,11 +35,17 @@ class EngineRequest:
 
 
 def to_engine_request(request: Request, tokenizer) -> EngineRequest:
+    """`tokenizer` is None on a worker started with --skip-tokenizer-init: then only
+    completions with token-id prompts can run."""
     body = request.parsed_body()
     try:
         params = SamplingParams(**body.sampling_kwargs())
     except ValueError as error:
         raise RequestRejected("invalid_request", str(error)) from None
+    if tokenizer is None and (request.url == CHAT_COMPLETIONS or isinstance(body.prompt, str)):
+        field = "messages" if request.url == CHAT_COMPLETIONS else "prompt"
+        raise RequestRejected("invalid_request", f"{field}: this worker runs without a tokenizer "
+                                                 "(--skip-tokenizer-init); send completions with token-id prompts")
     if request.url == CHAT_COMPLETIONS:
         try:
             prompt = tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=True,
@@ -46,14 +59,19 @@ def to_engine_request(request: Request, tokenizer) -> EngineRequest:
     return EngineRequest(list(prompt), params, body, request.url)
 
 
+def token_text(token_id: int, tokenizer) -> str:
+    """A token as OpenAI's logprobs show it; without a tokenizer, vLLM's "token_id:N" form."""
+    return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
+
+
 def _openai_logprobs(output_logprobs, token_ids: list[int], num_top: int, tokenizer, url: str):
     """Each engine entry holds the top `num_top` tokens and the sampled one; OpenAI's
     top list is the top `num_top` (with the sampled token when it ranks there)."""
     if output_logprobs is None:
         return None
-    tokens = [tokenizer.decode([t]) for t in token_ids]
+    tokens = [token_text(t, tokenizer) for t in token_ids]
     chosen = [entry[t] for entry, t in zip(output_logprobs, token_ids)]
-    tops = [{tokenizer.decode([k]): v for k, v in sorted(entry.items(), key=lambda kv: -kv[1])[:num_top]}
+    tops = [{token_text(k, tokenizer): v for k, v in sorted(entry.items(), key=lambda kv: -kv[1])[:num_top]}
             for entry in output_logprobs]
     if url == CHAT_COMPLETIONS:
         return {"content": [{"token": tok, "logprob": lp, "top_logprobs": [
@@ -68,6 +86,7 @@ def to_result_line(custom_id: str, request: EngineRequest, output: RequestOutput
                   cached_tokens=output.num_cached_tokens)
     choices = [Choice(c.text, c.finish_reason or "stop",
                       _openai_logprobs(c.logprobs, c.token_ids, request.params.logprobs or 0, tokenizer,
-                                       request.url)) for c in output.outputs]
+                                       request.url),
+                      token_ids=c.token_ids if tokenizer is None else None) for c in output.outputs]
     build = chat_completion_body if request.url == CHAT_COMPLETIONS else completion_body
     return success_line(custom_id, build(model, choices, usage)), usage

@@ -22,15 +22,15 @@ from dataclasses import dataclass
 import redis
 from botocore.exceptions import BotoCoreError, ClientError
 
-from engine import ContextLengthExceeded, LLMEngine
-from jobs import batches, keys
+from engine import LLMEngine
+from jobs import batches, heartbeats, keys
 from jobs.results import Usage, error_line, record_result
 from jobs.schemas import LineError, parse_line
 from jobs.storage import Storage, open_storage
 from workers import stream_ops
-from workers.admission import Admission, EngineCapacity
+from workers.admission import Admission
 from workers.metrics import WorkerMetrics
-from workers.translate import EngineRequest, RequestRejected, to_engine_request, to_result_line
+from workers.translate import EngineRequest, RequestRejected, error_code, to_engine_request, to_result_line
 
 log = logging.getLogger("kvfleet.worker")
 OUTAGE_ERRORS = (redis.ConnectionError, redis.TimeoutError, BotoCoreError, ClientError, OSError)
@@ -40,7 +40,7 @@ TRIM_SECONDS = 30.0
 @dataclass
 class WorkerOptions:
     name: str
-    model: str  # served model name: the stream it reads
+    served_model_names: list[str]  # one stream each; the first names the worker in metrics
     lease_seconds: float = 60.0
     max_deliveries: int = 3
     drain_seconds: float = 30.0
@@ -51,6 +51,7 @@ class WorkerOptions:
 
 @dataclass
 class InFlight:
+    stream: str
     entry_id: str
     batch_id: str
     custom_id: str
@@ -60,20 +61,26 @@ class InFlight:
 
 @dataclass
 class PendingResult:
-    entry_id: str | None
+    stream: str
+    entry_id: str | None  # None: nothing to ack (a dead-lettered entry's error line)
     batch_id: str
     line: dict
     usage: Usage | None = None
+
+
+def request_id(stream: str, entry_id: str) -> str:
+    """The engine request id of a stream entry (entry ids are unique only within a stream)."""
+    return f"{stream} {entry_id}"
 
 
 class Worker:
     def __init__(self, engine: LLMEngine, r: redis.Redis, options: WorkerOptions,
                  metrics: WorkerMetrics | None = None) -> None:
         self.engine, self.r, self.options = engine, r, options
-        self.stream = keys.stream(options.model)
-        self.metrics = metrics or WorkerMetrics(options.name, options.model)
-        self.admission = Admission()
-        self.in_flight: dict[str, InFlight] = {}  # engine request id (= entry id) -> work
+        self.streams = [keys.stream(model) for model in options.served_model_names]
+        self.metrics = metrics or WorkerMetrics(options.name, options.served_model_names[0])
+        self.admission = Admission(engine.config.max_num_seqs)
+        self.in_flight: dict[str, InFlight] = {}  # engine request id -> work
         self.results: list[PendingResult] = []
         self.storages: dict[str, Storage] = {}
         self.batch_cache: dict[str, dict] = {}
@@ -82,6 +89,7 @@ class Worker:
         self.retry_at = 0.0
         self.last_maintain = self.last_trim = 0.0
         self.wall_offset = time.time() - time.monotonic()
+        self.started_at = time.time()
         self.is_group_ready = False
 
     # -- lifecycle ---------------------------------------------------------------
@@ -129,39 +137,37 @@ class Worker:
     def _maintain(self) -> None:
         now = time.monotonic()
         if not self.is_group_ready:
-            stream_ops.ensure_group(self.r, self.stream)
+            for stream in self.streams:
+                stream_ops.ensure_group(self.r, stream)
             self.is_group_ready = True
         if now - self.last_maintain < self.options.maintain_seconds:
             return
         self.last_maintain = now
-        stream_ops.touch(self.r, self.stream, self.options.name, list(self.in_flight))
+        for stream in self.streams:
+            stream_ops.touch(self.r, stream, self.options.name,
+                             [work.entry_id for work in self.in_flight.values() if work.stream == stream])
         self._heartbeat()
         self._check_batches()
         if now - self.last_trim > TRIM_SECONDS:
             self.last_trim = now
-            stream_ops.trim_acknowledged(self.r, self.stream)
-        pending, lag = stream_ops.stream_backlog(self.r, self.stream)
-        self.metrics.stream_pending.set(pending)
-        self.metrics.stream_lag.set(lag)
-
-    def capacity(self) -> EngineCapacity:
-        stats = self.engine.stats()
-        return EngineCapacity(self.engine.config.max_num_seqs, stats["num_running"], stats["num_waiting"],
-                              stats["num_free_blocks"], self.engine.config.block_size)
+            for stream in self.streams:
+                stream_ops.trim_acknowledged(self.r, stream)
+        backlogs = [stream_ops.stream_backlog(self.r, stream) for stream in self.streams]
+        self.metrics.stream_pending.set(sum(pending for pending, _ in backlogs))
+        self.metrics.stream_lag.set(sum(lag for _, lag in backlogs))
 
     def _heartbeat(self) -> None:
         stats = self.engine.stats()
         self.metrics.update_engine(stats)
-        record = {"model": self.options.model, "free_blocks": stats["num_free_blocks"],
-                  "total_blocks": stats["num_total_blocks"], "running": stats["num_running"],
-                  "waiting": stats["num_waiting"], "unstarted": stats["num_unstarted"],
-                  "unstarted_blocks_needed": stats["num_unstarted_blocks_needed"],
-                  "preemptions": stats["num_preemptions"],
-                  "in_flight": len(self.in_flight), "heartbeat": time.time(), "draining": int(self.stopping)}
-        pipe = self.r.pipeline(transaction=True)
-        pipe.hset(keys.worker(self.options.name), mapping=record)
-        pipe.expire(keys.worker(self.options.name), max(3, int(self.options.lease_seconds)))
-        pipe.execute()
+        record = {"models": self.options.served_model_names, "root": self.engine.config.model,
+                  "max_model_len": self.engine.max_model_len,
+                  "tensor_parallel_size": self.engine.config.tensor_parallel_size,
+                  "free_blocks": stats.num_free_blocks, "total_blocks": stats.num_total_blocks,
+                  "running": stats.num_running, "waiting": stats.num_waiting, "unstarted": stats.num_unstarted,
+                  "unstarted_blocks_needed": stats.num_unstarted_blocks_needed,
+                  "preemptions": stats.num_preemptions, "in_flight": len(self.in_flight),
+                  "draining": int(self.stopping), "started_at": self.started_at}
+        heartbeats.record_heartbeat(self.r, self.options.name, record, max(3, int(self.options.lease_seconds)))
 
     def _batch(self, batch_id: str, refresh: bool = False) -> dict | None:
         if refresh or batch_id not in self.batch_cache:
@@ -174,17 +180,18 @@ class Worker:
     def _check_batches(self) -> None:
         """Abort in-flight requests of batches cancelled or past their window."""
         for batch_id in {work.batch_id for work in self.in_flight.values()}:
-            batch = self._batch(batch_id, refresh=True)
-            ended = self._ended(batch_id, batch)
+            ended = self._ended(self._batch(batch_id, refresh=True))
             if ended is None:
                 continue
-            for entry_id, work in list(self.in_flight.items()):
+            for key, work in list(self.in_flight.items()):
                 if work.batch_id == batch_id:
-                    self.engine.abort(entry_id)
-                    del self.in_flight[entry_id]
-                    self.results.append(PendingResult(entry_id, batch_id, error_line(work.custom_id, *ended)))
+                    self.engine.abort(key)
+                    del self.in_flight[key]
+                    self.results.append(PendingResult(work.stream, work.entry_id, batch_id,
+                                                      error_line(work.custom_id, *ended)))
 
-    def _ended(self, batch_id: str, batch: dict | None) -> tuple[str, str] | None:
+    @staticmethod
+    def _ended(batch: dict | None) -> tuple[str, str] | None:
         """(code, message) if the batch's requests must not run any more."""
         if batch is None or batch["status"] in ("cancelling", "cancelled", "failed"):
             return "batch_cancelled", "The batch was cancelled before this request finished."
@@ -195,70 +202,72 @@ class Worker:
 
     # -- admission ---------------------------------------------------------------
     def _admit(self) -> None:
-        capacity = self.capacity()
-        count = self.admission.count(capacity)
+        count = self.admission.count(self.engine.stats())
         if count <= 0:
             return
         lease_ms = int(self.options.lease_seconds * 1000)
-        entries = stream_ops.reclaim_stale(self.r, self.stream, self.options.name, lease_ms, count)
-        fresh = []
+        entries = []  # (stream, entry_id, fields, deliveries)
+        for stream in self.streams:
+            claimed = stream_ops.reclaim_stale(self.r, stream, self.options.name, lease_ms, count - len(entries))
+            entries += [(stream, *entry) for entry in claimed]
         if len(entries) < count:
             is_idle = not self.engine.has_unfinished() and not self.results
-            block_ms = self.options.block_ms if is_idle else None  # block on the stream only when idle
-            fresh = stream_ops.read_new(self.r, self.stream, self.options.name, count - len(entries), block_ms)
-        accepted: list[tuple[str, dict, InFlight]] = []
-        for entry_id, fields, deliveries in [*entries, *((eid, f, 1) for eid, f in fresh)]:
-            work = self._accept(entry_id, fields, deliveries)
+            block_ms = self.options.block_ms if is_idle else None  # block on the streams only when idle
+            fresh = stream_ops.read_new(self.r, self.streams, self.options.name, count - len(entries), block_ms)
+            entries += [(stream, entry_id, fields, 1) for stream, entry_id, fields in fresh]
+        accepted: list[tuple[dict, InFlight]] = []
+        for stream, entry_id, fields, deliveries in entries:
+            work = self._accept(stream, entry_id, fields, deliveries)
             if work is not None:
-                accepted.append((entry_id, fields, work))
-        needed = [self.engine.num_blocks_needed(len(w.request.prompt_token_ids)) for _, _, w in accepted]
+                accepted.append((fields, work))
+        needed = [self.engine.num_blocks_needed(len(w.request.prompt_token_ids)) for _, w in accepted]
         for blocks in needed:
             self.admission.observe(blocks)
-        num_fit = self.admission.fit(self.capacity(), needed)
-        for entry_id, fields, _ in accepted[num_fit:]:  # cannot start here now: back to the fleet
-            stream_ops.requeue(self.r, self.stream, entry_id, fields)
-        for entry_id, _, work in accepted[:num_fit]:
-            self.engine.add_request(entry_id, work.request.prompt_token_ids, work.request.params)
-            self.in_flight[entry_id] = work
+        num_fit = self.admission.fit(self.engine.stats(), needed)
+        for fields, work in accepted[num_fit:]:  # cannot start here now: back to the fleet
+            stream_ops.requeue(self.r, work.stream, work.entry_id, fields)
+        for _, work in accepted[:num_fit]:
+            key = request_id(work.stream, work.entry_id)
+            self.engine.add_request(key, work.request.prompt_token_ids, work.request.params)
+            self.in_flight[key] = work
 
-    def _accept(self, entry_id: str, fields: dict, deliveries: int) -> InFlight | None:
+    def _accept(self, stream: str, entry_id: str, fields: dict, deliveries: int) -> InFlight | None:
         """Turn an entry into work, or settle it here (error result, dead letter, duplicate)."""
-        if entry_id in self.in_flight:
+        if request_id(stream, entry_id) in self.in_flight:
             return None  # reclaimed our own entry: it is already running
         try:
             batch_id = fields[b"batch_id"].decode()
             custom_id = fields[b"custom_id"].decode()
             line, line_number = fields[b"line"], int(fields[b"line_number"])
         except (KeyError, ValueError, UnicodeDecodeError):
-            stream_ops.dead_letter(self.r, self.stream, entry_id, fields, "malformed stream entry")
+            stream_ops.dead_letter(self.r, stream, entry_id, fields, "malformed stream entry")
             return None
         if deliveries > self.options.max_deliveries:
-            stream_ops.dead_letter(self.r, self.stream, entry_id, fields,
+            stream_ops.dead_letter(self.r, stream, entry_id, fields,
                                    f"delivered {deliveries} times (max_deliveries {self.options.max_deliveries})")
-            self.results.append(PendingResult(None, batch_id, error_line(
+            self.results.append(PendingResult(stream, None, batch_id, error_line(
                 custom_id, "max_deliveries_exceeded", f"The request failed {deliveries - 1} times on workers.")))
             return None
         batch = self._batch(batch_id)
         if batch is None:
-            stream_ops.dead_letter(self.r, self.stream, entry_id, fields, f"no batch {batch_id}")
+            stream_ops.dead_letter(self.r, stream, entry_id, fields, f"no batch {batch_id}")
             return None
         if self.r.sismember(keys.batch_done(batch_id), custom_id):
-            stream_ops.ack(self.r, self.stream, entry_id)  # a redelivery of finished work
+            stream_ops.ack(self.r, stream, entry_id)  # a redelivery of finished work
             return None
-        ended = self._ended(batch_id, self._batch(batch_id, refresh=batch["status"] != "in_progress"))
+        ended = self._ended(self._batch(batch_id, refresh=batch["status"] != "in_progress"))
         if ended is not None:
-            self.results.append(PendingResult(entry_id, batch_id, error_line(custom_id, *ended)))
+            self.results.append(PendingResult(stream, entry_id, batch_id, error_line(custom_id, *ended)))
             return None
         try:
             request = to_engine_request(parse_line(line, line_number), self.engine.tokenizer)
             self.engine.validate(request.prompt_token_ids, request.params)
         except (LineError, RequestRejected, ValueError) as error:
-            code = "context_length_exceeded" if isinstance(error, ContextLengthExceeded) else \
-                getattr(error, "code", "invalid_request")
-            self.results.append(PendingResult(entry_id, batch_id, error_line(custom_id, code, str(error))))
+            line = error_line(custom_id, error_code(error), str(error))
+            self.results.append(PendingResult(stream, entry_id, batch_id, line))
             return None
         enqueued_at = float(fields[b"enqueued_at"]) if b"enqueued_at" in fields else None
-        return InFlight(entry_id, batch_id, custom_id, request, enqueued_at)
+        return InFlight(stream, entry_id, batch_id, custom_id, request, enqueued_at)
 
     # -- results -----------------------------------------------------------------
     def _step(self) -> None:
@@ -268,9 +277,9 @@ class Worker:
             # Which request broke the step is unknown: drop them all unacked. They return
             # after the lease, each delivery counted, and a poison one ends in the dead letters.
             log.exception("%s: engine step failed; releasing %d requests", self.options.name, len(self.in_flight))
-            for entry_id in list(self.in_flight):
-                self.engine.abort(entry_id)
-                del self.in_flight[entry_id]
+            for key in list(self.in_flight):
+                self.engine.abort(key)
+                del self.in_flight[key]
             return
         self._collect(outputs)
 
@@ -280,9 +289,10 @@ class Worker:
             if work is None:
                 continue
             self.metrics.observe_finished(output, work.enqueued_at, self.wall_offset)
-            line, usage = to_result_line(work.custom_id, work.request, output, self.options.model,
-                                         self.engine.tokenizer)
-            self.results.append(PendingResult(work.entry_id, work.batch_id, line, usage))
+            batch = self._batch(work.batch_id) or {}
+            model = batch.get("model") or self.options.served_model_names[0]
+            line, usage = to_result_line(work.custom_id, work.request, output, model, self.engine.tokenizer)
+            self.results.append(PendingResult(work.stream, work.entry_id, work.batch_id, line, usage))
 
     def _flush_results(self) -> None:
         """Record results in order; on an outage keep the rest and retry after a back-off."""
@@ -295,7 +305,7 @@ class Worker:
                     continue
                 storage = self.storages.get(batch["sink"]) or open_storage(batch["sink"], self.r)
                 self.storages[batch["sink"]] = storage
-                ack = (self.stream, keys.CONSUMER_GROUP, result.entry_id) if result.entry_id else None
+                ack = (result.stream, keys.CONSUMER_GROUP, result.entry_id) if result.entry_id else None
                 record_result(self.r, storage, result.batch_id, result.line, result.usage, ack=ack)
             except OUTAGE_ERRORS as error:
                 self._back_off(f"recording a result failed: {type(error).__name__}: {error}")
@@ -305,15 +315,15 @@ class Worker:
 
     def _hand_back_unfinished(self) -> None:
         """On exit: abort what still runs and put it back on the stream for other workers."""
-        for entry_id in list(self.in_flight):
-            self.engine.abort(entry_id)
+        for key, work in list(self.in_flight.items()):
+            self.engine.abort(key)
             try:
-                fields = self.r.xrange(self.stream, entry_id, entry_id)
+                fields = self.r.xrange(work.stream, work.entry_id, work.entry_id)
                 if fields:
-                    stream_ops.requeue(self.r, self.stream, entry_id, fields[0][1])
+                    stream_ops.requeue(self.r, work.stream, work.entry_id, fields[0][1])
             except OUTAGE_ERRORS as error:
                 log.warning("%s: could not hand back %s (%s); it returns after the lease", self.options.name,
-                            entry_id, error)
-            del self.in_flight[entry_id]
+                            work.entry_id, error)
+            del self.in_flight[key]
         with contextlib.suppress(OUTAGE_ERRORS):
-            self.r.delete(keys.worker(self.options.name))
+            heartbeats.remove_worker(self.r, self.options.name)

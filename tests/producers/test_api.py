@@ -134,3 +134,25 @@ def test_api_key_is_required_when_set(api, monkeypatch):
     assert httpx.get(f"{api.url}/healthz").json() == {"status": "ok"}  # service routes stay open
     metrics = httpx.get(f"{api.url}/metrics").text
     assert 'kvfleet:api_requests_total{route="/v1/batches",status="401"}' in metrics
+
+
+def test_models_lists_what_live_workers_serve_in_openais_shape(r, api):
+    from jobs import heartbeats
+
+    client = client_for(api)
+    assert client.models.list().data == []
+    heartbeats.record_heartbeat(r, "w1", {"models": ["/models/llama-3-8b", "llama"], "root": "/models/llama-3-8b",
+                                          "max_model_len": 8192, "started_at": 1700000000}, 30)
+    heartbeats.record_heartbeat(r, "w2", {"models": ["llama"], "root": "/models/llama-3-8b",
+                                          "max_model_len": 8192, "started_at": 1700000000}, 30)
+    models = client.models.list().data
+    assert [m.id for m in models] == ["/models/llama-3-8b", "llama"]
+    assert all(m.object == "model" and m.owned_by == "kvfleet" and m.created == 1700000000 for m in models)
+    raw = httpx.get(f"{api.url}/v1/models").json()
+    assert raw["object"] == "list" and raw["data"][1]["max_model_len"] == 8192
+    assert client.models.retrieve("/models/llama-3-8b").id == "/models/llama-3-8b"
+    with pytest.raises(openai.NotFoundError) as error:
+        client.models.retrieve("nobody-serves-this")
+    assert error.value.body["code"] == "model_not_found"
+    r.delete(keys.worker("w1"))  # w1's heartbeat expired
+    assert [m.id for m in client.models.list().data] == ["llama"]

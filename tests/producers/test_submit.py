@@ -9,7 +9,7 @@ import tracemalloc
 
 import pytest
 
-from jobs import batches, keys
+from jobs import batches, heartbeats, keys
 from jobs.storage import open_storage
 from producers import ingest
 from producers.submit import main
@@ -165,3 +165,32 @@ def test_status_prints_the_batch(r, redis_server, tmp_path, capsys):
     assert out.splitlines()[0] == f"{batch_id}  in_progress  0 completed, 0 failed of 2"
     assert json.loads(out.split("\n", 1)[1])["id"] == batch_id
     assert status_main(["batch_missing", "--redis-url", redis_server.url]) == 1
+
+
+def beat(r, name: str, models: list[str], ttl: int = 30) -> None:
+    """A worker's heartbeat, written through the same contract function workers use."""
+    heartbeats.record_heartbeat(r, name, {"models": models, "root": f"/models/{models[0]}", "max_model_len": 2048},
+                                ttl)
+
+
+def test_a_model_no_live_worker_serves_warns_and_still_enqueues(r, redis_server, tmp_path, capsys):
+    beat(r, "w1", ["llama-8b", "llama"])
+    beat(r, "w2", ["qwen"])
+    beat(r, "gone", ["demo"], ttl=1)
+    r.delete(keys.worker("gone"))  # its heartbeat expired: a dead worker serves nothing
+    path = write_lines(tmp_path / "in.jsonl", [chat("c0")])
+    assert run(redis_server, path) == 0
+    err = capsys.readouterr().err
+    assert "warning: no live worker serves model 'demo'; live workers serve: 'llama', 'llama-8b', 'qwen'" in err
+    assert len(stream_entries(r)) == 1
+
+
+def test_require_worker_makes_it_an_error_and_enqueues_nothing(r, redis_server, tmp_path, capsys):
+    path = write_lines(tmp_path / "in.jsonl", [chat("c0"), chat("c1")])
+    assert run(redis_server, path, "--require-worker") == 2
+    err = capsys.readouterr().err
+    assert "error: no live worker serves model 'demo'; live workers serve: none; nothing enqueued" in err
+    assert stream_entries(r) == [] and r.zcard(keys.BATCHES) == 0
+    beat(r, "w1", ["demo"])
+    assert run(redis_server, path, "--require-worker") == 0
+    assert "warning" not in capsys.readouterr().err and len(stream_entries(r)) == 2

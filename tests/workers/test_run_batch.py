@@ -1,60 +1,131 @@
-"""`python -m engine MODEL FILE`: outputs in input order, a request that cannot fit gets
-its own error object, and malformed lines are named by line and field (jobs.schemas, as
-producers.submit names them) before anything runs."""
+"""`python -m workers.run_batch`: a JSONL file through one engine, no Redis. One OpenAI
+batch output line per input line, written as each request finishes; malformed lines
+named before anything runs; an interrupted run keeps what it finished."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import sys
-
-import pytest
+import time
+from pathlib import Path
 
 from engine import LLM, SamplingParams
-from engine.__main__ import main
+from workers.run_batch import main
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_cli(monkeypatch, capsys, model: str, path, *flags: str) -> list[dict]:
-    monkeypatch.setattr(sys, "argv", ["python -m engine", model, str(path), "--num-kv-blocks", "64", *flags])
-    main()
-    return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+def write_jsonl(path: Path, records: list) -> Path:
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in records) + "\n")
+    return path
 
 
-def test_outputs_in_order_and_an_oversized_request_gets_its_own_error(tiny_llama, tmp_path, monkeypatch, capsys):
-    path = tmp_path / "prompts.jsonl"
-    path.write_text("\n".join([
-        json.dumps({"custom_id": "a", "prompt": "hello world", "max_tokens": 5}),
-        json.dumps({"custom_id": "too-long", "prompt": "hi", "max_tokens": 100000}),
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_one_openai_result_line_per_input_line(tiny_llama, tmp_path):
+    source = write_jsonl(tmp_path / "in.jsonl", [
+        {"custom_id": "a", "prompt": "hello world", "max_tokens": 5, "temperature": 0},
+        {"custom_id": "too-long", "prompt": "hi", "max_tokens": 100000},
         "",
-        json.dumps({"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
-                    "body": {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}}),
-        json.dumps({"prompt": "the cat"}),
-    ]) + "\n")
-    lines = run_cli(monkeypatch, capsys, tiny_llama, path, "--max-tokens", "3")
-    assert [line["custom_id"] for line in lines] == ["a", "too-long", "chat", "line-5"]
-    assert lines[1]["error"]["code"] == "context_length_exceeded" and "max_tokens 100000" in lines[1]["error"]["message"]
-    assert [line["completion_tokens"] for line in (lines[0], lines[2], lines[3])] == [5, 4, 3]
+        {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "named", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}},
+        {"prompt": "the cat", "max_tokens": 3},
+    ])
+    out = tmp_path / "out.jsonl"
+    assert main([str(source), "-o", str(out), "--model", tiny_llama, "--num-kv-blocks", "64"]) == 0
+    lines = {line["custom_id"]: line for line in read_jsonl(out)}
+    assert sorted(lines) == ["a", "chat", "line-5", "too-long"]
+    assert lines["too-long"]["response"] is None
+    assert lines["too-long"]["error"]["code"] == "context_length_exceeded"
+    assert "max_tokens 100000" in lines["too-long"]["error"]["message"]
+    body = lines["a"]["response"]["body"]
+    assert lines["a"]["error"] is None and lines["a"]["response"]["status_code"] == 200
+    assert body["object"] == "text_completion" and body["model"] == tiny_llama  # --model exactly as given
     expected = LLM(tiny_llama, num_kv_blocks=64).generate(["hello world"], SamplingParams(temperature=0, max_tokens=5),
                                                           use_tqdm=False)[0]
-    assert lines[0]["text"] == expected.text
+    assert body["choices"][0]["text"] == expected.text
+    assert body["usage"]["completion_tokens"] == 5 and body["usage"]["prompt_tokens"] == len(expected.prompt_token_ids)
+    chat = lines["chat"]["response"]["body"]
+    assert chat["object"] == "chat.completion" and chat["model"] == "named"
+    assert chat["usage"]["completion_tokens"] == 4 and chat["choices"][0]["message"]["role"] == "assistant"
+    assert lines["line-5"]["response"]["body"]["usage"]["completion_tokens"] == 3
 
 
-def test_malformed_lines_are_named_and_nothing_runs(tiny_llama, tmp_path, monkeypatch, capsys):
-    path = tmp_path / "bad.jsonl"
-    path.write_text("\n".join([
-        json.dumps({"prompt": "fine"}),
+def test_the_example_chat_batch_runs_and_vllms_input_flag_works(tiny_llama, tmp_path, capsys):
+    assert main(["-i", str(ROOT / "examples" / "chat_batch.jsonl"), "-o", "-", "--model", tiny_llama,
+                 "--served-model-name", "demo", "--num-kv-blocks", "64"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    inputs = [json.loads(line) for line in (ROOT / "examples" / "chat_batch.jsonl").read_text().splitlines()]
+    assert sorted(line["custom_id"] for line in lines) == sorted(i["custom_id"] for i in inputs)
+    assert all(line["response"]["status_code"] == 200 for line in lines)
+    assert all(line["response"]["body"]["object"] == "chat.completion" for line in lines)
+
+
+def test_malformed_lines_are_named_and_nothing_runs(tiny_llama, tmp_path, capsys):
+    source = write_jsonl(tmp_path / "bad.jsonl", [
+        {"prompt": "fine"},
         "{not json",
-        json.dumps({"custom_id": "x"}),
-        json.dumps({"prompt": "p", "max_tokens": 0}),
-        json.dumps(["a list"]),
-        json.dumps({"prompt": "p", "min_tokens": 9, "max_tokens": 2}),  # fields valid alone, not together
-    ]) + "\n")
-    with pytest.raises(SystemExit) as exit_info:
-        run_cli(monkeypatch, capsys, tiny_llama, path)
-    message = str(exit_info.value)
-    assert f"{path}:2: line: not valid JSON" in message
-    assert f"{path}:3: prompt:" in message
-    assert f"{path}:4: max_tokens:" in message
-    assert f"{path}:5: line: must be a JSON object" in message
-    assert f"{path}:6: body: min_tokens" in message
-    assert ":1:" not in message
-    assert capsys.readouterr().out == ""
+        {"custom_id": "x"},
+        {"prompt": "p", "max_tokens": 0},
+        ["a list"],
+        {"custom_id": "d", "prompt": "p"},
+        {"custom_id": "d", "prompt": "q"},
+    ])
+    out = tmp_path / "out.jsonl"
+    assert main([str(source), "-o", str(out), "--model", tiny_llama]) == 1
+    err = capsys.readouterr().err
+    assert f"{source}:2: line: not valid JSON" in err
+    assert f"{source}:3: prompt:" in err
+    assert f"{source}:4: max_tokens:" in err
+    assert f"{source}:5: line: must be a JSON object" in err
+    assert f"{source}:7: custom_id: duplicate custom_id 'd'" in err
+    assert ":1:" not in err and ":6:" not in err
+    assert not out.exists()
+
+
+def test_skip_invalid_writes_error_lines_and_runs_the_rest(tiny_llama, tmp_path):
+    source = write_jsonl(tmp_path / "mixed.jsonl", [
+        {"custom_id": "ok", "prompt": "fine", "max_tokens": 2},
+        {"custom_id": "bad", "prompt": "p", "max_tokens": 0},
+        "{not json",
+    ])
+    out = tmp_path / "out.jsonl"
+    assert main([str(source), "-o", str(out), "--model", tiny_llama, "--skip-invalid"]) == 0
+    lines = {line["custom_id"]: line for line in read_jsonl(out)}
+    assert sorted(lines) == ["bad", "line-3", "ok"]
+    assert lines["bad"]["error"]["code"] == "invalid_request" and "max_tokens" in lines["bad"]["error"]["message"]
+    assert lines["line-3"]["error"]["message"].startswith("line 3: line: not valid JSON")
+    assert lines["ok"]["response"]["body"]["usage"]["completion_tokens"] == 2
+
+
+def test_sigint_keeps_the_finished_lines_and_resume_completes_the_rest(tiny_llama, tmp_path):
+    num_requests = 24
+    source = write_jsonl(tmp_path / "long.jsonl", [
+        {"custom_id": f"r{i}", "prompt": f"request {i}", "max_tokens": 150, "ignore_eos": True}
+        for i in range(num_requests)])
+    out = tmp_path / "out.jsonl"
+    command = [sys.executable, "-m", "workers.run_batch", str(source), "-o", str(out), "--model", tiny_llama,
+               "--max-num-seqs", "2", "--num-kv-blocks", "64"]
+    process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.monotonic() + 120
+    while (not out.exists() or len(out.read_text().splitlines()) < 2) and time.monotonic() < deadline:
+        assert process.poll() is None, process.stderr.read()
+        time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 130, err
+    kept = read_jsonl(out)  # every line is whole JSON
+    assert 2 <= len(kept) < num_requests, len(kept)
+    assert all(line["response"]["body"]["usage"]["completion_tokens"] == 150 for line in kept)
+    assert f"interrupted: {len(kept)} results written" in err
+
+    resumed = subprocess.run([*command, "--resume"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    custom_ids = [line["custom_id"] for line in read_jsonl(out)]
+    assert sorted(custom_ids) == sorted(f"r{i}" for i in range(num_requests))  # each once

@@ -21,7 +21,7 @@ def engine(tiny_llama):
 @pytest.fixture
 def worker(engine, r):
     assert not engine.has_unfinished()
-    worker = Worker(engine, r, WorkerOptions(name="w-test", model=MODEL, lease_seconds=5, block_ms=50,
+    worker = Worker(engine, r, WorkerOptions(name="w-test", served_model_names=[MODEL], lease_seconds=5, block_ms=50,
                                              maintain_seconds=0.05))
     yield worker
     for entry_id in list(worker.in_flight):

@@ -1,0 +1,72 @@
+"""Worker heartbeats: who is alive, which models it serves, how full it is.
+
+Every heartbeat a worker rewrites `kvfleet:worker:{name}` (a hash whose TTL is its
+liveness) and scores its name in `kvfleet:workers` by the time, so readers find the
+live workers without SCAN. A name whose hash has expired is dropped on read.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import redis
+
+from jobs import keys
+
+INT_FIELDS = ("free_blocks", "total_blocks", "running", "waiting", "unstarted", "unstarted_blocks_needed",
+              "preemptions", "in_flight", "draining", "max_model_len", "tensor_parallel_size")
+
+
+def record_heartbeat(r: redis.Redis, name: str, record: dict[str, Any], ttl_seconds: int) -> None:
+    """`record["models"]` is the list of served model names; the rest are flat fields."""
+    now = time.time()
+    fields = {**record, "name": name, "models": json.dumps(record["models"]), "heartbeat": now}
+    pipe = r.pipeline(transaction=True)
+    pipe.hset(keys.worker(name), mapping=fields)
+    pipe.expire(keys.worker(name), ttl_seconds)
+    pipe.zadd(keys.WORKERS, {name: now})
+    pipe.execute()
+
+
+def remove_worker(r: redis.Redis, name: str) -> None:
+    pipe = r.pipeline(transaction=True)
+    pipe.delete(keys.worker(name))
+    pipe.zrem(keys.WORKERS, name)
+    pipe.execute()
+
+
+def live_workers(r: redis.Redis) -> list[dict[str, Any]]:
+    """The records of workers whose heartbeat has not expired, by name."""
+    names = [n.decode() for n in r.zrange(keys.WORKERS, 0, -1)]
+    pipe = r.pipeline(transaction=False)
+    for name in names:
+        pipe.hgetall(keys.worker(name))
+    workers, gone = [], []
+    for name, raw in zip(names, pipe.execute()):
+        if not raw:
+            gone.append(name)
+            continue
+        record: dict[str, Any] = {k.decode(): v.decode() for k, v in raw.items()}
+        record["models"] = json.loads(record.get("models") or "[]")
+        record["heartbeat"] = float(record.get("heartbeat") or 0)
+        for field in INT_FIELDS:
+            if field in record:
+                record[field] = int(record[field])
+        workers.append(record)
+    if gone:
+        r.zrem(keys.WORKERS, *gone)
+    return sorted(workers, key=lambda w: w["name"])
+
+
+def served_models(r: redis.Redis) -> dict[str, dict[str, Any]]:
+    """Model name -> {"max_model_len", "root", "num_workers", "created"} over the live workers."""
+    models: dict[str, dict[str, Any]] = {}
+    for worker in live_workers(r):
+        for model in worker["models"]:
+            entry = models.setdefault(model, {"max_model_len": worker.get("max_model_len"),
+                                              "root": worker.get("root", model), "num_workers": 0,
+                                              "created": int(float(worker.get("started_at") or 0))})
+            entry["num_workers"] += 1
+    return models

@@ -1,0 +1,176 @@
+"""Run a JSONL file of requests through one engine, no Redis: vLLM's `run-batch`.
+
+    python -m workers.run_batch INPUT.jsonl -o OUTPUT.jsonl --model DIR [engine options]
+    python -m workers.run_batch -i INPUT.jsonl -o - --model DIR         # results on stdout
+
+Lines are what `producers.submit` accepts (jobs.schemas): OpenAI batch lines for
+/v1/completions or /v1/chat/completions, or the short form. The whole file is
+validated first: an invalid line is printed as FILE:LINE: field: message and
+nothing runs (exit 1), unless --skip-invalid, which writes an error line for it.
+Each request then gets one line in OpenAI's batch output format, written the moment
+it finishes (so the output is in finishing order), through the same translation as
+the fleet's workers (workers/translate.py). A request that can never run gets its
+own error line. An interrupted run (Ctrl-C, SIGTERM) keeps every finished line;
+--resume skips the custom ids already in OUTPUT and appends the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from collections.abc import Iterator
+from contextlib import nullcontext
+
+from tqdm import tqdm
+
+from engine import LLMEngine
+from engine.arg_utils import add_engine_args, engine_config_from_args
+from jobs.results import error_line
+from jobs.schemas import MAX_REPORTED_ERRORS, LineError, custom_id_of, parse_line
+from workers.translate import EngineRequest, error_code, to_engine_request, to_result_line
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m workers.run_batch", description=__doc__.split("\n\n")[0])
+    parser.add_argument("input", nargs="?", help="the JSONL request file")
+    parser.add_argument("-i", "--input-file", dest="input_file", help="the same, as vLLM's run-batch names it")
+    parser.add_argument("-o", "--output-file", required=True, help="where result lines go; - for stdout")
+    parser.add_argument("--served-model-name", help="the model name in results; default: --model as given")
+    parser.add_argument("--skip-invalid", action="store_true", help="write error lines for invalid lines and run the rest")
+    parser.add_argument("--resume", action="store_true", help="skip custom ids already in OUTPUT; append the rest")
+    add_engine_args(parser)
+    return parser
+
+
+def numbered_lines(path: str) -> Iterator[tuple[int, bytes]]:
+    with open(path, "rb") as handle:
+        for line_number, raw in enumerate(handle, start=1):
+            if raw.strip():
+                yield line_number, raw
+
+
+def validate_file(path: str) -> tuple[int, dict[int, LineError]]:
+    """Pass 1: (number of requests, line number -> error), duplicates of a custom id included."""
+    num_lines, errors, seen = 0, {}, set()
+    for line_number, raw in numbered_lines(path):
+        num_lines += 1
+        try:
+            custom_id = parse_line(raw, line_number).custom_id
+            if custom_id in seen:
+                raise LineError(line_number, "custom_id", f"duplicate custom_id {custom_id!r}")
+            seen.add(custom_id)
+        except LineError as error:
+            errors[line_number] = error
+    return num_lines, errors
+
+
+def finished_custom_ids(path: str) -> set[str]:
+    """Custom ids with a complete line in an earlier run's output (a torn last line is ignored)."""
+    done = set()
+    try:
+        with open(path, encoding="utf-8") as handle:
+            for line in handle:
+                try:
+                    done.add(json.loads(line)["custom_id"])
+                except (ValueError, KeyError, TypeError):
+                    continue
+    except FileNotFoundError:
+        pass
+    return done
+
+
+class Runner:
+    """Feeds requests to the engine as it has room, and writes each result when it finishes."""
+
+    def __init__(self, engine: LLMEngine, model: str, out) -> None:
+        self.engine, self.model, self.out = engine, model, out
+        self.pending: dict[str, tuple[str, EngineRequest]] = {}  # engine request id -> (custom_id, request)
+        self.num_written = 0
+
+    def write(self, line: dict) -> None:
+        self.out.write(json.dumps(line, separators=(",", ":")) + "\n")
+        self.out.flush()  # a finished line survives whatever happens next
+        self.num_written += 1
+
+    def add(self, line_number: int, raw: bytes) -> None:
+        request = parse_line(raw, line_number)  # valid: the first pass checked it
+        try:
+            work = to_engine_request(request, self.engine.tokenizer)
+            self.engine.add_request(str(line_number), work.prompt_token_ids, work.params)
+        except ValueError as error:  # RequestRejected, or can never fit here
+            self.write(error_line(request.custom_id, error_code(error), str(error)))
+            return
+        self.pending[str(line_number)] = (request.custom_id, work)
+
+    def has_room(self) -> bool:
+        """Keep at most one step's worth of requests waiting, so memory stays bounded."""
+        return self.engine.stats().num_waiting < self.engine.config.max_num_seqs
+
+    def step(self) -> None:
+        for output in self.engine.step():
+            custom_id, work = self.pending.pop(output.request_id)
+            model = work.body.model or self.model
+            self.write(to_result_line(custom_id, work, output, model, self.engine.tokenizer)[0])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    path = args.input_file or args.input
+    if not path or (args.input and args.input_file):
+        parser.error("give the input file once: INPUT or -i INPUT")
+    try:
+        num_lines, errors = validate_file(path)
+    except OSError as error:
+        print(f"error: {path}: {error.strerror}", file=sys.stderr)
+        return 2
+    for error in list(errors.values())[:MAX_REPORTED_ERRORS]:
+        print(f"{path}:{error}", file=sys.stderr)  # FILE:LINE: field: message
+    if len(errors) > MAX_REPORTED_ERRORS:
+        print(f"... and {len(errors) - MAX_REPORTED_ERRORS} more invalid lines", file=sys.stderr)
+    if errors and not args.skip_invalid:
+        print(f"{len(errors)} of {num_lines} lines invalid; nothing ran", file=sys.stderr)
+        return 1
+    try:
+        engine = LLMEngine(engine_config_from_args(args))
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    done = finished_custom_ids(args.output_file) if args.resume and args.output_file != "-" else set()
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM ends the run like Ctrl-C
+    to_stdout = args.output_file == "-"
+    with (nullcontext(sys.stdout) if to_stdout else open(args.output_file, "a" if done else "w",
+                                                          encoding="utf-8")) as out:
+        runner = Runner(engine, args.served_model_name or args.model, out)
+        progress = tqdm(total=num_lines - len(done), unit="req", file=sys.stderr,
+                        disable=to_stdout or not sys.stderr.isatty())
+        try:
+            for line_number, raw in numbered_lines(path):
+                if line_number in errors:
+                    error = errors[line_number]
+                    runner.write(error_line(custom_id_of(raw, line_number), "invalid_request",
+                                            f"line {line_number}: {error.field}: {error.message}"))
+                    continue
+                if done and parse_line(raw, line_number).custom_id in done:
+                    continue
+                while not runner.has_room():
+                    runner.step()
+                    progress.update(runner.num_written - progress.n)
+                runner.add(line_number, raw)
+            while engine.has_unfinished():
+                runner.step()
+                progress.update(runner.num_written - progress.n)
+        except KeyboardInterrupt:
+            print(f"interrupted: {runner.num_written} results written to {args.output_file}; "
+                  "--resume runs the rest", file=sys.stderr)
+            return 130
+        finally:
+            progress.close()
+    print(f"{runner.num_written} results written to {args.output_file}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
