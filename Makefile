@@ -19,6 +19,7 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q
 
 # The whole fleet on this machine: Redis (KVFLEET_REDIS_URL or a local one), the demo
@@ -46,6 +47,7 @@ bench: $(STAMP) $(BENCH_VENV)/.installed-stamp
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

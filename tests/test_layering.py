@@ -1,0 +1,51 @@
+"""The "must not import" table of ARCHITECTURE.md is enforced by import-linter
+(`lint-imports`, run by `make test`); this proves the check can fail."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("engine", "kernels", "jobs", "producers", "workers")
+LINT_IMPORTS = str(Path(sys.executable).with_name("lint-imports"))
+
+
+def lint_imports(tree: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([LINT_IMPORTS, "--config", str(tree / "pyproject.toml")], cwd=tree, capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": str(tree)}, timeout=120)
+
+
+@pytest.fixture
+def tree(tmp_path) -> Path:
+    """A copy of the packages and the contracts, to break on purpose."""
+    for package in PACKAGES:
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    return tmp_path
+
+
+def test_the_tree_keeps_every_contract(tree):
+    result = lint_imports(tree)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "5 kept, 0 broken" in result.stdout
+
+
+@pytest.mark.parametrize("module, line, message", [
+    ("engine/_probe.py", "from jobs import keys\n", "engine is not allowed to import jobs"),
+    ("engine/_probe.py", "import redis\n", "engine is not allowed to import redis"),
+    ("jobs/_probe.py", "import torch\n", "jobs is not allowed to import torch"),
+    ("producers/_probe.py", "from engine import LLM\n", "producers is not allowed to import engine"),
+    ("workers/_probe.py", "import producers.api\n", "workers is not allowed to import producers"),
+    ("kernels/_probe.py", "from engine import config\n", "kernels is not allowed to import engine"),
+])
+def test_a_forbidden_import_fails_the_check(tree, module, line, message):
+    (tree / module).write_text(line)
+    result = lint_imports(tree)
+    assert result.returncode != 0
+    assert message in result.stdout and "1 broken" in result.stdout
