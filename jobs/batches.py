@@ -22,6 +22,8 @@ import redis
 from jobs import keys
 
 TERMINAL = ("completed", "failed", "expired", "cancelled")
+UNSUCCESSFUL = ("failed", "expired", "cancelled")  # terminal, and not every request ran
+STOPPED = ("cancelling", "cancelled", "failed")  # a worker must not start its requests
 TRANSITIONS: dict[str, tuple[str, ...]] = {
     "in_progress": ("validating",),
     "finalizing": ("in_progress",),

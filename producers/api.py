@@ -62,6 +62,7 @@ def create_app(redis_url: str | None = None) -> FastAPI:
     http_requests = Counter("kvfleet:api_requests", "API requests by route and status", ["route", "status"],
                             registry=registry)
     app = FastAPI(title="kvfleet", description="OpenAI-compatible Files and Batches API")
+    app.state.metrics_registry = registry
 
     def require_key(authorization: Annotated[str | None, Header()] = None) -> None:
         expected = os.environ.get("KVFLEET_API_KEY")

@@ -21,13 +21,17 @@ def summary(batch: dict) -> str:
             f"of {counts['total']}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m producers.status", description=__doc__.split("\n\n")[0])
     parser.add_argument("batch_id")
     parser.add_argument("--watch", action="store_true", help="print a line per change until the batch ends")
     parser.add_argument("--interval", type=float, default=1.0)
     parser.add_argument("--redis-url", default=keys.default_redis_url())
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     r = redis.Redis.from_url(args.redis_url)
     try:
         batch = batches.batch_object(r, args.batch_id)

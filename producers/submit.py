@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     batch = wait_for(r, submission.batch_id) if args.wait else batches.batch_object(r, submission.batch_id)
     if args.json:
         print(json.dumps(batch))
-    return 0 if batch["status"] not in ("failed", "expired", "cancelled") else 1
+    return 1 if batch["status"] in batches.UNSUCCESSFUL else 0
 
 
 if __name__ == "__main__":

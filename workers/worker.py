@@ -193,7 +193,7 @@ class Worker:
     @staticmethod
     def _ended(batch: dict | None) -> tuple[str, str] | None:
         """(code, message) if the batch's requests must not run any more."""
-        if batch is None or batch["status"] in ("cancelling", "cancelled", "failed"):
+        if batch is None or batch["status"] in batches.STOPPED:
             return "batch_cancelled", "The batch was cancelled before this request finished."
         if batch["status"] == "expired" or time.time() > batch["expires_at"]:
             # The status itself turns expired in finalize, once every request is counted.

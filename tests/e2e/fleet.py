@@ -31,10 +31,12 @@ class Fleet:
         return process
 
     def start_worker(self, name: str, num_kv_blocks: int = 64, max_num_seqs: int = 16, lease_seconds: float = 3,
-                     drain_seconds: float = 30) -> subprocess.Popen:
+                     drain_seconds: float = 30, served_model_names: list[str] | None = (MODEL,)) -> subprocess.Popen:
+        """served_model_names None: no --served-model-name, so the worker serves --model as given."""
         port = self.metrics_ports[name] = free_port()
+        names = ["--served-model-name", *served_model_names] if served_model_names else []
         return self._spawn(name, [
-            "-m", "workers", "--model", self.model_dir, "--served-model-name", MODEL, "--redis-url",
+            "-m", "workers", "--model", self.model_dir, *names, "--redis-url",
             self.redis_url, "--name", name, "--num-kv-blocks", str(num_kv_blocks), "--max-num-seqs",
             str(max_num_seqs), "--lease-seconds", str(lease_seconds), "--drain-seconds", str(drain_seconds),
             "--metrics-port", str(port), "--heartbeat-seconds", "0.2", "--log-level", "WARNING"])

@@ -3,6 +3,7 @@ redis-server; crashes and signals included."""
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from collections import Counter
@@ -12,7 +13,8 @@ import pytest
 import redis
 
 from engine import LLM, SamplingParams
-from jobs import batches, keys
+from jobs import batches, heartbeats, keys
+from producers.submit import main as submit
 from tests.e2e.fleet import Fleet, wait_terminal
 from tests.workers.helpers import completion, read_lines, submit_lines
 
@@ -126,18 +128,18 @@ def test_kv_aware_pull_balances_by_free_blocks(fleet, r):
     fleet.wait_ready("big", "small")
     items = [(p + " and so on" * 6, 64) for p, _ in workload(240, seed=3)]
     batch_id = submit_lines(r, [completion(f"c{i}", p, m) for i, (p, m) in enumerate(items)])
-    violations, heartbeats = [], {"big": set(), "small": set()}
+    violations, beats_seen = [], {"big": set(), "small": set()}
     while batches.batch_object(r, batch_id)["status"] not in batches.TERMINAL:
         for name in ("big", "small"):
             record = {k.decode(): v.decode() for k, v in r.hgetall(keys.worker(name)).items()}
             if record and int(record["in_flight"]):
-                heartbeats[name].add(record["heartbeat"])
-                # Pulled requests that never started must always fit in the free blocks.
+                beats_seen[name].add(record["heartbeat"])
+                # Unstarted requests must always fit in the free blocks.
                 if int(record["unstarted_blocks_needed"]) > int(record["free_blocks"]):
                     violations.append((name, record))
         time.sleep(0.02)
     assert violations == [], violations[:3]
-    assert len(heartbeats["big"]) >= 5 and len(heartbeats["small"]) >= 5, heartbeats
+    assert len(beats_seen["big"]) >= 5 and len(beats_seen["small"]) >= 5, beats_seen
     big = fleet.metric("big", "kvfleet:request_success_total")
     small = fleet.metric("small", "kvfleet:request_success_total")
     assert big + small == 240
@@ -157,3 +159,28 @@ def test_sigterm_drains_and_exits_zero_while_the_other_finishes(fleet, r):
     assert batch["request_counts"] == {"total": 24, "completed": 24, "failed": 0}
     assert sorted(output_ids(r, batch)) == sorted(f"c{i}" for i in range(24))
     assert fleet.metric("stayer", "kvfleet:request_success_total") > 0
+
+
+def test_a_worker_serves_its_model_argument_exactly_and_submit_finds_it(fleet, r, redis_server, tiny_llama, tmp_path,
+                                                                     capsys):
+    assert tiny_llama.startswith("/")
+    fleet.start_worker("w-path", served_model_names=None)
+    fleet.wait_ready("w-path")
+    assert set(heartbeats.served_models(r)) == {tiny_llama}
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(f'{{"custom_id": "c{i}", "prompt": "the fleet {i}", "max_tokens": 3}}\n'
+                              for i in range(6)))
+    common = [str(source), "--redis-url", redis_server.url]
+    assert submit([*common, "--model", "no-such-model"]) == 0
+    assert f"warning: no live worker serves model 'no-such-model'; live workers serve: '{tiny_llama}'" \
+        in capsys.readouterr().err
+    assert submit([*common, "--model", "no-such-model", "--require-worker"]) == 2
+    assert submit([*common, "--model", tiny_llama, "--require-worker", "--wait", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "warning" not in captured.err
+    batch = json.loads(captured.out.splitlines()[-1])
+    assert batch["status"] == "completed" and batch["model"] == tiny_llama
+    assert batch["request_counts"] == {"total": 6, "completed": 6, "failed": 0}
+    lines = read_lines(r, batch["output_file_id"])
+    assert sorted(line["custom_id"] for line in lines) == [f"c{i}" for i in range(6)]
+    assert {line["response"]["body"]["model"] for line in lines} == {tiny_llama}

@@ -44,6 +44,7 @@ def test_valid_file_is_enqueued_and_batch_printed(r, redis_server, tmp_path, cap
     entries = stream_entries(r)
     assert [e["custom_id"] for e in entries] == [f"c{i}" for i in range(5)]
     assert entries[0]["batch_id"] == batch_id and entries[0]["line_number"] == "1"
+    assert tuple(entries[0]) == keys.STREAM_ENTRY_FIELDS  # what jobs/keys.py documents, in order
     assert json.loads(entries[0]["line"]) == chat("c0", max_tokens=5)
 
 

@@ -1,0 +1,87 @@
+"""The README says what the code does: every CLI flag it names after `python -m MODULE`
+exists in that module's argparse, and every `kvfleet:` metric the code registers is
+listed in it."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+
+from producers.api import create_app
+from workers.metrics import WorkerMetrics
+
+README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+MODULE = re.compile(r"python -m ([a-z_.]+)")
+FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*|-[a-z])\b")
+CLIS = {"workers", "workers.run_batch", "workers.finalizer", "producers.submit", "producers.status", "producers.api"}
+
+
+def passages(text: str) -> list[str]:
+    """Prose paragraphs, and each line of a code block with its comment cut off."""
+    result, in_code, paragraph = [], False, []
+    for line in text.splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+            continue
+        if in_code:
+            result.append(line.split(" #")[0])
+        elif line.strip():
+            paragraph.append(line)
+        else:
+            result.append(" ".join(paragraph))
+            paragraph = []
+    return result + [" ".join(paragraph)]
+
+
+def flags_by_module(text: str = README) -> dict[str, set[str]]:
+    """Each flag belongs to the nearest `python -m MODULE` before it in its passage (or the
+    passage's first one, when the flag comes before any)."""
+    found: dict[str, set[str]] = {}
+    for passage in passages(text):
+        mentions = [(m.start(), m.group(1)) for m in MODULE.finditer(passage)]
+        if not mentions:
+            continue
+        for _, name in mentions:
+            found.setdefault(name, set())
+        for flag in FLAG.finditer(MODULE.sub(lambda m: " " * len(m.group(0)), passage)):  # not python's -m
+            owner = next((name for start, name in reversed(mentions) if start < flag.start()), mentions[0][1])
+            found.setdefault(owner, set()).add(flag.group(1))
+    return found
+
+
+def option_strings(module: str) -> set[str]:
+    name = module + ".__main__" if module == "workers" else module
+    parser = importlib.import_module(name).build_parser()
+    return {option for action in parser._actions for option in action.option_strings}
+
+
+def test_every_flag_the_readme_names_exists_in_its_modules_parser():
+    found = flags_by_module()
+    assert set(found) >= CLIS, f"CLIs the README never shows: {sorted(CLIS - set(found))}"
+    for module, flags in found.items():
+        if not flags:
+            continue
+        missing = flags - option_strings(module)
+        assert not missing, f"README names {sorted(missing)} for python -m {module}, which has no such flag"
+
+
+def test_flags_are_attributed_to_the_module_they_follow():
+    text = ("Start `python -m workers --model M --no-such-flag`, then `python -m producers.submit --wait`.\n\n"
+            "```bash\npython -m workers.finalizer   # = rq worker --serializer JSON\n```\n")
+    found = flags_by_module(text)
+    assert found == {"workers": {"--model", "--no-such-flag"}, "producers.submit": {"--wait"}, "workers.finalizer": set()}
+    assert found["workers"] - option_strings("workers") == {"--no-such-flag"}
+
+
+def registered_metric_names() -> set[str]:
+    registries = [WorkerMetrics("w", "m").registry, create_app("redis://127.0.0.1:1/0").state.metrics_registry]
+    return {metric.name for registry in registries for metric in registry.collect()
+            if metric.name.startswith("kvfleet:")}
+
+
+def test_every_registered_metric_is_listed_in_the_readme():
+    names = registered_metric_names()
+    assert len(names) >= 15
+    unlisted = {name for name in names if not re.search(re.escape(name) + r"(_total|_seconds)?\b", README)}
+    assert not unlisted, f"metrics missing from the README: {sorted(unlisted)}"
