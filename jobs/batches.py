@@ -28,7 +28,7 @@ TRANSITIONS: dict[str, tuple[str, ...]] = {
     "in_progress": ("validating",),
     "finalizing": ("in_progress",),
     "completed": ("finalizing",),
-    "failed": ("validating", "in_progress", "finalizing"),
+    "failed": ("validating", "in_progress", "finalizing", "cancelling"),
     "cancelling": ("validating", "in_progress"),
     "cancelled": ("cancelling",),
     "expired": ("in_progress",),
@@ -41,12 +41,15 @@ INT_FIELDS = ("created_at", "expires_at", *TIMESTAMP_FIELDS.values(), "total", "
               "enqueued", "prompt_tokens", "completion_tokens", "cached_tokens")
 JSON_FIELDS = ("metadata", "errors")
 
+# KEYS: the batch hash, the open-batches set. ARGV: new status, its timestamp field,
+# "1" if the new status is terminal, then the legal source statuses.
 _TRANSITION_LUA = """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return {-1, ''} end
-for i = 3, #ARGV do
+for i = 4, #ARGV do
   if ARGV[i] == status then
     redis.call('HSET', KEYS[1], 'status', ARGV[1], ARGV[2], redis.call('TIME')[1])
+    if ARGV[3] == '1' then redis.call('SREM', KEYS[2], redis.call('HGET', KEYS[1], 'id')) end
     return {1, status}
   end
 end
@@ -94,28 +97,38 @@ def create_batch(r: redis.Redis, batch_id: str, *, endpoint: str, model: str, in
     pipe = r.pipeline(transaction=True)
     pipe.hset(keys.batch(batch_id), mapping=fields)
     pipe.zadd(keys.BATCHES, {batch_id: created})  # sub-second, so listing order is creation order
+    pipe.sadd(keys.OPEN_BATCHES, batch_id)  # until terminal: what the finalizer's sweep looks at
     pipe.execute()
     return True
 
 
+def _transition_args(batch_id: str, to_status: str) -> list:
+    return [2, keys.batch(batch_id), keys.OPEN_BATCHES, to_status, TIMESTAMP_FIELDS[to_status],
+            "1" if to_status in TERMINAL else "0", *TRANSITIONS[to_status]]
+
+
 def queue_transition(pipe: redis.client.Pipeline, batch_id: str, to_status: str) -> None:
     """The same transition, queued in a MULTI; an illegal one leaves the status as it is."""
-    pipe.eval(_TRANSITION_LUA, 1, keys.batch(batch_id), to_status, TIMESTAMP_FIELDS[to_status],
-              *TRANSITIONS[to_status])
+    pipe.eval(_TRANSITION_LUA, *_transition_args(batch_id, to_status))
 
 
 def transition(r: redis.Redis, batch_id: str, to_status: str) -> str:
     """Move the batch to `to_status` if legal; return the status it left.
     Raises IllegalTransition (or BatchNotFound) and changes nothing otherwise."""
-    sources = TRANSITIONS[to_status]
-    code, previous = r.eval(_TRANSITION_LUA, 1, keys.batch(batch_id), to_status, TIMESTAMP_FIELDS[to_status],
-                            *sources)
+    code, previous = r.eval(_TRANSITION_LUA, *_transition_args(batch_id, to_status))
     previous = previous.decode() if isinstance(previous, bytes) else previous
     if code == -1:
         raise BatchNotFound(batch_id)
     if code == 0:
         raise IllegalTransition(f"batch {batch_id}: cannot go from {previous} to {to_status}")
     return previous
+
+
+def fail(r: redis.Redis, batch_id: str, code: str, message: str) -> None:
+    """End the batch failed, with `errors` saying why (OpenAI's batch errors list)."""
+    r.hset(keys.batch(batch_id), "errors", json.dumps([{"code": code, "message": message, "line": None,
+                                                        "param": None}]))
+    transition(r, batch_id, "failed")
 
 
 def load_fields(r: redis.Redis, batch_id: str) -> dict[str, Any]:

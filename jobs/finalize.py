@@ -1,36 +1,60 @@
-"""Assemble a finished batch's output.jsonl and errors.jsonl, exactly once.
+"""Assemble a finished batch's output.jsonl and errors.jsonl, exactly once, and make
+sure every batch ends.
 
-`request_finalize` is called by whoever records the batch's last result; an
-atomic flag on the batch lets only the first caller enqueue the RQ job
-(JSON serializer, never pickle). An RQ worker runs `finalize_batch`:
+`request_finalize` is called by whoever records the batch's last result; an atomic
+flag on the batch lets only the first caller enqueue the RQ job (JSON serializer,
+never pickle). An RQ worker runs `finalize_batch`:
 
-    rq worker --serializer rq.serializers.JSONSerializer kvfleet-finalize
-    python -m workers.finalizer            # the same, with kvfleet's defaults
+    rq worker --with-scheduler --serializer rq.serializers.JSONSerializer kvfleet-finalize
+    python -m workers.finalizer            # the same, with kvfleet's defaults and the sweep
+
+A batch always ends:
+  * a storage or Redis outage during finalize fails the job, and RQ retries it with
+    back-off (FINALIZE_RETRY_SECONDS);
+  * a permanent storage error (NoSuchBucket, AccessDenied, an unwritable folder) ends
+    the batch `failed`, with an error naming the target;
+  * `sweep` (run by the finalizer every few seconds) re-enqueues finalize for any open
+    batch whose requests are all counted but which is still not terminal after a grace
+    period: a job lost with Redis, retries used up, or a crash between counting and
+    enqueueing. finalize_batch is idempotent: the output files are written once.
 """
 
 from __future__ import annotations
 
 import json
-import os
+import logging
 import tempfile
 import time
 
 import redis
-from rq import Queue, get_current_job
+from rq import Queue, Retry, get_current_job
+from rq.exceptions import NoSuchJobError
+from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from jobs import batches, keys
+from jobs.connection import connect
 from jobs.files import create_file
 from jobs.results import is_error_line
-from jobs.storage import CHUNK, open_storage
+from jobs.storage import CHUNK, RedisStorage, describe_error, is_permanent_error, open_storage
+
+log = logging.getLogger("kvfleet.finalize")
+FINALIZE_RETRY_SECONDS = [1, 5, 15, 30, 60]
+ACTIVE_JOB_STATUSES = (JobStatus.QUEUED, JobStatus.STARTED, JobStatus.SCHEDULED, JobStatus.DEFERRED)
+SWEEP_STATUSES = ("in_progress", "finalizing", "cancelling")  # may be waiting for a finalize
 
 
 def finalize_queue(r: redis.Redis) -> Queue:
     return Queue(keys.FINALIZE_QUEUE, connection=r, serializer=JSONSerializer)
 
 
-def request_finalize(r: redis.Redis, batch_id: str) -> bool:
-    """Enqueue finalize_batch for this batch if nobody has; True if this call did.
+def job_id(batch_id: str) -> str:
+    return f"finalize-{batch_id}"
+
+
+def request_finalize(r: redis.Redis, batch_id: str, force: bool = False) -> bool:
+    """Enqueue finalize_batch for this batch if nobody has (or, with force, again);
+    True if this call did.
 
     NOTE: the flag, the status change and the RQ job commit in one MULTI (under WATCH),
     so a worker killed half-way cannot leave a batch flagged but never finalized.
@@ -41,7 +65,7 @@ def request_finalize(r: redis.Redis, batch_id: str) -> bool:
         while True:
             try:
                 pipe.watch(key)
-                if pipe.hexists(key, "finalize_requested"):
+                if pipe.hexists(key, "finalize_requested") and not force:
                     return False
                 is_expired = time.time() > int(pipe.hget(key, "expires_at") or 0)
                 pipe.multi()
@@ -50,8 +74,9 @@ def request_finalize(r: redis.Redis, batch_id: str) -> bool:
                 # from cancelling the transition is refused and finalize ends it cancelled.
                 if not is_expired:
                     batches.queue_transition(pipe, batch_id, "finalizing")
-                queue.enqueue_call("jobs.finalize.finalize_batch", args=[batch_id], job_id=f"finalize-{batch_id}",
-                                   result_ttl=3600, pipeline=pipe)
+                queue.enqueue_call("jobs.finalize.finalize_batch", args=[batch_id], job_id=job_id(batch_id),
+                                   result_ttl=3600, failure_ttl=7 * 86400, pipeline=pipe,
+                                   retry=Retry(max=len(FINALIZE_RETRY_SECONDS), interval=FINALIZE_RETRY_SECONDS))
                 pipe.execute()
                 return True
             except redis.WatchError:
@@ -62,28 +87,25 @@ def _connection() -> redis.Redis:
     job = get_current_job()
     if job is not None:
         return job.connection
-    return redis.Redis.from_url(os.environ.get("KVFLEET_REDIS_URL", "redis://localhost:6379/0"))
+    return connect()
 
 
 def finalize_batch(batch_id: str, r: redis.Redis | None = None) -> dict:
-    """Write the output and error files into the batch's storage and end its status."""
+    """Write the output and error files into the batch's storage and end its status.
+    Outages raise (RQ retries); a permanent storage error ends the batch failed."""
     r = r or _connection()
     fields = batches.load_fields(r, batch_id)
-    storage = open_storage(fields["sink"], r)
-    if not fields.get("output_file_id") and not fields.get("error_file_id"):
-        # Spool to disk: a batch of a million results must not sit in memory.
-        with tempfile.TemporaryFile() as outputs, tempfile.TemporaryFile() as errors:
-            for raw in storage.iter_results(batch_id):
-                (errors if is_error_line(json.loads(raw)) else outputs).write(raw.rstrip(b"\n") + b"\n")
-            file_ids = {}
-            for name, kind, spool in (("output_file_id", "output", outputs), ("error_file_id", "errors", errors)):
-                if spool.tell():
-                    spool.seek(0)
-                    created = create_file(r, storage, iter(lambda s=spool: s.read(CHUNK), b""),
-                                          f"{batch_id}_{kind}.jsonl", "batch_output")
-                    file_ids[name] = created["id"]
-        if file_ids:
-            r.hset(keys.batch(batch_id), mapping=file_ids)
+    if fields["status"] in batches.TERMINAL:
+        return batches.batch_object(r, batch_id)
+    try:
+        _write_files(r, batch_id, fields)
+    except Exception as error:  # noqa: BLE001 (classified: outages go back to RQ)
+        if not is_permanent_error(error):
+            raise
+        message = f"storage {fields['sink']}: {describe_error(error)}"
+        log.error("batch %s: %s; the batch ends failed", batch_id, message)
+        batches.fail(r, batch_id, "storage_error", message)
+        return batches.batch_object(r, batch_id)
     status = fields["status"]
     if status == "finalizing":
         batches.transition(r, batch_id, "completed")
@@ -92,3 +114,70 @@ def finalize_batch(batch_id: str, r: redis.Redis | None = None) -> dict:
     elif status == "in_progress" and time.time() > fields["expires_at"]:
         batches.transition(r, batch_id, "expired")
     return batches.batch_object(r, batch_id)
+
+
+def _write_files(r: redis.Redis, batch_id: str, fields: dict) -> None:
+    if fields.get("output_file_id") or fields.get("error_file_id"):
+        return  # written by an earlier run
+    storage = open_storage(fields["sink"], r)
+    sources = [storage.iter_results(batch_id)]
+    if fields["sink"] != "redis":  # error lines a broken sink could not take are kept in Redis
+        sources.append(RedisStorage(r).iter_results(batch_id))
+    # Spool to disk: a batch of a million results must not sit in memory.
+    with tempfile.TemporaryFile() as outputs, tempfile.TemporaryFile() as errors:
+        for source in sources:
+            for raw in source:
+                (errors if is_error_line(json.loads(raw)) else outputs).write(raw.rstrip(b"\n") + b"\n")
+        file_ids = {}
+        for name, kind, spool in (("output_file_id", "output", outputs), ("error_file_id", "errors", errors)):
+            if spool.tell():
+                spool.seek(0)
+                created = create_file(r, storage, iter(lambda s=spool: s.read(CHUNK), b""),
+                                      f"{batch_id}_{kind}.jsonl", "batch_output")
+                file_ids[name] = created["id"]
+    if file_ids:
+        r.hset(keys.batch(batch_id), mapping=file_ids)
+
+
+def _job_is_active(r: redis.Redis, batch_id: str) -> bool:
+    try:
+        return Job.fetch(job_id(batch_id), connection=r, serializer=JSONSerializer).get_status() \
+            in ACTIVE_JOB_STATUSES
+    except NoSuchJobError:
+        return False
+
+
+def counted_but_open(r: redis.Redis) -> list[str]:
+    """Open batches whose every request has a result counted, in a status that waits
+    for finalize."""
+    batch_ids = sorted(b.decode() for b in r.smembers(keys.OPEN_BATCHES))
+    pipe = r.pipeline(transaction=False)
+    for batch_id in batch_ids:
+        pipe.hmget(keys.batch(batch_id), "status", "total", "completed", "failed")
+    found = []
+    for batch_id, (status, total, completed, failed) in zip(batch_ids, pipe.execute()):
+        if status is None:
+            r.srem(keys.OPEN_BATCHES, batch_id)  # the hash is gone
+            continue
+        total, done = int(total or 0), int(completed or 0) + int(failed or 0)
+        if status.decode() in SWEEP_STATUSES and total > 0 and done >= total:
+            found.append(batch_id)
+    return found
+
+
+def sweep(r: redis.Redis, first_seen: dict[str, float], grace_seconds: float) -> list[str]:
+    """Re-enqueue finalize for batches counted complete but still open for longer than
+    the grace period with no finalize job queued or running. `first_seen` (batch id ->
+    when it was first seen so) is the caller's memory between sweeps. Returns the ids."""
+    now, requeued = time.monotonic(), []
+    stuck = [b for b in counted_but_open(r) if not _job_is_active(r, b)]
+    for batch_id in list(first_seen):
+        if batch_id not in stuck:
+            del first_seen[batch_id]
+    for batch_id in stuck:
+        if now - first_seen.setdefault(batch_id, now) >= grace_seconds:
+            log.warning("batch %s: every request is counted but it is still open; finalizing it again", batch_id)
+            request_finalize(r, batch_id, force=True)
+            first_seen[batch_id] = now
+            requeued.append(batch_id)
+    return requeued

@@ -7,6 +7,7 @@
 | kvfleet:batch:{id}:done          | set         | custom ids with a durable result (counted once)              |
 | kvfleet:batch:{id}:results       | hash        | custom id -> result line (the redis sink)                    |
 | kvfleet:batches                  | sorted set  | batch ids by creation time (listing)                         |
+| kvfleet:batches:open             | set         | batch ids not yet terminal (the finalizer's sweep)           |
 | kvfleet:file:{id}                | hash        | a file object: bytes, filename, purpose, location            |
 | kvfleet:file:{id}:content        | string      | the content of a file stored in Redis                        |
 | kvfleet:dead                     | stream      | dead-lettered entries with their last error                  |
@@ -32,6 +33,7 @@ PREFIX = "kvfleet"
 CONSUMER_GROUP = "workers"
 FINALIZE_QUEUE = "kvfleet-finalize"
 BATCHES = f"{PREFIX}:batches"
+OPEN_BATCHES = f"{PREFIX}:batches:open"
 DEAD_LETTERS = f"{PREFIX}:dead"
 WORKERS = f"{PREFIX}:workers"
 STREAM_ENTRY_FIELDS = ("batch_id", "custom_id", "line_number", "line", "enqueued_at")

@@ -6,10 +6,16 @@ local folder. Chosen per batch by its sink URL:
     file:///absolute/dir       one file per result, written atomically (fsync + rename)
 
 Writing a result is idempotent: a request's result always lands at the same key.
+
+Errors come in two kinds (`is_permanent_error`): an outage (connection refused, a
+timeout, a 5xx, throttling) passes and is retried; a permanent error (a 4xx such as
+NoSuchBucket or AccessDenied, a folder we may not write) does not, and ends the
+requests or the batch it hits with a `storage_error`.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import tempfile
@@ -18,10 +24,31 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import redis
+from botocore.exceptions import ClientError
 
 from jobs import keys
 
 CHUNK = 1 << 20
+# 4xx codes that S3-compatible stores use for "slow down" or "try again": outages, not verdicts.
+RETRYABLE_S3_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
+                      "TooManyRequests", "RequestLimitExceeded"}
+PERMANENT_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR}
+
+
+def is_permanent_error(error: BaseException) -> bool:
+    """True for storage errors that retrying will not fix; False for outages."""
+    if isinstance(error, ClientError):
+        status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+        code = error.response.get("Error", {}).get("Code", "")
+        return 400 <= int(status) < 500 and int(status) not in (408, 429) and code not in RETRYABLE_S3_CODES
+    return isinstance(error, OSError) and error.errno in PERMANENT_ERRNOS
+
+
+def describe_error(error: BaseException) -> str:
+    if isinstance(error, ClientError):
+        detail = error.response.get("Error", {})
+        return f"{detail.get('Code', 'ClientError')}: {detail.get('Message', error)}"
+    return f"{type(error).__name__}: {error}"
 
 
 def result_name(custom_id: str) -> str:

@@ -27,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 from pydantic import BaseModel, ConfigDict, Field
 
 from jobs import batches, heartbeats, keys
+from jobs.connection import connect
 from jobs.files import FileNotFound, create_file, file_object, new_file_id, read_file
 from jobs.storage import RedisStorage, open_storage
 from producers.ingest import submit
@@ -57,7 +58,7 @@ class CreateBatch(BaseModel):
 
 
 def create_app(redis_url: str | None = None) -> FastAPI:
-    r = redis.Redis.from_url(redis_url or keys.default_redis_url())
+    r = connect(redis_url)
     registry = CollectorRegistry()
     http_requests = Counter("kvfleet:api_requests", "API requests by route and status", ["route", "status"],
                             registry=registry)

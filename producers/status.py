@@ -10,9 +10,8 @@ import json
 import sys
 import time
 
-import redis
-
 from jobs import batches, keys
+from jobs.connection import connect
 
 
 def summary(batch: dict) -> str:
@@ -32,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    r = redis.Redis.from_url(args.redis_url)
+    r = connect(args.redis_url)
     try:
         batch = batches.batch_object(r, args.batch_id)
     except batches.BatchNotFound:

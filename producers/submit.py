@@ -25,6 +25,7 @@ import redis
 from tqdm import tqdm
 
 from jobs import batches, heartbeats, keys
+from jobs.connection import connect
 from jobs.schemas import MAX_REPORTED_ERRORS
 from producers.ingest import submit
 
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.isfile(args.file):
         print(f"{args.file}: no such file", file=sys.stderr)
         return 2
-    r = redis.Redis.from_url(args.redis_url)
+    r = connect(args.redis_url)
     show_bar = sys.stderr.isatty()
     progress = tqdm(desc="enqueue", unit="line", disable=not show_bar, file=sys.stderr)
 

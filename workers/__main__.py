@@ -16,11 +16,10 @@ import os
 import socket
 import sys
 
-import redis
-
 from engine import LLMEngine
 from engine.arg_utils import add_engine_args, engine_config_from_args
 from jobs import keys
+from jobs.connection import connect
 from workers.metrics import WorkerMetrics
 from workers.worker import Worker, WorkerOptions
 
@@ -37,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     fleet.add_argument("--lease-seconds", type=float, default=60.0,
                        help="entries idle longer than this are taken over from dead workers")
     fleet.add_argument("--max-deliveries", type=int, default=3, help="then the entry is dead-lettered")
+    fleet.add_argument("--max-requeues", type=int, default=100,
+                       help="times an entry may be handed back for lack of room; then it fails with cannot_fit")
     fleet.add_argument("--drain-seconds", type=float, default=30.0, help="SIGTERM: time to finish in-flight work")
     fleet.add_argument("--heartbeat-seconds", type=float, default=1.0,
                        help="how often to heartbeat, renew in-flight leases and check batch status")
@@ -58,12 +59,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     names = served_model_names(args)
     options = WorkerOptions(name=args.name, served_model_names=names, lease_seconds=args.lease_seconds,
-                            max_deliveries=args.max_deliveries, drain_seconds=args.drain_seconds,
+                            max_deliveries=args.max_deliveries, max_requeues=args.max_requeues,
+                            drain_seconds=args.drain_seconds,
                             maintain_seconds=args.heartbeat_seconds)
     metrics = WorkerMetrics(args.name, names[0])
     if args.metrics_port:
         metrics.serve(args.metrics_port)
-    worker = Worker(engine, redis.Redis.from_url(args.redis_url), options, metrics)
+    worker = Worker(engine, connect(args.redis_url), options, metrics)
     worker.install_signal_handlers()
     logging.getLogger("kvfleet.worker").info("%s: serving %s from %s with %d KV blocks", args.name,
                                              ", ".join(map(repr, names)), args.redis_url, engine.num_total_blocks)

@@ -21,6 +21,7 @@ import httpx
 import redis
 
 from jobs import batches
+from jobs.connection import connect
 from jobs.local_redis import RedisServer, free_port
 
 MODEL_NAME = "demo"
@@ -31,7 +32,7 @@ def reachable_redis() -> str | None:
     if not url:
         return None
     try:
-        redis.Redis.from_url(url, socket_connect_timeout=1).ping()
+        connect(url, socket_connect_timeout=1).ping()
         return url
     except redis.RedisError:
         print(f"KVFLEET_REDIS_URL={url} does not answer; starting a local redis-server", flush=True)
@@ -94,7 +95,7 @@ def main() -> int:
         if submitted.returncode != 0 or batch_id is None:
             print("submit failed; see the messages above and the logs under " + str(out), file=sys.stderr)
             return 1
-        r = redis.Redis.from_url(redis_url)
+        r = connect(redis_url)
         batch = batches.batch_object(r, batch_id)
         counts = batch["request_counts"]
         print(f"batch {batch_id}: {batch['status']}, {counts['completed']} completed, {counts['failed']} failed")

@@ -37,6 +37,7 @@ class WorkerMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
         self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests")
         self.num_preemptions = counter("num_preemptions", "Sequences preempted by recompute")
+        self.requeues = counter("requeues", "Pulled entries handed back to the stream for lack of room")
         self._success = Counter("kvfleet:request_success", "Finished requests by finish reason",
                                 [*names, "finished_reason"], registry=self.registry)
         self._labels = labels

@@ -53,10 +53,12 @@ def touch(r: redis.Redis, stream: str, consumer: str, entry_ids: list[str]) -> N
         r.xclaim(stream, GROUP, consumer, min_idle_time=0, message_ids=entry_ids, justid=True)
 
 
-def requeue(r: redis.Redis, stream: str, entry_id: str, fields: dict) -> None:
-    """Hand an entry back to the fleet at once: ack it and append a copy, atomically."""
-    copy = {k: v for k, v in fields.items()}
-    copy[keys.HANDED_BACK_FIELD.encode()] = int(fields.get(keys.HANDED_BACK_FIELD.encode(), 0)) + 1
+def requeue(r: redis.Redis, stream: str, entry_id: str, fields: dict, count: bool) -> None:
+    """Hand an entry back to the fleet at once: ack it and append a copy, atomically.
+    With `count`, the copy carries one more hand-back (the `requeues` field)."""
+    copy = dict(fields)
+    field = keys.HANDED_BACK_FIELD.encode()
+    copy[field] = int(fields.get(field, 0)) + int(count)
     pipe = r.pipeline(transaction=True)
     pipe.xack(stream, GROUP, entry_id)
     pipe.xadd(stream, copy)

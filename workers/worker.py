@@ -6,9 +6,12 @@
         step()       one engine iteration
         flush()      results -> storage (durable) -> count + XACK (one Lua script)
 
-Redis or storage outages back off (capped, exponential) and retry; a result is
-never acknowledged before it is durable. SIGTERM drains: stop pulling, finish
-in-flight work within drain_seconds, hand the rest back to the stream, exit 0.
+Redis outages back off (capped, exponential) and retry; storage targets back off
+each on their own (workers/flush.py); a result is never acknowledged before it is
+durable, and every pulled entry keeps its lease until it is acked. SIGTERM (or
+SIGINT) drains: stop pulling, finish in-flight work within drain_seconds, hand the
+rest back to the stream, exit 0. A second signal is a cold shutdown: hand back at
+once and exit 1. Whatever ends the loop, unfinished work is handed back.
 """
 
 from __future__ import annotations
@@ -17,24 +20,29 @@ import contextlib
 import logging
 import signal
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import redis
-from botocore.exceptions import BotoCoreError, ClientError
 
 from engine import LLMEngine
 from jobs import batches, heartbeats, keys
-from jobs.results import Usage, error_line, record_result
+from jobs.results import error_line
 from jobs.schemas import LineError, parse_line
-from jobs.storage import Storage, open_storage
 from workers import stream_ops
 from workers.admission import Admission
+from workers.flush import PendingResult, ResultFlusher
 from workers.metrics import WorkerMetrics
 from workers.translate import EngineRequest, RequestRejected, error_code, to_engine_request, to_result_line
 
 log = logging.getLogger("kvfleet.worker")
-OUTAGE_ERRORS = (redis.ConnectionError, redis.TimeoutError, BotoCoreError, ClientError, OSError)
+OUTAGE_ERRORS = (redis.ConnectionError, redis.TimeoutError)  # storage errors are workers/flush.py's
 TRIM_SECONDS = 30.0
+MAX_CACHED_BATCHES = 1024
+
+
+class ColdShutdown(Exception):
+    """A second SIGTERM or SIGINT: stop now, without draining."""
 
 
 @dataclass
@@ -43,6 +51,7 @@ class WorkerOptions:
     served_model_names: list[str]  # one stream each; the first names the worker in metrics
     lease_seconds: float = 60.0
     max_deliveries: int = 3
+    max_requeues: int = 100  # hand-backs for lack of room; then the request fails with cannot_fit
     drain_seconds: float = 30.0
     block_ms: int = 1000
     max_backoff_seconds: float = 5.0
@@ -59,15 +68,6 @@ class InFlight:
     enqueued_at: float | None
 
 
-@dataclass
-class PendingResult:
-    stream: str
-    entry_id: str | None  # None: nothing to ack (a dead-lettered entry's error line)
-    batch_id: str
-    line: dict
-    usage: Usage | None = None
-
-
 def request_id(stream: str, entry_id: str) -> str:
     """The engine request id of a stream entry (entry ids are unique only within a stream)."""
     return f"{stream} {entry_id}"
@@ -81,9 +81,8 @@ class Worker:
         self.metrics = metrics or WorkerMetrics(options.name, options.served_model_names[0])
         self.admission = Admission(engine.config.max_num_seqs)
         self.in_flight: dict[str, InFlight] = {}  # engine request id -> work
-        self.results: list[PendingResult] = []
-        self.storages: dict[str, Storage] = {}
-        self.batch_cache: dict[str, dict] = {}
+        self.flusher = ResultFlusher(r, options.max_backoff_seconds)
+        self.batch_cache: OrderedDict[str, dict] = OrderedDict()  # LRU, MAX_CACHED_BATCHES
         self.stopping = False
         self.backoff = 0.0
         self.retry_at = 0.0
@@ -94,8 +93,13 @@ class Worker:
 
     # -- lifecycle ---------------------------------------------------------------
     def install_signal_handlers(self) -> None:
-        signal.signal(signal.SIGTERM, lambda *_: self.request_stop())
-        signal.signal(signal.SIGINT, lambda *_: self.request_stop())
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+
+    def _on_signal(self, signum, _frame) -> None:
+        if self.stopping:
+            raise ColdShutdown(signal.Signals(signum).name)
+        self.request_stop()
 
     def request_stop(self) -> None:
         if not self.stopping:
@@ -103,16 +107,21 @@ class Worker:
         self.stopping = True
 
     def work(self) -> int:
-        drain_deadline = None
-        while True:
-            now = time.monotonic()
-            if self.stopping and drain_deadline is None:
-                drain_deadline = now + self.options.drain_seconds
-            if self.stopping and (not self.in_flight and not self.results or now >= drain_deadline):
-                break
-            self.run_once()
-        self._hand_back_unfinished()
-        return 0
+        drain_deadline, exit_code = None, 0
+        try:
+            while True:
+                now = time.monotonic()
+                if self.stopping and drain_deadline is None:
+                    drain_deadline = now + self.options.drain_seconds
+                if self.stopping and (not self.in_flight and not self.flusher or now >= drain_deadline):
+                    break
+                self.run_once()
+        except ColdShutdown as signal_name:
+            log.warning("%s: second %s; cold shutdown", self.options.name, signal_name)
+            exit_code = 1
+        finally:
+            self._hand_back_unfinished()
+        return exit_code
 
     def run_once(self) -> None:
         if time.monotonic() >= self.retry_at:
@@ -120,13 +129,23 @@ class Worker:
                 self._maintain()
                 if not self.stopping:
                     self._admit()
+                self.backoff = 0.0  # Redis answered
             except OUTAGE_ERRORS as error:
+                self._back_off(f"redis: {error}")
+            except redis.ResponseError as error:
+                if "NOGROUP" not in str(error):
+                    raise
+                self.is_group_ready = False  # the stream or its group was deleted: create it again
                 self._back_off(f"redis: {error}")
         if self.engine.has_unfinished():
             self._step()
-        self._flush_results()
-        if not self.engine.has_unfinished() and (self.results or time.monotonic() < self.retry_at):
-            time.sleep(min(0.05, max(0.0, self.retry_at - time.monotonic())) or 0.01)
+        try:
+            self.flusher.flush()
+        except OUTAGE_ERRORS as error:
+            self._back_off(f"recording a result failed: {error}")
+        is_waiting = time.monotonic() < self.retry_at or self.flusher.is_waiting()
+        if not self.engine.has_unfinished() and (self.flusher or is_waiting):
+            time.sleep(0.01 if self.flusher and not is_waiting else 0.05)
 
     def _back_off(self, reason: str) -> None:
         self.backoff = min(self.options.max_backoff_seconds, max(0.1, self.backoff * 2))
@@ -143,9 +162,11 @@ class Worker:
         if now - self.last_maintain < self.options.maintain_seconds:
             return
         self.last_maintain = now
+        # Every pulled entry keeps its lease until it is acked: running, or finished with
+        # its result not yet durable (a storage outage may last longer than the lease).
+        held = [(work.stream, work.entry_id) for work in self.in_flight.values()] + self.flusher.entries()
         for stream in self.streams:
-            stream_ops.touch(self.r, stream, self.options.name,
-                             [work.entry_id for work in self.in_flight.values() if work.stream == stream])
+            stream_ops.touch(self.r, stream, self.options.name, [eid for s, eid in held if s == stream])
         self._heartbeat()
         self._check_batches()
         if now - self.last_trim > TRIM_SECONDS:
@@ -174,8 +195,20 @@ class Worker:
             try:
                 self.batch_cache[batch_id] = batches.load_fields(self.r, batch_id)
             except batches.BatchNotFound:
+                self.batch_cache.pop(batch_id, None)
                 return None
+            if len(self.batch_cache) > MAX_CACHED_BATCHES:
+                self.batch_cache.popitem(last=False)
+        self.batch_cache.move_to_end(batch_id)
         return self.batch_cache[batch_id]
+
+    def _add_result(self, result: PendingResult) -> None:
+        batch = self._batch(result.batch_id)
+        if batch is None:  # the batch was deleted: nothing to record the result in
+            if result.entry_id:
+                stream_ops.ack(self.r, result.stream, result.entry_id)
+            return
+        self.flusher.add(batch["sink"], result)
 
     def _check_batches(self) -> None:
         """Abort in-flight requests of batches cancelled or past their window."""
@@ -187,8 +220,8 @@ class Worker:
                 if work.batch_id == batch_id:
                     self.engine.abort(key)
                     del self.in_flight[key]
-                    self.results.append(PendingResult(work.stream, work.entry_id, batch_id,
-                                                      error_line(work.custom_id, *ended)))
+                    self._add_result(PendingResult(work.stream, work.entry_id, batch_id,
+                                                   error_line(work.custom_id, *ended)))
 
     @staticmethod
     def _ended(batch: dict | None) -> tuple[str, str] | None:
@@ -211,7 +244,7 @@ class Worker:
             claimed = stream_ops.reclaim_stale(self.r, stream, self.options.name, lease_ms, count - len(entries))
             entries += [(stream, *entry) for entry in claimed]
         if len(entries) < count:
-            is_idle = not self.engine.has_unfinished() and not self.results
+            is_idle = not self.engine.has_unfinished() and not self.flusher
             block_ms = self.options.block_ms if is_idle else None  # block on the streams only when idle
             fresh = stream_ops.read_new(self.r, self.streams, self.options.name, count - len(entries), block_ms)
             entries += [(stream, entry_id, fields, 1) for stream, entry_id, fields in fresh]
@@ -225,7 +258,8 @@ class Worker:
             self.admission.observe(blocks)
         num_fit = self.admission.fit(self.engine.stats(), needed)
         for fields, work in accepted[num_fit:]:  # cannot start here now: back to the fleet
-            stream_ops.requeue(self.r, work.stream, work.entry_id, fields)
+            stream_ops.requeue(self.r, work.stream, work.entry_id, fields, count=True)
+            self.metrics.requeues.inc()
         for _, work in accepted[:num_fit]:
             key = request_id(work.stream, work.entry_id)
             self.engine.add_request(key, work.request.prompt_token_ids, work.request.params)
@@ -245,8 +279,15 @@ class Worker:
         if deliveries > self.options.max_deliveries:
             stream_ops.dead_letter(self.r, stream, entry_id, fields,
                                    f"delivered {deliveries} times (max_deliveries {self.options.max_deliveries})")
-            self.results.append(PendingResult(stream, None, batch_id, error_line(
+            self._add_result(PendingResult(stream, None, batch_id, error_line(
                 custom_id, "max_deliveries_exceeded", f"The request failed {deliveries - 1} times on workers.")))
+            return None
+        requeues = int(fields.get(keys.HANDED_BACK_FIELD.encode(), 0))
+        if requeues > self.options.max_requeues:
+            model = self.options.served_model_names[self.streams.index(stream)]
+            self._add_result(PendingResult(stream, entry_id, batch_id, error_line(
+                custom_id, "cannot_fit", f"No worker of model {model!r} had room for this request: it was handed "
+                                         f"back {requeues} times (max_requeues {self.options.max_requeues}).")))
             return None
         batch = self._batch(batch_id)
         if batch is None:
@@ -257,14 +298,14 @@ class Worker:
             return None
         ended = self._ended(self._batch(batch_id, refresh=batch["status"] != "in_progress"))
         if ended is not None:
-            self.results.append(PendingResult(stream, entry_id, batch_id, error_line(custom_id, *ended)))
+            self._add_result(PendingResult(stream, entry_id, batch_id, error_line(custom_id, *ended)))
             return None
         try:
             request = to_engine_request(parse_line(line, line_number), self.engine.tokenizer)
             self.engine.validate(request.prompt_token_ids, request.params)
         except (LineError, RequestRejected, ValueError) as error:
             line = error_line(custom_id, error_code(error), str(error))
-            self.results.append(PendingResult(stream, entry_id, batch_id, line))
+            self._add_result(PendingResult(stream, entry_id, batch_id, line))
             return None
         enqueued_at = float(fields[b"enqueued_at"]) if b"enqueued_at" in fields else None
         return InFlight(stream, entry_id, batch_id, custom_id, request, enqueued_at)
@@ -292,26 +333,7 @@ class Worker:
             batch = self._batch(work.batch_id) or {}
             model = batch.get("model") or self.options.served_model_names[0]
             line, usage = to_result_line(work.custom_id, work.request, output, model, self.engine.tokenizer)
-            self.results.append(PendingResult(work.stream, work.entry_id, work.batch_id, line, usage))
-
-    def _flush_results(self) -> None:
-        """Record results in order; on an outage keep the rest and retry after a back-off."""
-        while self.results and time.monotonic() >= self.retry_at:
-            result = self.results[0]
-            try:
-                batch = self._batch(result.batch_id)
-                if batch is None:
-                    self.results.pop(0)
-                    continue
-                storage = self.storages.get(batch["sink"]) or open_storage(batch["sink"], self.r)
-                self.storages[batch["sink"]] = storage
-                ack = (result.stream, keys.CONSUMER_GROUP, result.entry_id) if result.entry_id else None
-                record_result(self.r, storage, result.batch_id, result.line, result.usage, ack=ack)
-            except OUTAGE_ERRORS as error:
-                self._back_off(f"recording a result failed: {type(error).__name__}: {error}")
-                return
-            self.results.pop(0)
-            self.backoff = 0.0
+            self._add_result(PendingResult(work.stream, work.entry_id, work.batch_id, line, usage))
 
     def _hand_back_unfinished(self) -> None:
         """On exit: abort what still runs and put it back on the stream for other workers."""
@@ -319,8 +341,8 @@ class Worker:
             self.engine.abort(key)
             try:
                 fields = self.r.xrange(work.stream, work.entry_id, work.entry_id)
-                if fields:
-                    stream_ops.requeue(self.r, work.stream, work.entry_id, fields[0][1])
+                if fields:  # a shutdown hand-back does not count against max_requeues
+                    stream_ops.requeue(self.r, work.stream, work.entry_id, fields[0][1], count=False)
             except OUTAGE_ERRORS as error:
                 log.warning("%s: could not hand back %s (%s); it returns after the lease", self.options.name,
                             work.entry_id, error)

@@ -147,9 +147,9 @@ def test_s3_outage_mid_batch_lands_everything_exactly_once(worker, r, s3_server,
     while time.monotonic() < outage_end:
         worker.run_once()
     during = batches.batch_object(r, batch_id)["request_counts"]["completed"]
-    assert during < 24 and worker.results, "results must wait for S3, not be acknowledged"
+    assert during < 24 and worker.flusher, "results must wait for S3, not be acknowledged"
     pending = r.xpending(keys.stream(MODEL), keys.CONSUMER_GROUP)["pending"]
-    assert pending >= len(worker.results)  # nothing acked before it is durable
+    assert pending >= len(worker.flusher)  # nothing acked before it is durable
     restarted = S3Server(port=s3_server.port).start()  # moto keeps its buckets in-process
     try:
         batch = run_until(worker, r, [batch_id], timeout=120)[batch_id]
