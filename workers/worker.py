@@ -41,8 +41,9 @@ TRIM_SECONDS = 30.0
 MAX_CACHED_BATCHES = 1024
 
 
-class ColdShutdown(Exception):
-    """A second SIGTERM or SIGINT: stop now, without draining."""
+class ColdShutdown(BaseException):
+    """A second SIGTERM or SIGINT: stop now, without draining. A BaseException, like
+    KeyboardInterrupt, so that no `except Exception` on the way (the step's) swallows it."""
 
 
 @dataclass
@@ -133,7 +134,7 @@ class Worker:
             except OUTAGE_ERRORS as error:
                 self._back_off(f"redis: {error}")
             except redis.ResponseError as error:
-                if "NOGROUP" not in str(error):
+                if "NOGROUP" not in str(error) and "no such key" not in str(error):
                     raise
                 self.is_group_ready = False  # the stream or its group was deleted: create it again
                 self._back_off(f"redis: {error}")

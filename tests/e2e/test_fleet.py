@@ -161,6 +161,28 @@ def test_sigterm_drains_and_exits_zero_while_the_other_finishes(fleet, r):
     assert fleet.metric("stayer", "kvfleet:request_success_total") > 0
 
 
+def test_a_second_sigterm_is_a_cold_shutdown_that_hands_everything_back(fleet, r):
+    fleet.start_worker("leaver", drain_seconds=60, max_num_seqs=4)
+    fleet.wait_ready("leaver")
+    # 480 tokens each: seconds of work in flight when the signals come.
+    batch_id = submit_lines(r, [completion(f"c{i}", f"request {i}", 480, ignore_eos=True) for i in range(12)])
+    assert wait_in_flight(r, "leaver") > 0
+    fleet.processes["leaver"].send_signal(signal.SIGTERM)  # drain: up to 60 s
+    time.sleep(0.2)
+    assert fleet.processes["leaver"].poll() is None and r.hget(keys.worker("leaver"), "draining") == b"1"
+    started = time.monotonic()
+    fleet.processes["leaver"].send_signal(signal.SIGTERM)  # and now: at once
+    assert fleet.processes["leaver"].wait(timeout=20) == 1, fleet.log("leaver")
+    assert time.monotonic() - started < 10
+    held = {c["name"].decode(): c["pending"] for c in r.xpending(keys.stream("tiny"), keys.CONSUMER_GROUP)["consumers"]}
+    assert held.get("leaver", 0) == 0, "the cold shutdown left entries behind"
+    assert "cold shutdown" in fleet.log("leaver")
+    fleet.start_worker("stayer", max_num_seqs=4)
+    batch = wait_terminal(r, [batch_id], timeout=180, fleet=fleet)[batch_id]
+    assert batch["request_counts"] == {"total": 12, "completed": 12, "failed": 0}
+    assert sorted(output_ids(r, batch)) == sorted(f"c{i}" for i in range(12))
+
+
 def test_a_worker_serves_its_model_argument_exactly_and_submit_finds_it(fleet, r, redis_server, tiny_llama, tmp_path,
                                                                      capsys):
     assert tiny_llama.startswith("/")

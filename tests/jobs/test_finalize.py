@@ -1,0 +1,98 @@
+"""A batch always ends: finalize is retried on outages, swept when its job is lost,
+and a permanent storage error ends the batch failed with a reason."""
+
+from __future__ import annotations
+
+import json
+
+import boto3
+from rq.job import Job, JobStatus
+from rq.serializers import JSONSerializer
+
+from jobs import batches, keys
+from jobs.finalize import counted_but_open, job_id, sweep
+from jobs.results import Choice, Usage, completion_body, error_line, record_result, success_line
+from jobs.storage import RedisStorage, open_storage
+from tests.jobs.test_results import make_batch
+from tests.services import S3Server, run_finalize_jobs
+from tests.workers.helpers import read_lines
+
+
+def record_all(r, batch_id: str, sink: str, n: int) -> None:
+    storage = open_storage(sink, r)
+    for i in range(n):
+        body = completion_body("m", [Choice(f"text {i}", "stop")], Usage(3, 2))
+        record_result(r, storage, batch_id, success_line(f"c{i}", body), Usage(3, 2))
+
+
+def finalize_job(r, batch_id: str) -> Job:
+    return Job.fetch(job_id(batch_id), connection=r, serializer=JSONSerializer)
+
+
+def test_an_outage_at_finalize_is_retried_and_a_lost_job_is_swept(r, s3_server, s3_bucket):
+    sink = f"s3://{s3_bucket}/out"
+    batch_id = make_batch(r, sink, 4)
+    record_all(r, batch_id, sink, 4)  # the last one enqueues finalize
+    s3_server.stop()
+    try:
+        run_finalize_jobs(r)  # S3 is unreachable: the job fails and is scheduled again
+        job = finalize_job(r, batch_id)
+        assert job.get_status() == JobStatus.SCHEDULED and job.retries_left == 4
+        assert batches.batch_object(r, batch_id)["status"] == "finalizing"
+    finally:
+        restarted = S3Server(port=s3_server.port).start()
+        s3_server.server = restarted.server
+    job.delete()  # the job is lost (e.g. with a Redis that lost it): nothing would finalize the batch
+    first_seen: dict[str, float] = {}
+    assert sweep(r, first_seen, grace_seconds=3600) == []  # within the grace period: left alone
+    assert counted_but_open(r) == [batch_id]
+    assert sweep(r, first_seen, grace_seconds=0) == [batch_id]
+    assert sweep(r, first_seen, grace_seconds=0) == []  # its job is queued now: not twice
+    assert run_finalize_jobs(r) == 1
+    batch = batches.batch_object(r, batch_id)
+    assert batch["status"] == "completed" and batch["request_counts"]["completed"] == 4
+    assert sorted(line["custom_id"] for line in read_lines(r, batch["output_file_id"])) == [f"c{i}" for i in range(4)]
+    assert counted_but_open(r) == [] and not r.sismember(keys.OPEN_BATCHES, batch_id)
+    assert sweep(r, first_seen, grace_seconds=0) == []
+
+
+def test_sweep_finalizes_a_counted_batch_that_never_asked(r):
+    batch_id = make_batch(r, "redis", 2)
+    storage = open_storage("redis", r)
+    for i in range(2):  # counted as a worker would, but as if it died before request_finalize
+        storage.put_result(batch_id, f"c{i}", json.dumps(error_line(f"c{i}", "x", "y")).encode())
+    r.hset(keys.batch(batch_id), "failed", 2)
+    assert batches.batch_object(r, batch_id)["status"] == "in_progress"
+    assert sweep(r, {}, grace_seconds=0) == [batch_id]
+    run_finalize_jobs(r)
+    batch = batches.batch_object(r, batch_id)
+    assert batch["status"] == "completed" and len(read_lines(r, batch["error_file_id"])) == 2
+
+
+def test_a_permanent_storage_error_at_finalize_ends_the_batch_failed(r, s3_server, s3_bucket):
+    sink = f"s3://{s3_bucket}/out"
+    batch_id = make_batch(r, sink, 2)
+    record_all(r, batch_id, sink, 2)
+    s3 = boto3.client("s3", endpoint_url=s3_server.url)
+    for item in s3.list_objects_v2(Bucket=s3_bucket)["Contents"]:
+        s3.delete_object(Bucket=s3_bucket, Key=item["Key"])
+    s3.delete_bucket(Bucket=s3_bucket)
+    run_finalize_jobs(r)
+    batch = batches.batch_object(r, batch_id)
+    assert batch["status"] == "failed" and batch["failed_at"] is not None
+    error = batch["errors"]["data"][0]
+    assert error["code"] == "storage_error" and sink in error["message"] and "NoSuchBucket" in error["message"]
+    assert finalize_job(r, batch_id).get_status() == JobStatus.FINISHED  # ended, not left to retry
+
+
+def test_error_lines_kept_in_redis_for_a_broken_sink_reach_the_error_file(r, tmp_path):
+    sink = f"file://{tmp_path}/out"
+    batch_id = make_batch(r, sink, 3)
+    record_all(r, batch_id, sink, 2)
+    record_result(r, RedisStorage(r), batch_id, error_line("c2", "storage_error", "the sink was down"))
+    run_finalize_jobs(r)
+    batch = batches.batch_object(r, batch_id)
+    assert batch["status"] == "completed"
+    assert batch["request_counts"] == {"total": 3, "completed": 2, "failed": 1}
+    assert [line["error"]["code"] for line in read_lines(r, batch["error_file_id"])] == ["storage_error"]
+    assert len(read_lines(r, batch["output_file_id"])) == 2
