@@ -7,7 +7,10 @@ POST /v1/files, GET /v1/files/{id}, GET /v1/files/{id}/content,
 POST /v1/batches, GET /v1/batches, GET /v1/batches/{id}, POST /v1/batches/{id}/cancel,
 and beyond OpenAI GET /v1/batches/{id}/results/{custom_id}; GET /healthz and
 GET /metrics. With KVFLEET_API_KEY set, every /v1 route needs
-`Authorization: Bearer <key>`. Errors use OpenAI's {"error": {...}} shape.
+`Authorization: Bearer <key>` (compared in constant time). Errors use OpenAI's
+{"error": {...}} shape. Uploads stream to storage in 1 MiB chunks and stop at
+KVFLEET_MAX_UPLOAD_BYTES (413; a Content-Length over it is refused before the body
+is read). CORS is off unless KVFLEET_CORS_ORIGINS lists the allowed origins.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import redis
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, File, Form, Header, Query, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
@@ -32,7 +36,16 @@ from jobs.files import FileNotFound, create_file, file_object, new_file_id, read
 from jobs.storage import RedisStorage, open_storage
 from producers.ingest import submit
 
-MAX_UPLOAD_BYTES = int(os.environ.get("KVFLEET_MAX_UPLOAD_BYTES", 200 * 1024 * 1024))
+DEFAULT_MAX_UPLOAD_BYTES = 200 * 1024 * 1024
+MULTIPART_OVERHEAD_BYTES = 64 * 1024  # room for the form's other fields and boundaries
+
+
+def max_upload_bytes() -> int:
+    return int(os.environ.get("KVFLEET_MAX_UPLOAD_BYTES", DEFAULT_MAX_UPLOAD_BYTES))
+
+
+def file_too_large(limit: int) -> APIError:
+    return APIError(413, f"file is larger than {limit} bytes (KVFLEET_MAX_UPLOAD_BYTES)", "file_too_large", "file")
 
 
 class APIError(Exception):
@@ -64,6 +77,10 @@ def create_app(redis_url: str | None = None) -> FastAPI:
                             registry=registry)
     app = FastAPI(title="kvfleet", description="OpenAI-compatible Files and Batches API")
     app.state.metrics_registry = registry
+    cors_origins = [o.strip() for o in os.environ.get("KVFLEET_CORS_ORIGINS", "").split(",") if o.strip()]
+    if cors_origins:  # off by default: browsers on other origins may not call the API
+        app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
 
     def require_key(authorization: Annotated[str | None, Header()] = None) -> None:
         expected = os.environ.get("KVFLEET_API_KEY")
@@ -89,6 +106,13 @@ def create_app(redis_url: str | None = None) -> FastAPI:
 
     @app.middleware("http")
     async def _count(request: Request, call_next):
+        limit = max_upload_bytes()
+        declared = request.headers.get("content-length", "")
+        if request.url.path == "/v1/files" and declared.isdigit() and int(declared) > limit + MULTIPART_OVERHEAD_BYTES:
+            error = file_too_large(limit)  # refused before the body is read
+            response = JSONResponse(error_body(error.message, error.kind, error.code, error.param), status_code=413)
+            http_requests.labels("/v1/files", "413").inc()
+            return response
         response = await call_next(request)
         route = request.scope.get("route")
         http_requests.labels(getattr(route, "path", "unmatched"), str(response.status_code)).inc()
@@ -123,12 +147,14 @@ def create_app(redis_url: str | None = None) -> FastAPI:
         if purpose != "batch":
             raise APIError(400, "purpose: only 'batch' is supported", "invalid_purpose", "purpose")
 
+        limit = max_upload_bytes()
+
         def chunks():
             size = 0
             while chunk := file.file.read(1 << 20):
                 size += len(chunk)
-                if size > MAX_UPLOAD_BYTES:
-                    raise APIError(413, f"file is larger than {MAX_UPLOAD_BYTES} bytes", "file_too_large", "file")
+                if size > limit:
+                    raise file_too_large(limit)
                 yield chunk
 
         file_id = new_file_id()

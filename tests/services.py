@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import uvicorn
 from rq import SimpleWorker
@@ -73,3 +74,45 @@ class ThreadedUvicorn:
 def s3_environment(endpoint_url: str) -> dict[str, str]:
     return {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
             "KVFLEET_S3_ENDPOINT_URL": endpoint_url}
+
+
+def make_tls_files(folder: Path) -> dict[str, str]:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, as PEM files."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    folder.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def issue(name: str, issuer_key, issuer_name, is_ca: bool, san=None):
+        key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+        builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer_name or subject)
+                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                   .not_valid_before(now - datetime.timedelta(minutes=5))
+                   .not_valid_after(now + datetime.timedelta(days=1))
+                   .add_extension(x509.BasicConstraints(ca=is_ca, path_length=None), critical=True))
+        if san:
+            builder = builder.add_extension(x509.SubjectAlternativeName(san), critical=False)
+        certificate = builder.sign(issuer_key or key, hashes.SHA256())
+        return key, certificate
+
+    ca_key, ca = issue("kvfleet-test-ca", None, None, True)
+    files = {}
+    for name, (key, certificate) in {
+        "ca": (ca_key, ca),
+        "server": issue("127.0.0.1", ca_key, ca.subject, False,
+                        [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]),
+        "client": issue("kvfleet-worker", ca_key, ca.subject, False),
+    }.items():
+        (folder / f"{name}.crt").write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+        (folder / f"{name}.key").write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                                               serialization.PrivateFormat.PKCS8,
+                                                               serialization.NoEncryption()))
+        files[f"{name}_cert"], files[f"{name}_key"] = str(folder / f"{name}.crt"), str(folder / f"{name}.key")
+    return files

@@ -1,5 +1,6 @@
-"""The "must not import" table of ARCHITECTURE.md is enforced by import-linter
-(`lint-imports`, run by `make test`); this proves the check can fail."""
+"""Rules `make test` enforces on the whole tree, each proven able to fail: the "must
+not import" table of ARCHITECTURE.md (import-linter's `lint-imports`) and no pickle
+anywhere (ruff's S301/S403)."""
 
 from __future__ import annotations
 
@@ -49,3 +50,13 @@ def test_a_forbidden_import_fails_the_check(tree, module, line, message):
     result = lint_imports(tree)
     assert result.returncode != 0
     assert message in result.stdout and "1 broken" in result.stdout
+
+
+def test_pickle_fails_ruff(tmp_path):
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    (tmp_path / "clean.py").write_text("import json\n\nprint(json.loads('1'))\n")
+    ruff = str(Path(sys.executable).with_name("ruff"))
+    assert subprocess.run([ruff, "check", "clean.py"], cwd=tmp_path, capture_output=True).returncode == 0
+    (tmp_path / "probe.py").write_text("import pickle\n\nprint(pickle.loads(b''))\n")
+    result = subprocess.run([ruff, "check", "probe.py"], cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode != 0 and "S403" in result.stdout and "S301" in result.stdout

@@ -104,7 +104,7 @@ def test_invalid_file_makes_a_failed_batch_with_line_errors(api):
     assert [(e.code, e.line, e.param) for e in batch.errors.data] == [("invalid_request", 3, "prompt")]
 
 
-def test_errors_have_openai_shape_and_codes(api, monkeypatch):
+def test_errors_have_openai_shape_and_codes(api, r, monkeypatch):
     client = client_for(api)
     with pytest.raises(openai.NotFoundError) as missing:
         client.batches.retrieve("batch_nope")
@@ -119,10 +119,30 @@ def test_errors_have_openai_shape_and_codes(api, monkeypatch):
     response = httpx.post(f"{api.url}/v1/batches", json={"endpoint": "/v1/completions"})
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "input_file_id"
-    monkeypatch.setattr("producers.api.MAX_UPLOAD_BYTES", 10)
+    monkeypatch.setenv("KVFLEET_MAX_UPLOAD_BYTES", "10")
     with pytest.raises(openai.APIStatusError) as too_big:
         client.files.create(file=("r.jsonl", chat_lines(1)), purpose="batch")
-    assert too_big.value.status_code == 413
+    assert too_big.value.status_code == 413 and too_big.value.body["code"] == "file_too_large"
+    assert r.keys(keys.file_content("*")) == [keys.file_content(uploaded.id).encode()]  # nothing partial kept
+    # A declared size over the limit is refused before the body is read.
+    monkeypatch.setenv("KVFLEET_MAX_UPLOAD_BYTES", str(1024))
+    huge = httpx.post(f"{api.url}/v1/files", content=b"x" * 200_000,
+                      headers={"content-type": "multipart/form-data; boundary=b"})
+    assert huge.status_code == 413 and huge.json()["error"]["code"] == "file_too_large"
+
+
+def test_cors_is_off_unless_origins_are_listed(r, redis_server, monkeypatch):
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "GET"}
+    monkeypatch.delenv("KVFLEET_CORS_ORIGINS", raising=False)
+    with ThreadedUvicorn(create_app(redis_server.url)) as server:
+        response = httpx.options(f"{server.url}/v1/batches", headers=preflight)
+        assert "access-control-allow-origin" not in response.headers
+        assert "access-control-allow-origin" not in httpx.get(f"{server.url}/v1/batches",
+                                                              headers={"Origin": "https://app.example"}).headers
+    monkeypatch.setenv("KVFLEET_CORS_ORIGINS", "https://app.example")
+    with ThreadedUvicorn(create_app(redis_server.url)) as server:
+        response = httpx.options(f"{server.url}/v1/batches", headers=preflight)
+        assert response.headers["access-control-allow-origin"] == "https://app.example"
 
 
 def test_api_key_is_required_when_set(api, monkeypatch):
