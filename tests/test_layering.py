@@ -1,6 +1,6 @@
 """Rules `make test` enforces on the whole tree, each proven able to fail: the "must
 not import" table of ARCHITECTURE.md (import-linter's `lint-imports`) and no pickle
-anywhere (ruff's S301/S403)."""
+anywhere (ruff's S301 and TID251)."""
 
 from __future__ import annotations
 
@@ -59,4 +59,7 @@ def test_pickle_fails_ruff(tmp_path):
     assert subprocess.run([ruff, "check", "clean.py"], cwd=tmp_path, capture_output=True).returncode == 0
     (tmp_path / "probe.py").write_text("import pickle\n\nprint(pickle.loads(b''))\n")
     result = subprocess.run([ruff, "check", "probe.py"], cwd=tmp_path, capture_output=True, text=True)
-    assert result.returncode != 0 and "S403" in result.stdout and "S301" in result.stdout
+    assert result.returncode != 0 and "TID251" in result.stdout and "S301" in result.stdout
+    (tmp_path / "probe.py").write_text("from cloudpickle import dumps\n\nprint(dumps(1))\n")
+    result = subprocess.run([ruff, "check", "probe.py"], cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode != 0 and "no pickle in kvfleet" in result.stdout
