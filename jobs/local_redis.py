@@ -21,10 +21,11 @@ def free_port() -> int:
 
 
 class RedisServer:
-    """redis-server on a free port with AOF (appendfsync everysec) in its own folder."""
+    """redis-server on a free port with AOF in its own folder (appendfsync everysec, or
+always: then a kill -9 loses nothing that was acknowledged)."""
 
-    def __init__(self, folder: Path, port: int | None = None) -> None:
-        self.folder, self.port = Path(folder), port or free_port()
+    def __init__(self, folder: Path, port: int | None = None, appendfsync: str = "everysec") -> None:
+        self.folder, self.port, self.appendfsync = Path(folder), port or free_port(), appendfsync
         self.folder.mkdir(parents=True, exist_ok=True)
         self.process: subprocess.Popen | None = None
 
@@ -38,7 +39,7 @@ class RedisServer:
             raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
         self.process = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.folder), "--save", "",
-             "--appendonly", "yes", "--appendfsync", "everysec", "--protected-mode", "no"],
+             "--appendonly", "yes", "--appendfsync", self.appendfsync, "--protected-mode", "no"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis.from_url(self.url)
         deadline = time.monotonic() + 10

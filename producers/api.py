@@ -19,16 +19,20 @@ import argparse
 import json
 import os
 import secrets
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import redis
 import uvicorn
-from fastapi import APIRouter, Depends, FastAPI, File, Form, Header, Query, Request, UploadFile
+from fastapi import APIRouter, Depends, FastAPI, File, Form, Query, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jobs import batches, heartbeats, keys
 from jobs.connection import connect
@@ -59,6 +63,45 @@ def error_body(message: str, kind: str, code: str, param: str | None = None) -> 
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+BEARER = HTTPBearer(auto_error=False, description="KVFLEET_API_KEY, when the server sets one")
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape, the body of every 4xx and 5xx."""
+
+    error: ErrorDetail
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": description}
+    for status, description in ((400, "Invalid request"), (401, "Missing or wrong API key"), (404, "Not found"),
+                                (409, "Conflicting state"), (413, "Upload too large"))}
+
+
+def openai_style_schema(app: FastAPI) -> dict[str, Any]:
+    """The OpenAPI document, saying what the API really answers: validation errors are
+    400 in OpenAI's shape (FastAPI would document 422)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        for path in schema["paths"].values():
+            for operation in path.values():
+                if operation.get("responses", {}).pop("422", None) is not None:
+                    operation["responses"].setdefault("400", {
+                        "description": "Invalid request",
+                        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}})
+        schema.get("components", {}).get("schemas", {}).pop("HTTPValidationError", None)
+        schema.get("components", {}).get("schemas", {}).pop("ValidationError", None)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
 class CreateBatch(BaseModel):
     model_config = ConfigDict(extra="forbid")
     input_file_id: str
@@ -82,20 +125,32 @@ def create_app(redis_url: str | None = None) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
 
-    def require_key(authorization: Annotated[str | None, Header()] = None) -> None:
+    def require_key(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)] = None) -> None:
         expected = os.environ.get("KVFLEET_API_KEY")
         if not expected:
             return
-        scheme, _, token = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.encode(), expected.encode()):
+        token = credentials.credentials if credentials is not None else ""
+        if not secrets.compare_digest(token.encode(), expected.encode()):
             raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
                            "invalid_api_key", kind="authentication_error")
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_key)], responses=ERROR_RESPONSES)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, error: APIError):
         return JSONResponse(error_body(error.message, error.kind, error.code, error.param), status_code=error.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, error: StarletteHTTPException):
+        """Starlette's own 404 and 405 in OpenAI's shape; a 405 names every method the path has."""
+        headers = dict(error.headers or {})
+        if error.status_code == 405:
+            headers["Allow"] = ", ".join(sorted({method for route in app.routes if isinstance(route, APIRoute)
+                                                 and route.path_regex.match(request.url.path)
+                                                 for method in route.methods}))
+        code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "http_error")
+        return JSONResponse(error_body(str(error.detail), "invalid_request_error", code), status_code=error.status_code,
+                            headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, error: RequestValidationError):
@@ -143,9 +198,7 @@ def create_app(redis_url: str | None = None) -> FastAPI:
             raise APIError(404, f"No batch found with id '{batch_id}'.", "batch_not_found") from None
 
     @v1.post("/files")
-    def upload_file(file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()]):
-        if purpose != "batch":
-            raise APIError(400, "purpose: only 'batch' is supported", "invalid_purpose", "purpose")
+    def upload_file(file: Annotated[UploadFile, File()], purpose: Annotated[Literal["batch"], Form()]):
 
         limit = max_upload_bytes()
 
@@ -171,7 +224,8 @@ def create_app(redis_url: str | None = None) -> FastAPI:
         except FileNotFound:
             raise APIError(404, f"No file found with id '{file_id}'.", "file_not_found") from None
 
-    @v1.get("/files/{file_id}/content")
+    @v1.get("/files/{file_id}/content", response_class=StreamingResponse,
+            responses={200: {"content": {"application/jsonl": {}}, "description": "The file's bytes"}})
     def get_file_content(file_id: str):
         try:
             chunks = read_file(r, file_id)
@@ -254,7 +308,7 @@ def create_app(redis_url: str | None = None) -> FastAPI:
                            "result_not_found")
         return Response(line, media_type="application/json")
 
-    @app.get("/healthz")
+    @app.get("/healthz", responses={503: {"description": "Redis does not answer"}})
     def healthz():
         try:
             r.ping()
@@ -262,11 +316,12 @@ def create_app(redis_url: str | None = None) -> FastAPI:
             return JSONResponse({"status": "unavailable", "redis": str(error)}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     def metrics():
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(v1)
+    app.openapi = lambda: openai_style_schema(app)
     return app
 
 

@@ -17,12 +17,12 @@ from tests.workers.helpers import MODEL
 
 
 class Fleet:
-    def __init__(self, model_dir: str, redis_url: str, logs: Path) -> None:
+    def __init__(self, model_dir: str, redis_url: str, logs: Path, env: dict[str, str] | None = None) -> None:
         self.model_dir, self.redis_url, self.logs = model_dir, redis_url, logs
         self.processes: dict[str, subprocess.Popen] = {}
         self.metrics_ports: dict[str, int] = {}
         # One thread each: the worker processes share this machine's two cores.
-        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         log = open(self.logs / f"{name}.log", "wb")  # noqa: SIM115 (closed with the process)
@@ -31,7 +31,8 @@ class Fleet:
         return process
 
     def start_worker(self, name: str, num_kv_blocks: int = 64, max_num_seqs: int = 16, lease_seconds: float = 3,
-                     drain_seconds: float = 30, served_model_names: list[str] | None = (MODEL,)) -> subprocess.Popen:
+                     drain_seconds: float = 30, served_model_names: list[str] | None = (MODEL,),
+                     extra: tuple[str, ...] = ()) -> subprocess.Popen:
         """served_model_names None: no --served-model-name, so the worker serves --model as given."""
         port = self.metrics_ports[name] = free_port()
         names = ["--served-model-name", *served_model_names] if served_model_names else []
@@ -39,10 +40,10 @@ class Fleet:
             "-m", "workers", "--model", self.model_dir, *names, "--redis-url",
             self.redis_url, "--name", name, "--num-kv-blocks", str(num_kv_blocks), "--max-num-seqs",
             str(max_num_seqs), "--lease-seconds", str(lease_seconds), "--drain-seconds", str(drain_seconds),
-            "--metrics-port", str(port), "--heartbeat-seconds", "0.2", "--log-level", "WARNING"])
+            "--metrics-port", str(port), "--heartbeat-seconds", "0.2", "--log-level", "WARNING", *extra])
 
-    def start_finalizer(self) -> subprocess.Popen:
-        return self._spawn("finalizer", ["-m", "workers.finalizer", "--redis-url", self.redis_url])
+    def start_finalizer(self, *extra: str) -> subprocess.Popen:
+        return self._spawn("finalizer", ["-m", "workers.finalizer", "--redis-url", self.redis_url, *extra])
 
     def wait_ready(self, *names: str, timeout: float = 60) -> None:
         """Until each worker has registered its heartbeat in Redis."""

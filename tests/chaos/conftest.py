@@ -1,0 +1,70 @@
+"""Real processes for the chaos scenarios: a redis-server with appendfsync always, moto's
+S3 server behind a pausable proxy, workers and the finalizer as subprocesses."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import boto3
+import pytest
+import redis
+
+from jobs import batches
+from jobs.local_redis import RedisServer
+from tests.chaos.proxy import PausableProxy
+from tests.e2e.fleet import Fleet
+
+
+@pytest.fixture
+def chaos_redis(tmp_path):
+    server = RedisServer(tmp_path / "redis", appendfsync="always").start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def s3_proxy(s3_server):
+    proxy = PausableProxy(s3_server.port)
+    yield proxy
+    proxy.close()
+
+
+@pytest.fixture
+def bucket(s3_server) -> str:
+    name = f"chaos-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_server.url).create_bucket(Bucket=name)
+    return name
+
+
+@pytest.fixture
+def fleet(tiny_llama, chaos_redis, s3_proxy, tmp_path):
+    """Workers and the finalizer reach S3 only through the proxy."""
+    fleet = Fleet(tiny_llama, chaos_redis.url, tmp_path, env={"KVFLEET_S3_ENDPOINT_URL": s3_proxy.url})
+    yield fleet
+    fleet.stop()
+
+
+@pytest.fixture
+def r(chaos_redis) -> redis.Redis:
+    return redis.Redis.from_url(chaos_redis.url)
+
+
+def wait_for(predicate, timeout: float, what: str, fleet: Fleet | None = None, interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            value = predicate()
+        except redis.ConnectionError:
+            value = None
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            logs = {n: fleet.log(n) for n in fleet.processes} if fleet else {}
+            raise AssertionError(f"timed out waiting for {what}\n{logs}")
+        time.sleep(interval)
+
+
+def counted(r, batch_id: str) -> int:
+    counts = batches.batch_object(r, batch_id)["request_counts"]
+    return counts["completed"] + counts["failed"]
