@@ -5,18 +5,22 @@ sure every batch ends.
 flag on the batch lets only the first caller enqueue the RQ job (JSON serializer,
 never pickle). An RQ worker runs `finalize_batch`:
 
-    rq worker --with-scheduler --serializer rq.serializers.JSONSerializer kvfleet-finalize
-    python -m workers.finalizer            # the same, with kvfleet's defaults and the sweep
+    rq worker --serializer rq.serializers.JSONSerializer kvfleet-finalize
+    python -m workers.finalizer            # the same, plus the Sweeper below
 
 A batch always ends:
-  * a storage or Redis outage during finalize fails the job, and RQ retries it with
-    back-off (FINALIZE_RETRY_SECONDS);
   * a permanent storage error (NoSuchBucket, AccessDenied, an unwritable folder) ends
     the batch `failed`, with an error naming the target;
-  * `sweep` (run by the finalizer every few seconds) re-enqueues finalize for any open
-    batch whose requests are all counted but which is still not terminal after a grace
-    period: a job lost with Redis, retries used up, or a crash between counting and
-    enqueueing. finalize_batch is idempotent: the output files are written once.
+  * an outage (storage or Redis) fails the job; the Sweeper enqueues it again with
+    back-off (1, 2, 4, ... s, up to its grace period);
+  * the Sweeper also re-enqueues finalize for any open batch whose requests are all
+    counted but which has no finalize job and is still not terminal after the grace
+    period: a job lost with Redis, or a crash between counting and enqueueing.
+finalize_batch is idempotent: the output files are written once.
+
+NOTE: RQ's own Retry needs RQ's scheduler, which runs as a forked child of the
+worker; a kill -9 of the finalizer leaves that child running, orphaned. The sweep
+lives in the finalizer's own process and dies with it.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import tempfile
 import time
 
 import redis
-from rq import Queue, Retry, get_current_job
+from rq import Queue, get_current_job
 from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
@@ -39,7 +43,6 @@ from jobs.results import is_error_line
 from jobs.storage import CHUNK, RedisStorage, describe_error, is_permanent_error, open_storage
 
 log = logging.getLogger("kvfleet.finalize")
-FINALIZE_RETRY_SECONDS = [1, 5, 15, 30, 60]
 ACTIVE_JOB_STATUSES = (JobStatus.QUEUED, JobStatus.STARTED, JobStatus.SCHEDULED, JobStatus.DEFERRED)
 SWEEP_STATUSES = ("in_progress", "finalizing", "cancelling")  # may be waiting for a finalize
 
@@ -75,8 +78,7 @@ def request_finalize(r: redis.Redis, batch_id: str, force: bool = False) -> bool
                 if not is_expired:
                     batches.queue_transition(pipe, batch_id, "finalizing")
                 queue.enqueue_call("jobs.finalize.finalize_batch", args=[batch_id], job_id=job_id(batch_id),
-                                   result_ttl=3600, failure_ttl=7 * 86400, pipeline=pipe,
-                                   retry=Retry(max=len(FINALIZE_RETRY_SECONDS), interval=FINALIZE_RETRY_SECONDS))
+                                   result_ttl=3600, failure_ttl=7 * 86400, pipeline=pipe)
                 pipe.execute()
                 return True
             except redis.WatchError:
@@ -139,12 +141,11 @@ def _write_files(r: redis.Redis, batch_id: str, fields: dict) -> None:
         r.hset(keys.batch(batch_id), mapping=file_ids)
 
 
-def _job_is_active(r: redis.Redis, batch_id: str) -> bool:
+def _job_status(r: redis.Redis, batch_id: str) -> JobStatus | None:
     try:
-        return Job.fetch(job_id(batch_id), connection=r, serializer=JSONSerializer).get_status() \
-            in ACTIVE_JOB_STATUSES
+        return Job.fetch(job_id(batch_id), connection=r, serializer=JSONSerializer).get_status()
     except NoSuchJobError:
-        return False
+        return None
 
 
 def counted_but_open(r: redis.Redis) -> list[str]:
@@ -165,19 +166,36 @@ def counted_but_open(r: redis.Redis) -> list[str]:
     return found
 
 
-def sweep(r: redis.Redis, first_seen: dict[str, float], grace_seconds: float) -> list[str]:
-    """Re-enqueue finalize for batches counted complete but still open for longer than
-    the grace period with no finalize job queued or running. `first_seen` (batch id ->
-    when it was first seen so) is the caller's memory between sweeps. Returns the ids."""
-    now, requeued = time.monotonic(), []
-    stuck = [b for b in counted_but_open(r) if not _job_is_active(r, b)]
-    for batch_id in list(first_seen):
-        if batch_id not in stuck:
-            del first_seen[batch_id]
-    for batch_id in stuck:
-        if now - first_seen.setdefault(batch_id, now) >= grace_seconds:
-            log.warning("batch %s: every request is counted but it is still open; finalizing it again", batch_id)
-            request_finalize(r, batch_id, force=True)
-            first_seen[batch_id] = now
+class Sweeper:
+    """Finds open batches whose requests are all counted and that no finalize job is
+    working on, and enqueues finalize for them again: after a failed job (an outage)
+    with back-off, 1, 2, 4, ... seconds up to the grace period; after a lost job, or
+    none at all, once the grace period has passed. Call `sweep` every few seconds."""
+
+    def __init__(self, r: redis.Redis, grace_seconds: float) -> None:
+        self.r, self.grace_seconds = r, grace_seconds
+        self.waiting_since: dict[str, float] = {}  # batch id -> when it was first seen stuck (or re-enqueued)
+        self.num_retries: dict[str, int] = {}
+
+    def sweep(self) -> list[str]:
+        """The ids finalize was enqueued for."""
+        now, requeued = time.monotonic(), []
+        stuck = {}
+        for batch_id in counted_but_open(self.r):
+            status = _job_status(self.r, batch_id)
+            if status not in ACTIVE_JOB_STATUSES:
+                stuck[batch_id] = status
+        for gone in set(self.waiting_since) - set(stuck):
+            self.waiting_since.pop(gone)
+            self.num_retries.pop(gone, None)
+        for batch_id, status in stuck.items():
+            retries = self.num_retries.get(batch_id, 0)
+            wait = min(self.grace_seconds, 2.0**retries) if status == JobStatus.FAILED else self.grace_seconds
+            if now - self.waiting_since.setdefault(batch_id, now) < wait:
+                continue
+            log.warning("batch %s: every request is counted but it is still open (finalize job: %s); "
+                        "finalizing it again", batch_id, status or "none")
+            request_finalize(self.r, batch_id, force=True)
+            self.waiting_since[batch_id], self.num_retries[batch_id] = now, retries + 1
             requeued.append(batch_id)
-    return requeued
+        return requeued

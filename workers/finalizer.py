@@ -1,14 +1,14 @@
 """Run the RQ worker that assembles finished batches' output files, and the sweep
 that makes sure every counted batch gets finalized.
 
-    python -m workers.finalizer [--redis-url URL] [--burst] [--sweep-seconds 10] [--grace-seconds 30]
+    python -m workers.finalizer [--redis-url URL] [--burst] [--sweep-seconds 2] [--grace-seconds 30]
 
-The same as `rq worker --with-scheduler --serializer rq.serializers.JSONSerializer
-kvfleet-finalize` (jobs are JSON, never pickle; the scheduler runs RQ's retries with
-back-off), plus a thread that sweeps for batches whose requests are all counted but
-that are still open after the grace period, and enqueues finalize for them again
-(jobs/finalize.py). Several finalizers may run: RQ hands each job to one, and a
-finalize that runs twice writes the files once.
+The same as `rq worker --serializer rq.serializers.JSONSerializer kvfleet-finalize`
+(jobs are JSON, never pickle), plus a thread that sweeps for batches whose requests
+are all counted but that are still open, and enqueues finalize for them again: with
+back-off after a failed finalize (an outage), after the grace period when the job was
+lost (jobs/finalize.py, Sweeper). Several finalizers may run: RQ hands each job to
+one, and a finalize that runs twice writes the files once.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from rq.serializers import JSONSerializer
 
 from jobs import keys
 from jobs.connection import connect
-from jobs.finalize import finalize_queue, sweep
+from jobs.finalize import Sweeper, finalize_queue
 
 log = logging.getLogger("kvfleet.finalizer")
 
@@ -33,17 +33,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m workers.finalizer", description=__doc__.split("\n\n")[0])
     parser.add_argument("--redis-url", default=keys.default_redis_url())
     parser.add_argument("--burst", action="store_true", help="exit when the queue is empty (no sweep)")
-    parser.add_argument("--sweep-seconds", type=float, default=10.0, help="how often to look for stuck batches")
+    parser.add_argument("--sweep-seconds", type=float, default=2.0, help="how often to look for stuck batches")
     parser.add_argument("--grace-seconds", type=float, default=30.0,
                         help="how long a counted batch may stay open before finalize is enqueued again")
     return parser
 
 
 def run_sweeps(r: redis.Redis, every: float, grace: float, stop: threading.Event) -> None:
-    first_seen: dict[str, float] = {}
+    sweeper = Sweeper(r, grace)
     while not stop.wait(every):
         try:
-            sweep(r, first_seen, grace)
+            sweeper.sweep()
         except redis.RedisError as error:  # an outage: the next sweep tries again
             log.warning("sweep failed: %s", error)
 
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
                          name="sweep").start()
     worker = Worker([finalize_queue(r)], connection=r, serializer=JSONSerializer)
     try:
-        worker.work(burst=args.burst, with_scheduler=not args.burst)
+        worker.work(burst=args.burst, with_scheduler=False)  # no forked scheduler: see jobs/finalize.py
     finally:
         stop.set()
     return 0

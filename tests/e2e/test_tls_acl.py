@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -52,6 +53,12 @@ def tls_redis(tmp_path, monkeypatch):
     yield url, files
     process.kill()
     process.wait(timeout=10)
+
+
+def test_the_readme_documents_this_acl():
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    documented = next(line for line in readme.splitlines() if line.startswith("user kvfleet on"))
+    assert documented == "user " + KVFLEET_ACL.replace(">s3cret-pass", ">PASSWORD")
 
 
 def test_a_full_batch_over_tls_as_a_restricted_user(tls_redis, tiny_llama, tmp_path, capsys):

@@ -4,13 +4,14 @@ and a permanent storage error ends the batch failed with a reason."""
 from __future__ import annotations
 
 import json
+import time
 
 import boto3
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from jobs import batches, keys
-from jobs.finalize import counted_but_open, job_id, sweep
+from jobs.finalize import Sweeper, counted_but_open, job_id
 from jobs.results import Choice, Usage, completion_body, error_line, record_result, success_line
 from jobs.storage import RedisStorage, open_storage
 from tests.jobs.test_results import make_batch
@@ -29,31 +30,42 @@ def finalize_job(r, batch_id: str) -> Job:
     return Job.fetch(job_id(batch_id), connection=r, serializer=JSONSerializer)
 
 
-def test_an_outage_at_finalize_is_retried_and_a_lost_job_is_swept(r, s3_server, s3_bucket):
+def test_an_outage_at_finalize_is_retried_with_back_off_and_a_lost_job_is_swept(r, s3_server, s3_bucket):
     sink = f"s3://{s3_bucket}/out"
     batch_id = make_batch(r, sink, 4)
     record_all(r, batch_id, sink, 4)  # the last one enqueues finalize
+    sweeper = Sweeper(r, grace_seconds=3600)
+    assert sweeper.sweep() == []  # its job is queued: nothing to do
     s3_server.stop()
     try:
-        run_finalize_jobs(r)  # S3 is unreachable: the job fails and is scheduled again
-        job = finalize_job(r, batch_id)
-        assert job.get_status() == JobStatus.SCHEDULED and job.retries_left == 4
+        assert run_finalize_jobs(r) == 1  # S3 is unreachable: the job fails
+        assert finalize_job(r, batch_id).get_status() == JobStatus.FAILED
         assert batches.batch_object(r, batch_id)["status"] == "finalizing"
+        assert sweeper.sweep() == []  # first seen failed: retried after 1 s, not at once
+        time.sleep(1.1)
+        assert sweeper.sweep() == [batch_id]
+        assert run_finalize_jobs(r) == 1  # still down: fails again
+        assert sweeper.sweep() == []
+        time.sleep(1.1)
+        assert sweeper.sweep() == []  # the back-off doubled: 2 s now
+        time.sleep(1.0)
+        assert sweeper.sweep() == [batch_id]
     finally:
         restarted = S3Server(port=s3_server.port).start()
         s3_server.server = restarted.server
-    job.delete()  # the job is lost (e.g. with a Redis that lost it): nothing would finalize the batch
-    first_seen: dict[str, float] = {}
-    assert sweep(r, first_seen, grace_seconds=3600) == []  # within the grace period: left alone
+    finalize_job(r, batch_id).delete()  # and now the job is lost (e.g. with a Redis that lost it)
+    lost = Sweeper(r, grace_seconds=0.5)
+    assert lost.sweep() == []  # within the grace period: left alone
     assert counted_but_open(r) == [batch_id]
-    assert sweep(r, first_seen, grace_seconds=0) == [batch_id]
-    assert sweep(r, first_seen, grace_seconds=0) == []  # its job is queued now: not twice
+    time.sleep(0.6)
+    assert lost.sweep() == [batch_id]
+    assert lost.sweep() == []  # its job is queued now: not twice
     assert run_finalize_jobs(r) == 1
     batch = batches.batch_object(r, batch_id)
     assert batch["status"] == "completed" and batch["request_counts"]["completed"] == 4
     assert sorted(line["custom_id"] for line in read_lines(r, batch["output_file_id"])) == [f"c{i}" for i in range(4)]
     assert counted_but_open(r) == [] and not r.sismember(keys.OPEN_BATCHES, batch_id)
-    assert sweep(r, first_seen, grace_seconds=0) == []
+    assert lost.sweep() == []
 
 
 def test_sweep_finalizes_a_counted_batch_that_never_asked(r):
@@ -63,7 +75,7 @@ def test_sweep_finalizes_a_counted_batch_that_never_asked(r):
         storage.put_result(batch_id, f"c{i}", json.dumps(error_line(f"c{i}", "x", "y")).encode())
     r.hset(keys.batch(batch_id), "failed", 2)
     assert batches.batch_object(r, batch_id)["status"] == "in_progress"
-    assert sweep(r, {}, grace_seconds=0) == [batch_id]
+    assert Sweeper(r, grace_seconds=0).sweep() == [batch_id]
     run_finalize_jobs(r)
     batch = batches.batch_object(r, batch_id)
     assert batch["status"] == "completed" and len(read_lines(r, batch["error_file_id"])) == 2
