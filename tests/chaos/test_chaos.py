@@ -88,7 +88,7 @@ def test_s3_unreachable_longer_than_the_lease_mid_batch_and_at_finalize(fleet, r
     s3_proxy.resume()
     wait_for(lambda: batches.batch_object(r, batch_id)["status"] == "finalizing", 120, "every result", fleet)
     assert successes(fleet, ("w0", "w1")) == 60, "a request ran twice"
-    s3_proxy.pause()  # and at finalize: the job fails and RQ retries it with back-off
+    s3_proxy.pause()  # and at finalize: the job fails and the finalizer's sweep retries it with back-off
     fleet.start_finalizer("--sweep-seconds", "1", "--grace-seconds", "30")
     wait_for(lambda: "Could not connect" in fleet.log("finalizer") or "Connection" in fleet.log("finalizer"),
              30, "the finalize attempt during the outage", fleet)
