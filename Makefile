@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install test demo lint bench clean
+.PHONY: install test demo lint bench gpu-check clean
 
 install: $(STAMP)
 
@@ -44,6 +44,11 @@ bench: $(STAMP) $(BENCH_VENV)/.installed-stamp
 	$(BIN)/python -m benchmarks.latency
 	$(BIN)/python -m benchmarks.submit_rate
 	$(BIN)/python -m benchmarks.fleet_overhead
+
+# On a GPU machine: every kernel test, engine parity and timing in one run (see scripts/gpu_check.py).
+# It needs only the engine's dependencies, so it runs on the machine's own python3.
+gpu-check:
+	python3 scripts/gpu_check.py --out out/gpu-check
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

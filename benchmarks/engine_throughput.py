@@ -85,25 +85,34 @@ def run_kvfleet(model_dir: str, workload: Workload, max_batch_size: int) -> tupl
     return result, [c for c in decode_contexts if c]
 
 
-def run_hf_static(model_dir: str, workload: Workload, max_batch_size: int) -> dict:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def run_hf_static(model_dir: str, workload: Workload, max_batch_size: int, dtype: torch.dtype = torch.float32,
+                  device: str = "cpu") -> dict:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    synchronize(device)
     start = time.perf_counter()
     with torch.inference_mode():
         for first in range(0, len(workload.prompts), max_batch_size):
             prompts = workload.prompts[first : first + max_batch_size]
             num_new = max(workload.output_lens[first : first + max_batch_size])
             width = max(len(p) for p in prompts)
-            ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left padding
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)  # left padding
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
             # min_new_tokens == max_new_tokens: EOS is suppressed, as ignore_eos does.
             model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=num_new,
                            min_new_tokens=num_new, pad_token_id=0)
+    synchronize(device)
     elapsed = time.perf_counter() - start
     return {"seconds": elapsed, "output_tokens_per_s": workload.num_output_tokens / elapsed}
 
 
-def run_hf_continuous(model_dir: str, workload: Workload, max_batch_size: int) -> dict:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+def synchronize(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_hf_continuous(model_dir: str, workload: Workload, max_batch_size: int, dtype: torch.dtype = torch.float32,
+                      device: str = "cpu") -> dict:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").to(device).eval()
     generation_config = GenerationConfig(do_sample=False, max_new_tokens=max(workload.output_lens),
                                          pad_token_id=0, eos_token_id=2)
     manager = model.init_continuous_batching(

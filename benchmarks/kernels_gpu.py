@@ -1,116 +1,182 @@
-"""Triton kernels against their torch counterparts on a CUDA device.
+"""Triton kernels against torch on the same shapes, on a CUDA device.
 
-    python benchmarks/kernels_gpu.py [--peak-gbps N]
+    python -m benchmarks.kernels_gpu [--json OUT.json] [--dry-run]
 
-Decode attention: bf16, batch 1-256, context 512-8192, Llama-8B-like heads (32 query,
-8 KV, head_dim 128); achieved HBM GB/s (K/V and query bytes read, output written)
-as a fraction of the device's peak. Torch counterpart: gather by block table, then
-SDPA. Also times prefill, store_kv, rms_norm and rotary. Goal: decode at >= 70%
-of peak HBM bandwidth at batch 64, context 4096. Without CUDA it says so and exits 0.
+Decode attention: bf16, batch 1, 8, 64 and context 512, 4096 (plus a wider grid),
+Llama-8B-like heads (32 query, 8 KV, head_dim 128), paged with 16-token blocks in a
+shuffled pool. Achieved bandwidth counts the K/V and query bytes read and the output
+written, as a fraction of this device's device-to-device copy, measured in the same
+run (bytes read + written per second). Peer: torch's scaled_dot_product_attention on
+the same shapes with K/V already contiguous (no paging to pay for). Prefill: causal
+attention over 4 sequences of 1024 new tokens, TFLOP/s against SDPA. Also times
+store_kv, rms_norm and rotary against their torch references. Goal: decode >= 70% of
+the measured copy bandwidth at batch 64, context 4096.
+
+--dry-run runs the same code on the CPU at tiny sizes in fp32 (kernels through
+TRITON_INTERPRET=1): it proves the script, not the speed. Without CUDA and without
+--dry-run it says so and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+import time
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 
-KNOWN_PEAK_GBPS = {"H200": 4800, "H100 SXM": 3350, "H100 PCIe": 2000, "H100": 3350, "A100-SXM4-80GB": 2039,
-                   "A100": 1555, "L40S": 864, "L4": 300, "A10G": 600}
+DECODE_GRID = [(1, 512), (1, 4096), (8, 512), (8, 4096), (64, 512), (64, 4096), (256, 1024)]
+REPEATS = {"cuda": 20, "cpu": 2}  # the interpreter is slow, and its times mean nothing
 
 
-def timed(fn, repeats: int = 20) -> float:
-    """Median seconds of fn() on the GPU."""
+def timed(fn, device: str) -> float:
+    """Median seconds of fn()."""
     fn()
-    torch.cuda.synchronize()
     times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1000)
+    for _ in range(REPEATS[device]):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1000)
+        else:
+            begin = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - begin)
     return sorted(times)[len(times) // 2]
 
 
-def device_peak_gbps(override: float | None) -> tuple[float, str]:
-    if override:
-        return override, "given"
-    name = torch.cuda.get_device_name()
-    for key, value in KNOWN_PEAK_GBPS.items():
-        if key in name:
-            return value, f"datasheet ({key})"
-    size = 1 << 30  # fall back to a measured device-to-device copy
-    a, b = torch.empty(size, dtype=torch.uint8, device="cuda"), torch.empty(size, dtype=torch.uint8, device="cuda")
-    return 2 * size / timed(lambda: b.copy_(a)) / 1e9, "measured copy"
+def copy_bandwidth(device: str, num_bytes: int) -> float:
+    """Bytes read plus written per second by a device-to-device copy."""
+    a, b = (torch.empty(num_bytes, dtype=torch.uint8, device=device) for _ in range(2))
+    return 2 * num_bytes / timed(lambda: b.copy_(a), device)
 
 
-def decode_case(batch: int, context: int, block_size: int = 16, heads: int = 32, kv_heads: int = 8, dim: int = 128):
+def decode_case(batch: int, context: int, heads: int, kv_heads: int, dim: int, dtype, device, block_size: int = 16):
     blocks_per_seq = context // block_size
     num_blocks = batch * blocks_per_seq
-    key_cache = torch.randn(num_blocks, block_size, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    key_cache = torch.randn(num_blocks, block_size, kv_heads, dim, device=device, dtype=dtype)  # [N, B, Hkv, D]
     value_cache = torch.randn_like(key_cache)
-    block_tables = torch.randperm(num_blocks, device="cuda").view(batch, blocks_per_seq)
-    lens = torch.full((batch,), context, device="cuda", dtype=torch.int64)
-    query = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
-    moved = 2 * key_cache.numel() * 2 + 2 * query.numel() * 2
-    return query, key_cache, value_cache, block_tables, lens, moved
+    block_tables = torch.randperm(num_blocks, device=device).view(batch, blocks_per_seq)  # [batch, blocks]
+    lens = torch.full((batch,), context, device=device, dtype=torch.int64)
+    query = torch.randn(batch, heads, dim, device=device, dtype=dtype)  # [batch, Hq, D]
+    moved = (2 * key_cache.numel() + 2 * query.numel()) * key_cache.element_size()
+    # The peer's K/V: the same values, contiguous per sequence: [batch, Hkv, context, D]
+    dense_k = key_cache[block_tables].reshape(batch, context, kv_heads, dim).transpose(1, 2).contiguous()
+    dense_v = value_cache[block_tables].reshape(batch, context, kv_heads, dim).transpose(1, 2).contiguous()
+    return (query, key_cache, value_cache, block_tables, lens), (query[:, :, None], dense_k, dense_v), moved
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--peak-gbps", type=float, help="the device's HBM bandwidth, if not in the table")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("kernels_gpu: no CUDA device here; nothing to time (the kernels are tested on the CPU under "
-              "TRITON_INTERPRET=1 by `make test`).")
-        return 0
-    from kernels import reference
+def bench_decode(device, dtype, sizes, grid, bandwidth) -> list[dict]:
     from kernels.paged_attention import paged_decode_attention
+
+    heads, kv_heads, dim = sizes
+    scale = dim**-0.5
+    rows = []
+    for batch, context in grid:
+        kernel_inputs, (q, k, v), moved = decode_case(batch, context, heads, kv_heads, dim, dtype, device)
+        triton_s = timed(partial(paged_decode_attention, *kernel_inputs, scale), device)
+        sdpa_s = timed(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True),
+                       device)
+        rows.append({"batch": batch, "context": context, "triton_s": triton_s, "sdpa_s": sdpa_s,
+                     "bytes_per_s": moved / triton_s, "fraction_of_copy": moved / triton_s / bandwidth,
+                     "sdpa_fraction_of_copy": moved / sdpa_s / bandwidth})
+    return rows
+
+
+def bench_prefill(device, dtype, sizes, num_seqs: int, seq_len: int) -> dict:
+    from kernels.prefill_attention import prefill_attention
+    from kernels.store_kv import store_kv
+
+    heads, kv_heads, dim, block_size = *sizes, 16
+    tokens = num_seqs * seq_len
+    query = torch.randn(tokens, heads, dim, device=device, dtype=dtype)  # [T, Hq, D]
+    key, value = (torch.randn(tokens, kv_heads, dim, device=device, dtype=dtype) for _ in range(2))
+    caches = torch.zeros(2, tokens // block_size, block_size, kv_heads, dim, device=device, dtype=dtype)
+    store_kv(key, value, caches[0], caches[1], torch.arange(tokens, device=device))
+    tables = torch.arange(tokens // block_size, device=device).view(num_seqs, -1)
+    starts = torch.arange(0, tokens + 1, seq_len, device=device)
+    lens = torch.full((num_seqs,), seq_len, device=device)
+    scale = dim**-0.5
+    triton_s = timed(lambda: prefill_attention(query, caches[0], caches[1], tables, starts, lens, seq_len, scale),
+                     device)
+    q = query.view(num_seqs, seq_len, heads, dim).transpose(1, 2)
+    k, v = (t.view(num_seqs, seq_len, kv_heads, dim).transpose(1, 2) for t in (key, value))
+    sdpa_s = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True),
+                   device)
+    flops = 4 * num_seqs * heads * dim * seq_len * (seq_len + 1) / 2  # QK^T and PV over the causal half
+    return {"num_seqs": num_seqs, "seq_len": seq_len, "triton_s": triton_s, "sdpa_s": sdpa_s,
+            "triton_tflops": flops / triton_s / 1e12, "sdpa_tflops": flops / sdpa_s / 1e12}
+
+
+def bench_small_kernels(device, dtype, tokens: int, sizes) -> dict:
+    from kernels import reference
     from kernels.rms_norm import rms_norm
     from kernels.rotary import rotary
     from kernels.store_kv import store_kv
 
-    peak, source = device_peak_gbps(args.peak_gbps)
-    print(f"{torch.cuda.get_device_name()}: peak HBM {peak:.0f} GB/s ({source})")
-    rows = []
-    print(f"{'batch':>5} {'context':>7} {'triton ms':>9} {'torch ms':>9} {'GB/s':>7} {'of peak':>7} {'speed-up':>8}")
-    for batch in (1, 8, 32, 64, 128, 256):
-        for context in (512, 1024, 2048, 4096, 8192):
-            if batch * context > 256 * 4096:  # keeps the cache within a few GB
-                continue
-            *inputs, moved = decode_case(batch, context)
-            scale = 128**-0.5
-            triton_s = timed(partial(paged_decode_attention, *inputs, scale))
-            torch_s = timed(partial(reference._decode_padded, *inputs, scale, None))
-            gbps = moved / triton_s / 1e9
-            rows.append({"batch": batch, "context": context, "triton_s": triton_s, "torch_s": torch_s,
-                         "gbps": gbps, "fraction_of_peak": gbps / peak})
-            print(f"{batch:>5} {context:>7} {triton_s * 1e3:>9.3f} {torch_s * 1e3:>9.3f} {gbps:>7.0f} "
-                  f"{gbps / peak:>7.0%} {torch_s / triton_s:>7.1f}x")
-    x, weight, residual = (torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16),
-                           torch.randn(4096, device="cuda", dtype=torch.bfloat16),
-                           torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16))
-    others = {"rms_norm+residual": (lambda: rms_norm(x, weight, 1e-6, residual),
-                                    lambda: reference.rms_norm(x, weight, 1e-6, residual))}
-    q, k = torch.randn(4096, 32, 128, device="cuda", dtype=torch.bfloat16), torch.randn(4096, 8, 128, device="cuda",
-                                                                                        dtype=torch.bfloat16)
-    cos, sin = torch.randn(4096, 128, device="cuda", dtype=torch.bfloat16), torch.randn(4096, 128, device="cuda",
-                                                                                        dtype=torch.bfloat16)
-    others["rotary"] = (lambda: rotary(q, k, cos, sin), lambda: reference.rotary(q, k, cos, sin))
-    caches = torch.zeros(2, 8192, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
-    slots = torch.randperm(8192 * 16, device="cuda")[:4096]
-    others["store_kv"] = (lambda: store_kv(k, k, caches[0], caches[1], slots),
-                          lambda: reference.store_kv(k, k, caches[0], caches[1], slots))
-    for name, (triton_fn, torch_fn) in others.items():
-        triton_s, torch_s = timed(triton_fn), timed(torch_fn)
-        print(f"{name:>18}: triton {triton_s * 1e3:.3f} ms, torch {torch_s * 1e3:.3f} ms, "
-              f"{torch_s / triton_s:.1f}x")
-    goal = next(r for r in rows if r["batch"] == 64 and r["context"] == 4096)
-    print(f"decode at batch 64, context 4096: {goal['fraction_of_peak']:.0%} of peak (goal 70%)")
+    heads, kv_heads, dim = sizes
+    hidden = heads * dim
+    x, residual = (torch.randn(tokens, hidden, device=device, dtype=dtype) for _ in range(2))
+    weight = torch.randn(hidden, device=device, dtype=dtype)
+    q, k = torch.randn(tokens, heads, dim, device=device, dtype=dtype), torch.randn(tokens, kv_heads, dim,
+                                                                                    device=device, dtype=dtype)
+    cos, sin = (torch.randn(tokens, dim, device=device, dtype=dtype) for _ in range(2))
+    caches = torch.zeros(2, 2 * tokens // 16, 16, kv_heads, dim, device=device, dtype=dtype)
+    slots = torch.randperm(2 * tokens, device=device)[:tokens]
+    pairs = {"rms_norm+residual": (lambda: rms_norm(x, weight, 1e-6, residual),
+                                   lambda: reference.rms_norm(x, weight, 1e-6, residual)),
+             "rotary": (lambda: rotary(q, k, cos, sin), lambda: reference.rotary(q, k, cos, sin)),
+             "store_kv": (lambda: store_kv(k, k, caches[0], caches[1], slots),
+                          lambda: reference.store_kv(k, k, caches[0], caches[1], slots))}
+    return {name: {"triton_s": timed(a, device), "torch_s": timed(b, device)} for name, (a, b) in pairs.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU under TRITON_INTERPRET=1")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
+        device, dtype, sizes, grid = "cpu", torch.float32, (4, 2, 32), [(1, 32), (2, 64)]
+        prefill, tokens, copy_bytes = (2, 32), 64, 1 << 24
+    elif torch.cuda.is_available():
+        device, dtype, sizes, grid = "cuda", torch.bfloat16, (32, 8, 128), DECODE_GRID
+        prefill, tokens, copy_bytes = (4, 1024), 4096, 1 << 30
+    else:
+        print("kernels_gpu: no CUDA device here; nothing to time (the kernels are tested on the CPU under "
+              "TRITON_INTERPRET=1 by `make test`; --dry-run runs this script there).")
+        return 0
+    bandwidth = copy_bandwidth(device, copy_bytes)
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)"
+    print(f"{name}: device copy {bandwidth / 1e9:.0f} GB/s (read + write), {dtype}")
+    decode = bench_decode(device, dtype, sizes, grid, bandwidth)
+    print(f"{'batch':>5} {'context':>7} {'triton ms':>9} {'sdpa ms':>9} {'GB/s':>7} {'of copy':>7} {'sdpa of copy':>12}")
+    for row in decode:
+        print(f"{row['batch']:>5} {row['context']:>7} {row['triton_s'] * 1e3:>9.3f} {row['sdpa_s'] * 1e3:>9.3f} "
+              f"{row['bytes_per_s'] / 1e9:>7.0f} {row['fraction_of_copy']:>7.0%} {row['sdpa_fraction_of_copy']:>12.0%}")
+    prefill_row = bench_prefill(device, dtype, sizes, *prefill)
+    print(f"prefill {prefill[0]} x {prefill[1]} causal: triton {prefill_row['triton_tflops']:.1f} TFLOP/s, "
+          f"sdpa {prefill_row['sdpa_tflops']:.1f} TFLOP/s")
+    small = bench_small_kernels(device, dtype, tokens, sizes)
+    for kernel, times in small.items():
+        print(f"{kernel:>18}: triton {times['triton_s'] * 1e3:.3f} ms, torch {times['torch_s'] * 1e3:.3f} ms, "
+              f"{times['torch_s'] / times['triton_s']:.1f}x")
+    goal = next((row["fraction_of_copy"] for row in decode if (row["batch"], row["context"]) == (64, 4096)), None)
+    if goal is not None:
+        print(f"decode at batch 64, context 4096: {goal:.0%} of the measured copy bandwidth (goal 70%)")
+    report = {"device": name, "dtype": str(dtype), "dry_run": args.dry_run, "copy_bytes_per_s": bandwidth,
+              "decode": decode, "prefill": prefill_row, "small_kernels": small, "decode_goal_fraction": goal}
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(report, handle, indent=2)
     return 0
 
 

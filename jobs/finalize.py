@@ -172,14 +172,14 @@ class Sweeper:
     with back-off, 1, 2, 4, ... seconds up to the grace period; after a lost job, or
     none at all, once the grace period has passed. Call `sweep` every few seconds."""
 
-    def __init__(self, r: redis.Redis, grace_seconds: float) -> None:
-        self.r, self.grace_seconds = r, grace_seconds
+    def __init__(self, r: redis.Redis, grace_seconds: float, clock=time.monotonic) -> None:
+        self.r, self.grace_seconds, self.clock = r, grace_seconds, clock
         self.waiting_since: dict[str, float] = {}  # batch id -> when it was first seen stuck (or re-enqueued)
         self.num_retries: dict[str, int] = {}
 
     def sweep(self) -> list[str]:
         """The ids finalize was enqueued for."""
-        now, requeued = time.monotonic(), []
+        now, requeued = self.clock(), []
         stuck = {}
         for batch_id in counted_but_open(self.r):
             status = _job_status(self.r, batch_id)

@@ -4,7 +4,6 @@ and a permanent storage error ends the batch failed with a reason."""
 from __future__ import annotations
 
 import json
-import time
 
 import boto3
 from rq.job import Job, JobStatus
@@ -34,7 +33,8 @@ def test_an_outage_at_finalize_is_retried_with_back_off_and_a_lost_job_is_swept(
     sink = f"s3://{s3_bucket}/out"
     batch_id = make_batch(r, sink, 4)
     record_all(r, batch_id, sink, 4)  # the last one enqueues finalize
-    sweeper = Sweeper(r, grace_seconds=3600)
+    now = [0.0]  # the sweeper's clock, moved by hand
+    sweeper = Sweeper(r, grace_seconds=3600, clock=lambda: now[0])
     assert sweeper.sweep() == []  # its job is queued: nothing to do
     s3_server.stop()
     try:
@@ -42,22 +42,21 @@ def test_an_outage_at_finalize_is_retried_with_back_off_and_a_lost_job_is_swept(
         assert finalize_job(r, batch_id).get_status() == JobStatus.FAILED
         assert batches.batch_object(r, batch_id)["status"] == "finalizing"
         assert sweeper.sweep() == []  # first seen failed: retried after 1 s, not at once
-        time.sleep(1.1)
+        now[0] += 1.0
         assert sweeper.sweep() == [batch_id]
         assert run_finalize_jobs(r) == 1  # still down: fails again
-        assert sweeper.sweep() == []
-        time.sleep(1.1)
+        now[0] += 1.5
         assert sweeper.sweep() == []  # the back-off doubled: 2 s now
-        time.sleep(1.0)
+        now[0] += 0.5
         assert sweeper.sweep() == [batch_id]
     finally:
         restarted = S3Server(port=s3_server.port).start()
         s3_server.server = restarted.server
     finalize_job(r, batch_id).delete()  # and now the job is lost (e.g. with a Redis that lost it)
-    lost = Sweeper(r, grace_seconds=0.5)
+    lost = Sweeper(r, grace_seconds=30, clock=lambda: now[0])
     assert lost.sweep() == []  # within the grace period: left alone
     assert counted_but_open(r) == [batch_id]
-    time.sleep(0.6)
+    now[0] += 30
     assert lost.sweep() == [batch_id]
     assert lost.sweep() == []  # its job is queued now: not twice
     assert run_finalize_jobs(r) == 1

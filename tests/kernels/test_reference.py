@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from kernels import reference
+from kernels import cdiv, reference
 
 
 def naive_attention(q, keys, values, scale, first=0):
@@ -23,15 +23,16 @@ def naive_attention(q, keys, values, scale, first=0):
 
 
 def paged_setup(context_lens, block_size, num_kv_heads, head_dim, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    num_blocks = sum(-(-c // block_size) for c in context_lens) + 3
-    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
-    value_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
+    generator = torch.Generator(device="cpu").manual_seed(seed)  # the same values on any device
+    num_blocks = sum(cdiv(c, block_size) for c in context_lens) + 3
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, generator=generator, device="cpu").to(torch.get_default_device())
+    value_cache = torch.randn(shape, generator=generator, device="cpu").to(torch.get_default_device())
     ids = list(range(num_blocks))
     random.Random(seed).shuffle(ids)  # block tables neither contiguous nor in order
     tables, start = [], 0
     for c in context_lens:
-        n = -(-c // block_size)
+        n = cdiv(c, block_size)
         tables.append(ids[start:start + n])
         start += n
     width = max(len(t) for t in tables)
