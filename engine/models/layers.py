@@ -81,6 +81,13 @@ class OneDNNLinear(nn.Module):
     (tens of rows) that repacking costs as much as the product itself. Measured here
     at 64 rows: the 32k-vocabulary LM head 21.8 -> 10.4 ms, an MLP up-projection
     1.8 -> 0.85 ms. The same ops back torch.compile's CPU weight freezing.
+
+    NOTE: oneDNN keeps state for every row count it is given, and prefill chunks come
+    in arbitrary sizes: fed as they came, a worker grew ~2 KiB a request without end
+    (benchmarks/soak.py: 611 -> 705 MiB over 24k requests, still rising; capping
+    ONEDNN_PRIMITIVE_CACHE_CAPACITY or LRU_CACHE_CAPACITY did not stop it). Rows are
+    padded up to `bucket_rows`, so at most 120 row counts up to 8192 ever reach it;
+    the same worker then stayed at ~518 MiB.
     """
 
     def __init__(self, linear: nn.Linear, batch_size_hint: int) -> None:
@@ -93,7 +100,19 @@ class OneDNNLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, in_features] -> [num_tokens, out_features]"""
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        num_rows = x.shape[0]
+        padded = bucket_rows(num_rows)
+        if padded != num_rows:  # few distinct shapes reach oneDNN, which keeps state per shape
+            x = torch.nn.functional.pad(x, (0, 0, 0, padded - num_rows))
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")[:num_rows]
+
+
+def bucket_rows(num_rows: int) -> int:
+    """Exact up to 64 rows (decode batches); above, rounded up to 8 steps per doubling."""
+    if num_rows <= 64:
+        return num_rows
+    step = 1 << (num_rows.bit_length() - 4)
+    return -(-num_rows // step) * step
 
 
 def can_use_onednn_linear(device: torch.device, dtype: torch.dtype) -> bool:
