@@ -17,6 +17,9 @@ import redis
 
 from jobs.keys import default_redis_url
 
+REDIS_URL_HELP = ("redis://[USER:PASSWORD@]HOST:PORT/DB, or rediss:// for TLS (server CA in KVFLEET_REDIS_CA, "
+                  "client certificate and key in KVFLEET_REDIS_CERT and KVFLEET_REDIS_KEY); "
+                  "default: KVFLEET_REDIS_URL or redis://localhost:6379/0. The ACL a kvfleet user needs is in the README")
 TLS_ENVIRONMENT = {"KVFLEET_REDIS_CA": "ssl_ca_certs", "KVFLEET_REDIS_CERT": "ssl_certfile",
                    "KVFLEET_REDIS_KEY": "ssl_keyfile"}
 

@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jobs import batches, heartbeats, keys
-from jobs.connection import connect
+from jobs.connection import REDIS_URL_HELP, connect
 from jobs.files import FileNotFound, create_file, file_object, new_file_id, read_file
 from jobs.storage import RedisStorage, open_storage
 from producers.ingest import submit
@@ -329,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m producers.api", description="OpenAI-compatible Batches API")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--redis-url", default=keys.default_redis_url())
+    parser.add_argument("--redis-url", default=keys.default_redis_url(), help=REDIS_URL_HELP)
     return parser
 
 

@@ -11,7 +11,7 @@ import sys
 import time
 
 from jobs import batches, keys
-from jobs.connection import connect
+from jobs.connection import REDIS_URL_HELP, connect
 
 
 def summary(batch: dict) -> str:
@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("batch_id")
     parser.add_argument("--watch", action="store_true", help="print a line per change until the batch ends")
     parser.add_argument("--interval", type=float, default=1.0)
-    parser.add_argument("--redis-url", default=keys.default_redis_url())
+    parser.add_argument("--redis-url", default=keys.default_redis_url(), help=REDIS_URL_HELP)
     return parser
 
 

@@ -25,7 +25,7 @@ import redis
 from tqdm import tqdm
 
 from jobs import batches, heartbeats, keys
-from jobs.connection import connect
+from jobs.connection import REDIS_URL_HELP, connect
 from jobs.schemas import MAX_REPORTED_ERRORS
 from producers.ingest import submit
 
@@ -73,7 +73,7 @@ def wait_for(r: redis.Redis, batch_id: str, poll_seconds: float = 0.5, stream=sy
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m producers.submit", description=__doc__.split("\n\n")[0])
     parser.add_argument("file")
-    parser.add_argument("--redis-url", default=keys.default_redis_url())
+    parser.add_argument("--redis-url", default=keys.default_redis_url(), help=REDIS_URL_HELP)
     parser.add_argument("--model", help="served model (stream); default: the first line's body.model")
     parser.add_argument("--endpoint", choices=["/v1/completions", "/v1/chat/completions"],
                         help="default: the first line's url")

@@ -85,3 +85,10 @@ def test_every_registered_metric_is_listed_in_the_readme():
     assert len(names) >= 15
     unlisted = {name for name in names if not re.search(re.escape(name) + r"(_total|_seconds)?\b", README)}
     assert not unlisted, f"metrics missing from the README: {sorted(unlisted)}"
+
+
+def test_the_worker_help_documents_requeues_and_redis_tls():
+    text = importlib.import_module("workers.__main__").build_parser().format_help()
+    for needle in ("--max-requeues", "cannot_fit", "rediss://", "KVFLEET_REDIS_CA", "KVFLEET_REDIS_CERT",
+                   "KVFLEET_REDIS_KEY", "USER:PASSWORD@"):
+        assert needle in text, needle

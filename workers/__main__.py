@@ -19,7 +19,7 @@ import sys
 from engine import LLMEngine
 from engine.arg_utils import add_engine_args, engine_config_from_args
 from jobs import keys
-from jobs.connection import connect
+from jobs.connection import REDIS_URL_HELP, connect
 from workers.metrics import WorkerMetrics
 from workers.worker import Worker, WorkerOptions
 
@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     fleet = parser.add_argument_group("fleet")
     fleet.add_argument("--served-model-name", nargs="+",
                        help="model name(s) to serve, one stream each; default: --model exactly as given")
-    fleet.add_argument("--redis-url", default=keys.default_redis_url())
+    fleet.add_argument("--redis-url", default=keys.default_redis_url(), help=REDIS_URL_HELP)
     fleet.add_argument("--name", default=f"{socket.gethostname()}-{os.getpid()}", help="consumer name")
     fleet.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     fleet.add_argument("--lease-seconds", type=float, default=60.0,

@@ -23,7 +23,7 @@ from rq import Worker
 from rq.serializers import JSONSerializer
 
 from jobs import keys
-from jobs.connection import connect
+from jobs.connection import REDIS_URL_HELP, connect
 from jobs.finalize import Sweeper, finalize_queue
 
 log = logging.getLogger("kvfleet.finalizer")
@@ -31,7 +31,7 @@ log = logging.getLogger("kvfleet.finalizer")
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m workers.finalizer", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--redis-url", default=keys.default_redis_url())
+    parser.add_argument("--redis-url", default=keys.default_redis_url(), help=REDIS_URL_HELP)
     parser.add_argument("--burst", action="store_true", help="exit when the queue is empty (no sweep)")
     parser.add_argument("--sweep-seconds", type=float, default=2.0, help="how often to look for stuck batches")
     parser.add_argument("--grace-seconds", type=float, default=30.0,
