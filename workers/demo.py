@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import redis
 
-from jobs import batches
+from jobs import batches, heartbeats
 from jobs.connection import connect
 from jobs.local_redis import RedisServer, free_port
 
@@ -52,6 +52,17 @@ def wait_for_http(url: str, process: subprocess.Popen, timeout: float = 60) -> N
     raise SystemExit(f"{url} did not come up")
 
 
+def wait_for_worker(r: redis.Redis, process: subprocess.Popen, timeout: float = 180) -> None:
+    """Until the worker heartbeats its model (it loads the model first), so submit finds it."""
+    deadline = time.monotonic() + timeout
+    while MODEL_NAME not in heartbeats.served_models(r):
+        if process.poll() is not None:
+            raise SystemExit(f"the worker exited with {process.returncode}; see its log")
+        if time.monotonic() > deadline:
+            raise SystemExit("the worker did not start")
+        time.sleep(0.2)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m workers.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", default="examples/prompts.jsonl")
@@ -79,12 +90,13 @@ def main() -> int:
         subprocess.run(python + ["engine.demo_model", str(model_dir)], check=True)
 
         worker_metrics, api_port = free_port(), free_port()
-        start("worker", ["workers", "--model", str(model_dir), "--served-model-name", MODEL_NAME,
+        worker = start("worker", ["workers", "--model", str(model_dir), "--served-model-name", MODEL_NAME,
                          "--redis-url", redis_url, "--name", "demo-worker", "--num-kv-blocks", "512",
                          "--metrics-port", str(worker_metrics), "--drain-seconds", "10"])
         start("finalizer", ["workers.finalizer", "--redis-url", redis_url])
         api = start("api", ["producers.api", "--port", str(api_port), "--redis-url", redis_url])
         wait_for_http(f"http://127.0.0.1:{api_port}/healthz", api)
+        wait_for_worker(connect(redis_url), worker)
         print(f"api: http://127.0.0.1:{api_port}/v1   worker metrics: http://127.0.0.1:{worker_metrics}/metrics",
               flush=True)
 
