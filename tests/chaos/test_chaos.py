@@ -38,7 +38,7 @@ def test_kill_9_at_ten_random_moments_loses_and_doubles_nothing(fleet, r):
     batch_id = submit_lines(r, records)
     kills = 0
     while kills < 10 and batches.batch_object(r, batch_id)["status"] == "in_progress":
-        time.sleep(rng.uniform(0.3, 2.0))
+        time.sleep(rng.uniform(0.2, 1.2))
         index = rng.randrange(len(names))
         fleet.processes[names[index]].kill()
         fleet.processes[names[index]].wait(timeout=10)
