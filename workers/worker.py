@@ -140,10 +140,11 @@ class Worker:
                 self._back_off(f"redis: {error}")
         if self.engine.has_unfinished():
             self._step()
-        try:
-            self.flusher.flush()
-        except OUTAGE_ERRORS as error:
-            self._back_off(f"recording a result failed: {error}")
+        if time.monotonic() >= self.retry_at:  # Redis holds every target's bookkeeping: wait out its back-off
+            try:
+                self.flusher.flush()
+            except OUTAGE_ERRORS as error:
+                self._back_off(f"recording a result failed: {error}")
         is_waiting = time.monotonic() < self.retry_at or self.flusher.is_waiting()
         if not self.engine.has_unfinished() and (self.flusher or is_waiting):
             time.sleep(0.01 if self.flusher and not is_waiting else 0.05)
