@@ -40,11 +40,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """Raises ValueError, naming the option, for a value EngineConfig refuses."""
-    return EngineConfig(
-        model=args.model, tokenizer=args.tokenizer, skip_tokenizer_init=args.skip_tokenizer_init, dtype=args.dtype,
-        device=args.device, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
-        seed=args.seed, attention_backend=args.attention_backend, tensor_parallel_size=args.tensor_parallel_size)
+    """Every EngineConfig field the parser has a flag for (argparse names them alike).
+    Raises ValueError, naming the option, for a value EngineConfig refuses."""
+    return EngineConfig(**{name: getattr(args, name) for name in _DEFAULTS if hasattr(args, name)})

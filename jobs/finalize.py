@@ -94,7 +94,8 @@ def _connection() -> redis.Redis:
 
 def finalize_batch(batch_id: str, r: redis.Redis | None = None) -> dict:
     """Write the output and error files into the batch's storage and end its status.
-    Outages raise (RQ retries); a permanent storage error ends the batch failed."""
+    Outages raise (the job fails; the Sweeper enqueues it again); a permanent storage
+    error ends the batch failed."""
     r = r or _connection()
     fields = batches.load_fields(r, batch_id)
     if fields["status"] in batches.TERMINAL:

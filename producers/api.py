@@ -48,10 +48,6 @@ def max_upload_bytes() -> int:
     return int(os.environ.get("KVFLEET_MAX_UPLOAD_BYTES", DEFAULT_MAX_UPLOAD_BYTES))
 
 
-def file_too_large(limit: int) -> APIError:
-    return APIError(413, f"file is larger than {limit} bytes (KVFLEET_MAX_UPLOAD_BYTES)", "file_too_large", "file")
-
-
 class APIError(Exception):
     def __init__(self, status: int, message: str, code: str, param: str | None = None,
                  kind: str = "invalid_request_error") -> None:
@@ -61,6 +57,14 @@ class APIError(Exception):
 
 def error_body(message: str, kind: str, code: str, param: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error_body(error.message, error.kind, error.code, error.param), status_code=error.status)
+
+
+def file_too_large(limit: int) -> APIError:
+    return APIError(413, f"file is larger than {limit} bytes (KVFLEET_MAX_UPLOAD_BYTES)", "file_too_large", "file")
 
 
 BEARER = HTTPBearer(auto_error=False, description="KVFLEET_API_KEY, when the server sets one")
@@ -138,7 +142,7 @@ def create_app(redis_url: str | None = None) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, error: APIError):
-        return JSONResponse(error_body(error.message, error.kind, error.code, error.param), status_code=error.status)
+        return error_response(error)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, error: StarletteHTTPException):
@@ -164,10 +168,8 @@ def create_app(redis_url: str | None = None) -> FastAPI:
         limit = max_upload_bytes()
         declared = request.headers.get("content-length", "")
         if request.url.path == "/v1/files" and declared.isdigit() and int(declared) > limit + MULTIPART_OVERHEAD_BYTES:
-            error = file_too_large(limit)  # refused before the body is read
-            response = JSONResponse(error_body(error.message, error.kind, error.code, error.param), status_code=413)
             http_requests.labels("/v1/files", "413").inc()
-            return response
+            return error_response(file_too_large(limit))  # refused before the body is read
         response = await call_next(request)
         route = request.scope.get("route")
         http_requests.labels(getattr(route, "path", "unmatched"), str(response.status_code)).inc()

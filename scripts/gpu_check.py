@@ -72,6 +72,7 @@ def run_parity(out: Path, dry_run: bool) -> dict:
 
     from engine import LLM, SamplingParams
     from engine.demo_model import build_tokenizer, write_checkpoint
+    from kernels import cdiv
     from tests.tiny_models import TINY_CONFIGS, VOCAB
 
     device = "cpu" if dry_run else "cuda"
@@ -112,7 +113,7 @@ def run_parity(out: Path, dry_run: bool) -> dict:
         if arch == "llama":  # the triton backend under pressure: preemption, then a cached prefix
             few = prompts[:3] if dry_run else prompts  # the interpreter runs a launch in ~0.1 s
             # A pool two blocks larger than the largest request: running them together must preempt.
-            pool = max(-(-(len(p) + NUM_TOKENS) // 16) for p in few) + 2
+            pool = max(cdiv(len(p) + NUM_TOKENS, 16) for p in few) + 2
             small = LLM(str(model_dir), dtype="float32", device=device, attention_backend="triton",
                         num_kv_blocks=pool, max_num_seqs=8, enable_prefix_caching=True)
             pressured = [o.token_ids for o in small.generate(few, greedy, use_tqdm=False)]
