@@ -4,7 +4,7 @@ from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.llm_engine import ContextLengthExceeded, EngineStats, LLMEngine
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "ContextLengthExceeded", "EngineConfig", "EngineStats", "SamplingParams",
+__all__ = ["LLM", "LLMEngine", "ContextLengthExceeded", "EngineConfig", "EngineStats", "SamplingParams", "RequestOutputKind",
            "RequestOutput", "CompletionOutput"]

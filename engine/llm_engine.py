@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -14,8 +14,8 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
-from engine.postprocess import StopChecker, make_request_output
-from engine.sampling_params import SamplingParams
+from engine.postprocess import DeltaTracker, StopChecker, make_request_output, request_metrics
+from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 
@@ -31,6 +31,11 @@ class ContextLengthExceeded(ValueError):
 class _Request:
     prompt: str | None
     seqs: list[Sequence]
+    deltas: DeltaTracker | None = field(default=None)  # output_kind DELTA: what was handed out
+
+    @property
+    def is_finished(self) -> bool:
+        return len(self.seqs) == self.seqs[0].params.n and all(s.is_finished for s in self.seqs)
 
 
 @dataclass(frozen=True)
@@ -144,16 +149,18 @@ class LLMEngine:
                              f"{params.max_tokens}, n={params.n}) but num_kv_blocks is {self.num_total_blocks}")
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, priority: int = 0) -> None:
         """Queue a request; raises ValueError (and queues nothing) if it can never run.
-        A text prompt is echoed in the output."""
+        A text prompt is echoed in the output. A lower `priority` runs first (vLLM's
+        priority scheduling); equal priorities run in arrival order."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")
         prompt_token_ids = self.tokenize(prompt)
         self.validate(prompt_token_ids, params)
-        seq = Sequence(request_id, prompt_token_ids, params, arrival_time)
-        self.requests[request_id] = _Request(prompt if isinstance(prompt, str) else None, [seq])
+        seq = Sequence(request_id, prompt_token_ids, params, arrival_time, priority=priority)
+        deltas = DeltaTracker() if params.output_kind is RequestOutputKind.DELTA else None
+        self.requests[request_id] = _Request(prompt if isinstance(prompt, str) else None, [seq], deltas)
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> None:
@@ -166,7 +173,8 @@ class LLMEngine:
 
     # -- the loop ---------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; return the requests that finished in it."""
+        """Run one iteration; return the requests that finished in it and, for DELTA
+        requests, what each sampled this step (finished=False until the last)."""
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -174,17 +182,28 @@ class LLMEngine:
         for children in batch.forks.values():  # n > 1: samples forked this step join their request
             self.requests[children[0].request_id].seqs.extend(children)
         finished_seqs = self.scheduler.postprocess(batch, sampled_seqs, sampled, self.stop_checker.check)
-        return self._collect_finished(finished_seqs)
+        return self._collect_outputs(sampled_seqs, finished_seqs)
 
-    def _collect_finished(self, finished_seqs: list[Sequence]) -> list[RequestOutput]:
-        """Release each finished sample; a request is done once all n of its samples are."""
+    def _collect_outputs(self, sampled_seqs: list[Sequence], finished_seqs: list[Sequence]) -> list[RequestOutput]:
+        """Release each finished sample; a request is done once all n of its samples are.
+        Finished samples were sampled this step, so `sampled_seqs` names every request."""
         for seq in finished_seqs:
             self.model_runner.release(seq)
         outputs, now = [], time.monotonic()
-        for request_id in dict.fromkeys(seq.request_id for seq in finished_seqs):  # once each, in order
+        for request_id in dict.fromkeys(seq.request_id for seq in sampled_seqs):  # once each, in order
             request = self.requests[request_id]
-            if len(request.seqs) == request.seqs[0].params.n and all(s.is_finished for s in request.seqs):
+            is_finished = request.is_finished
+            if is_finished:
                 del self.requests[request_id]
+            if request.deltas is not None:
+                samples = sorted(request.seqs, key=lambda s: s.sample_index)
+                deltas = [d for seq in samples if (d := request.deltas.delta(seq, self.tokenizer)) is not None]
+                if deltas or is_finished:
+                    first = samples[0]
+                    outputs.append(RequestOutput(request_id, request.prompt, first.prompt_token_ids, deltas,
+                                                 first.num_cached_tokens, is_finished,
+                                                 request_metrics(samples, now) if is_finished else None))
+            elif is_finished:
                 outputs.append(make_request_output(request.prompt, request.seqs, self.tokenizer, now))
         return outputs
 

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class RequestOutputKind(enum.Enum):
+    """What LLMEngine.step() returns for a request, as in vLLM."""
+
+    FINAL_ONLY = enum.auto()
+    """One output, when every sample has finished."""
+    DELTA = enum.auto()
+    """An output every step that produced tokens, holding only what is new (streaming)."""
 
 
 @dataclass
@@ -31,6 +41,7 @@ class SamplingParams:
     """Return the sampled token's logprob and this many top alternatives."""
     detokenize: bool = True
     """Decode the output text; False returns token ids only (stop strings need text)."""
+    output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

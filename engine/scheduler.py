@@ -1,10 +1,15 @@
 """Iteration-level (continuous) batching over the paged block pool.
 
 Every step gets a token budget (`max_num_batched_tokens`) and a sequence cap
-(`max_num_seqs`). Running sequences are served first, one decode token each or
-their next prefill chunk; waiting sequences are then admitted in arrival order
-while their blocks are free. A running sequence that cannot get a block makes
-the newest running sequence give up its blocks (preemption by recompute).
+(`max_num_seqs`). Both queues are ordered by (priority, arrival), lower first, as
+vLLM's priority policy: with every priority equal that is first come, first served.
+
+    0. A waiting sequence of a higher priority (lower value) that has no seat or no
+       blocks takes them from the lowest-priority running sequences (preempted).
+    1. Running sequences are served, one decode token each or their next prefill
+       chunk. One that cannot get a block makes the last running sequence (lowest
+       priority, newest) give up its blocks: preemption by recompute.
+    2. Waiting sequences are admitted in order while their blocks are free.
 
 After the model ran, `postprocess` advances progress, appends the sampled tokens
 and finishes the sequences that stop.
@@ -14,8 +19,8 @@ Plain Python: the model runner turns a `ScheduledBatch` into tensors.
 
 from __future__ import annotations
 
+import bisect
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -49,12 +54,12 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.enable_chunked_prefill = config.enable_chunked_prefill
         self.block_manager = BlockManager(num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: list[Sequence] = []  # both sorted by Sequence.schedule_key
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        bisect.insort(self.waiting, seq, key=lambda s: s.schedule_key)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -63,14 +68,15 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         preempted = False
+        self._preempt_for_priority()
 
-        # 1. Running sequences, oldest first.
+        # 1. Running sequences, in order.
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.block_manager.can_allocate(seq, num_new):
-                victim = self.running.pop()  # the newest
+                victim = self.running.pop()  # the last: lowest priority, newest
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
@@ -80,7 +86,7 @@ class Scheduler:
                 budget -= num_new
                 index += 1
 
-        # 2. Waiting sequences, in arrival order, while their blocks are free.
+        # 2. Waiting sequences, in order, while their blocks are free.
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             cached = self.block_manager.find_cached_prefix(seq) if seq.num_computed_tokens == 0 else []
@@ -90,7 +96,7 @@ class Scheduler:
                 break
             if not self.block_manager.allocate(seq, num_new, cached):
                 break
-            self.waiting.popleft()
+            self.waiting.pop(0)
             if seq.num_computed_tokens == 0:
                 num_cached_tokens = len(cached) * self.block_manager.block_size
                 self.block_manager.record_prefix_lookup(seq.num_tokens, num_cached_tokens)
@@ -98,17 +104,38 @@ class Scheduler:
                 if seq.first_scheduled_time is None:
                     seq.num_cached_tokens = num_cached_tokens
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._insert_running(seq)
             self._schedule(seq, num_new, batch)
             budget -= num_new
         # Forked samples join after this step's scheduling: they compute nothing in it.
         for children in batch.forks.values():
-            self.running.extend(children)
+            for child in children:
+                self._insert_running(child)
         now = time.monotonic()
         for seq in batch.seqs:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
         return batch
+
+    def _insert_running(self, seq: Sequence) -> None:
+        bisect.insort(self.running, seq, key=lambda s: s.schedule_key)
+
+    def _preempt_for_priority(self) -> None:
+        """Before the step: while the first waiting sequence outranks the last running one
+        (a strictly lower priority value) and finds no seat or too few free blocks,
+        preempt the last running one. Equal priorities never preempt each other here."""
+        while self.waiting and self.running:
+            head, victim = self.waiting[0], self.running[-1]
+            if head.priority >= victim.priority:
+                return
+            manager = self.block_manager
+            blocks_needed = manager.num_blocks_for(head.num_tokens) - len(head.block_table)
+            has_seat = len(self.running) < self.max_num_seqs
+            # One block of growth kept for each running sequence, as the worker's admission does.
+            if has_seat and blocks_needed <= manager.num_free_blocks - len(self.running):
+                return
+            self.running.pop()
+            self._preempt(victim)
 
     def _grow(self, seq: Sequence, num_new: int, batch: ScheduledBatch) -> None:
         copy = self.block_manager.copy_on_write(seq)
@@ -138,7 +165,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self.add(seq)
         self.num_preemptions += 1
 
     def postprocess(self, batch: ScheduledBatch, sampled_seqs: list[Sequence], sampled: SamplerOutput,

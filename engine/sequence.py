@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 
 from engine.sampling_params import SamplingParams
+
+_arrival_order = itertools.count()  # breaks ties between equal arrival times
 
 
 class SequenceStatus(enum.Enum):
@@ -25,10 +28,12 @@ class Sequence:
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival_time: float | None = None, sample_index: int = 0) -> None:
+                 arrival_time: float | None = None, sample_index: int = 0, priority: int = 0) -> None:
         self.request_id = request_id
         self.sample_index = sample_index
         self.params = params
+        self.priority = priority  # lower runs first, as in vLLM
+        self.arrival_order = next(_arrival_order)
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
@@ -51,6 +56,11 @@ class Sequence:
     @property
     def seq_id(self) -> str:
         return f"{self.request_id}#{self.sample_index}"
+
+    @property
+    def schedule_key(self) -> tuple[int, float, int]:
+        """The scheduler's order: (priority, arrival); the largest key is preempted first."""
+        return self.priority, self.arrival_time, self.arrival_order
 
     @property
     def num_tokens(self) -> int:
@@ -85,7 +95,8 @@ class Sequence:
 
     def fork(self, sample_index: int) -> Sequence:
         """A sibling sample: the same prompt and progress; blocks are shared by the caller."""
-        child = Sequence(self.request_id, self.prompt_token_ids, self.params, self.arrival_time, sample_index)
+        child = Sequence(self.request_id, self.prompt_token_ids, self.params, self.arrival_time, sample_index,
+                         self.priority)
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
         child.first_scheduled_time = self.first_scheduled_time
