@@ -3,6 +3,9 @@
 | key                              | type        | holds                                                        |
 |----------------------------------|-------------|--------------------------------------------------------------|
 | kvfleet:stream:{model}           | stream      | one entry per request, fields STREAM_ENTRY_FIELDS below      |
+| kvfleet:online:{model}           | stream      | online requests (read first), fields in jobs/online.py       |
+| kvfleet:reply:{request_id}       | stream + TTL| an online request's events, worker -> API (jobs/online.py)   |
+| kvfleet:reply:{request_id}:cancel| string + TTL| set by the API when the client went away or timed out        |
 | kvfleet:batch:{id}               | hash        | the batch object's fields, counts, timestamps, sink          |
 | kvfleet:batch:{id}:done          | set         | custom ids with a durable result (counted once)              |
 | kvfleet:batch:{id}:results       | hash        | custom id -> result line (the redis sink)                    |
@@ -42,6 +45,18 @@ HANDED_BACK_FIELD = "requeues"
 
 def stream(model: str) -> str:
     return f"{PREFIX}:stream:{model}"
+
+
+def online_stream(model: str) -> str:
+    return f"{PREFIX}:online:{model}"
+
+
+def reply(request_id: str) -> str:
+    return f"{PREFIX}:reply:{request_id}"
+
+
+def reply_cancel(request_id: str) -> str:
+    return f"{PREFIX}:reply:{request_id}:cancel"
 
 
 def batch(batch_id: str) -> str:

@@ -13,7 +13,15 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 COMPLETIONS, CHAT_COMPLETIONS = "/v1/completions", "/v1/chat/completions"
 ENDPOINTS = (COMPLETIONS, CHAT_COMPLETIONS)
@@ -24,6 +32,7 @@ MAX_MESSAGES = 1024
 MAX_STOP = 16
 MAX_ID_CHARS = 512
 MAX_REPORTED_ERRORS = 100  # invalid lines named one by one; past that, only counted
+MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1  # online priorities; batch work runs below them all
 
 ShortStr = Annotated[str, Field(max_length=256)]
 
@@ -139,6 +148,40 @@ class ShortLine(SamplingFields):
     model: ShortStr | None = None
     prompt: Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS)]
     logprobs: int | None = Field(None, ge=0, le=5)
+
+
+class StreamOptions(_Strict):
+    include_usage: StrictBool | None = None
+
+
+class OnlineFields(_Strict):
+    """What an online request adds to a batch line's body."""
+
+    stream: StrictBool | None = None
+    stream_options: StreamOptions | None = None
+    priority: int = Field(0, ge=MIN_PRIORITY, le=MAX_PRIORITY, description="lower runs first, as in vLLM")
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        return self
+
+    def batch_body(self) -> dict[str, Any]:
+        """The body as a batch line would carry it: what the worker validates and runs."""
+        return self.model_dump(exclude_none=True, exclude={"stream", "stream_options", "priority"})
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class OnlineCompletionBody(OnlineFields, CompletionBody):
+    """POST /v1/completions."""
+
+
+class OnlineChatBody(OnlineFields, ChatBody):
+    """POST /v1/chat/completions."""
 
 
 class Request(BaseModel):

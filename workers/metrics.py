@@ -1,4 +1,5 @@
-"""Prometheus metrics of one worker, named after vLLM's with a `kvfleet:` prefix."""
+"""Prometheus metrics of one worker, named after vLLM's with a `kvfleet:` prefix.
+Request metrics carry `lane="online"|"batch"`."""
 
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ class WorkerMetrics:
         def counter(name, doc):
             return Counter(f"kvfleet:{name}", doc, names, registry=self.registry).labels(**labels)
 
-        def histogram(name, doc, buckets):
-            return Histogram(f"kvfleet:{name}", doc, names, buckets=buckets, registry=self.registry).labels(**labels)
+        def per_lane(kind, name, doc, **options):
+            metric = kind(f"kvfleet:{name}", doc, [*names, "lane"], registry=self.registry, **options)
+            return {lane: metric.labels(**labels, lane=lane) for lane in ("online", "batch")}
 
         self.num_requests_running = gauge("num_requests_running", "Requests the engine is running")
         self.num_requests_waiting = gauge("num_requests_waiting",
@@ -34,42 +36,51 @@ class WorkerMetrics:
         self.num_free_blocks = gauge("num_free_kv_blocks", "Free KV blocks")
         self.stream_pending = gauge("stream_pending", "Entries delivered to some worker, not yet acked")
         self.stream_lag = gauge("stream_lag", "Entries in the stream not yet delivered to any worker")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
-        self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests")
+        self.prompt_tokens = per_lane(Counter, "prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = per_lane(Counter, "generation_tokens", "Generated tokens of finished requests")
         self.num_preemptions = counter("num_preemptions", "Sequences preempted by recompute")
         self.requeues = counter("requeues", "Pulled entries handed back to the stream for lack of room")
         self._success = Counter("kvfleet:request_success", "Finished requests by finish reason",
-                                [*names, "finished_reason"], registry=self.registry)
+                                [*names, "lane", "finished_reason"], registry=self.registry)
         self._labels = labels
-        self.time_to_first_token = histogram("time_to_first_token_seconds", "Arrival to first token",
-                                             LATENCY_BUCKETS)
-        self.inter_token_latency = histogram("inter_token_latency_seconds", "Between consecutive tokens",
-                                             TOKEN_BUCKETS)
-        self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Arrival to finish", LATENCY_BUCKETS)
-        self.request_queue_time = histogram("request_queue_time_seconds", "Stream enqueue to engine start",
-                                            LATENCY_BUCKETS)
+        self.time_to_first_token = per_lane(Histogram, "time_to_first_token_seconds",
+                                            "Engine arrival to first token", buckets=LATENCY_BUCKETS)
+        self.inter_token_latency = per_lane(Histogram, "inter_token_latency_seconds", "Between consecutive tokens",
+                                            buckets=TOKEN_BUCKETS)
+        self.e2e_request_latency = per_lane(Histogram, "e2e_request_latency_seconds", "Engine arrival to finish",
+                                            buckets=LATENCY_BUCKETS)
+        self.request_queue_time = per_lane(Histogram, "request_queue_time_seconds",
+                                           "Stream enqueue to engine start", buckets=LATENCY_BUCKETS)
         self._seen_preemptions = 0
 
     def serve(self, port: int) -> None:
         start_http_server(port, registry=self.registry)
 
-    def observe_finished(self, output: RequestOutput, enqueued_at: float | None, wall_offset: float) -> None:
-        """wall_offset converts the engine's monotonic times to wall-clock time."""
+    def observe_finished(self, output: RequestOutput, enqueued_at: float | None, wall_offset: float,
+                         lane: str = "batch", finish_reasons: list[str] | None = None,
+                         num_generated: int | None = None) -> None:
+        """wall_offset converts the engine's monotonic times to wall-clock time. A streamed
+        (DELTA) output holds only its last tokens: its lane passes the finish reasons and
+        the number of generated tokens of the whole request."""
         metrics = output.metrics
-        self.prompt_tokens.inc(len(output.prompt_token_ids))
-        for completion in output.outputs:
-            self.generation_tokens.inc(len(completion.token_ids))
-            self._success.labels(**self._labels, finished_reason=completion.finish_reason or "stop").inc()
+        self.prompt_tokens[lane].inc(len(output.prompt_token_ids))
+        if finish_reasons is None:
+            finish_reasons = [c.finish_reason or "stop" for c in output.outputs]
+        if num_generated is None:
+            num_generated = sum(len(c.token_ids) for c in output.outputs)
+        self.generation_tokens[lane].inc(num_generated)
+        for reason in finish_reasons:
+            self._success.labels(**self._labels, lane=lane, finished_reason=reason).inc()
         if metrics is None:
             return
         if metrics.first_token_time is not None:
-            self.time_to_first_token.observe(metrics.first_token_time - metrics.arrival_time)
+            self.time_to_first_token[lane].observe(metrics.first_token_time - metrics.arrival_time)
         for gap in metrics.inter_token_latencies:
-            self.inter_token_latency.observe(gap)
+            self.inter_token_latency[lane].observe(gap)
         if metrics.finished_time is not None:
-            self.e2e_request_latency.observe(metrics.finished_time - metrics.arrival_time)
+            self.e2e_request_latency[lane].observe(metrics.finished_time - metrics.arrival_time)
         if enqueued_at is not None and metrics.first_scheduled_time is not None:
-            self.request_queue_time.observe(max(0.0, metrics.first_scheduled_time + wall_offset - enqueued_at))
+            self.request_queue_time[lane].observe(max(0.0, metrics.first_scheduled_time + wall_offset - enqueued_at))
 
     def update_engine(self, stats: EngineStats) -> None:
         self.num_requests_running.set(stats.num_running)

@@ -64,7 +64,7 @@ def token_text(token_id: int, tokenizer) -> str:
     return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
 
 
-def _openai_logprobs(output_logprobs, token_ids: list[int], num_top: int, tokenizer, url: str):
+def openai_logprobs(output_logprobs, token_ids: list[int], num_top: int, tokenizer, url: str):
     """Each engine entry holds the top `num_top` tokens and the sampled one; OpenAI's
     top list is the top `num_top` (with the sampled token when it ranks there)."""
     if output_logprobs is None:
@@ -85,7 +85,7 @@ def to_result_line(custom_id: str, request: EngineRequest, output: RequestOutput
                   completion_tokens=sum(len(c.token_ids) for c in output.outputs),
                   cached_tokens=output.num_cached_tokens)
     choices = [Choice(c.text, c.finish_reason or "stop",
-                      _openai_logprobs(c.logprobs, c.token_ids, request.params.logprobs or 0, tokenizer,
+                      openai_logprobs(c.logprobs, c.token_ids, request.params.logprobs or 0, tokenizer,
                                        request.url),
                       token_ids=c.token_ids if tokenizer is None else None) for c in output.outputs]
     build = chat_completion_body if request.url == CHAT_COMPLETIONS else completion_body

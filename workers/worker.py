@@ -2,9 +2,11 @@
 
     while not stopping:
         maintain()   heartbeat, keep in-flight leases, cancel/expire, reclaim, trim  (every ~second)
-        admit()      XREADGROUP COUNT k, k from free KV blocks (workers/admission.py)
-        step()       one engine iteration
-        flush()      results -> storage (durable) -> count + XACK (one Lua script)
+        admit()      online entries first (workers/online.py), then batch entries:
+                     XREADGROUP COUNT k, k from free KV blocks (workers/admission.py)
+        step()       one engine iteration; online requests get their new tokens at once
+                     (one round trip: reply events, acks, cancel checks)
+        flush()      batch results -> storage (durable) -> count + XACK (one Lua script)
 
 Redis outages back off (capped, exponential) and retry; storage targets back off
 each on their own (workers/flush.py); a result is never acknowledged before it is
@@ -30,9 +32,10 @@ from jobs import batches, heartbeats, keys
 from jobs.results import error_line
 from jobs.schemas import LineError, parse_line
 from workers import stream_ops
-from workers.admission import Admission
+from workers.admission import Admission, default_online_reserve
 from workers.flush import PendingResult, ResultFlusher
 from workers.metrics import WorkerMetrics
+from workers.online import BATCH_PRIORITY, WORKER_LOST, OnlineLane, OnlineWork
 from workers.translate import EngineRequest, RequestRejected, error_code, to_engine_request, to_result_line
 
 log = logging.getLogger("kvfleet.worker")
@@ -57,16 +60,22 @@ class WorkerOptions:
     block_ms: int = 1000
     max_backoff_seconds: float = 5.0
     maintain_seconds: float = 1.0  # heartbeat, lease keeping and batch status checks
+    online_reserve: int | None = None  # seats kept free of batch work; default: one in sixteen
 
 
 @dataclass
 class InFlight:
     stream: str
     entry_id: str
-    batch_id: str
+    batch_id: str | None  # None for online work
     custom_id: str
     request: EngineRequest
     enqueued_at: float | None
+    online: OnlineWork | None = None
+
+    @property
+    def lane(self) -> str:
+        return "batch" if self.online is None else "online"
 
 
 def request_id(stream: str, entry_id: str) -> str:
@@ -79,8 +88,13 @@ class Worker:
                  metrics: WorkerMetrics | None = None) -> None:
         self.engine, self.r, self.options = engine, r, options
         self.streams = [keys.stream(model) for model in options.served_model_names]
+        self.online_streams = [keys.online_stream(model) for model in options.served_model_names]
         self.metrics = metrics or WorkerMetrics(options.name, options.served_model_names[0])
-        self.admission = Admission(engine.config.max_num_seqs)
+        max_num_seqs = engine.config.max_num_seqs
+        reserve = options.online_reserve
+        self.admission = Admission(max_num_seqs, online_reserve=default_online_reserve(max_num_seqs)
+                                   if reserve is None else reserve)
+        self.online = OnlineLane(r, engine, self.online_streams, options.name)
         self.in_flight: dict[str, InFlight] = {}  # engine request id -> work
         self.flusher = ResultFlusher(r, options.max_backoff_seconds)
         self.batch_cache: OrderedDict[str, dict] = OrderedDict()  # LRU, MAX_CACHED_BATCHES
@@ -142,6 +156,7 @@ class Worker:
             self._step()
         if time.monotonic() >= self.retry_at:  # Redis holds every target's bookkeeping: wait out its back-off
             try:
+                self._answer_online()
                 self.flusher.flush()
             except OUTAGE_ERRORS as error:
                 self._back_off(f"recording a result failed: {error}")
@@ -158,7 +173,7 @@ class Worker:
     def _maintain(self) -> None:
         now = time.monotonic()
         if not self.is_group_ready:
-            for stream in self.streams:
+            for stream in self.streams + self.online_streams:
                 stream_ops.ensure_group(self.r, stream)
             self.is_group_ready = True
         if now - self.last_maintain < self.options.maintain_seconds:
@@ -167,13 +182,14 @@ class Worker:
         # Every pulled entry keeps its lease until it is acked: running, or finished with
         # its result not yet durable (a storage outage may last longer than the lease).
         held = [(work.stream, work.entry_id) for work in self.in_flight.values()] + self.flusher.entries()
-        for stream in self.streams:
+        for stream in self.streams + self.online_streams:
             stream_ops.touch(self.r, stream, self.options.name, [eid for s, eid in held if s == stream])
         self._heartbeat()
         self._check_batches()
+        self._check_deadlines()
         if now - self.last_trim > TRIM_SECONDS:
             self.last_trim = now
-            for stream in self.streams:
+            for stream in self.streams + self.online_streams:
                 stream_ops.trim_acknowledged(self.r, stream)
         backlogs = [stream_ops.stream_backlog(self.r, stream) for stream in self.streams]
         self.metrics.stream_pending.set(sum(pending for pending, _ in backlogs))
@@ -214,7 +230,7 @@ class Worker:
 
     def _check_batches(self) -> None:
         """Abort in-flight requests of batches cancelled or past their window."""
-        for batch_id in {work.batch_id for work in self.in_flight.values()}:
+        for batch_id in {work.batch_id for work in self.in_flight.values() if work.batch_id is not None}:
             ended = self._ended(self._batch(batch_id, refresh=True))
             if ended is None:
                 continue
@@ -224,6 +240,16 @@ class Worker:
                     del self.in_flight[key]
                     self._add_result(PendingResult(work.stream, work.entry_id, batch_id,
                                                    error_line(work.custom_id, *ended)))
+
+    def _check_deadlines(self) -> None:
+        """Abort online requests past their KVFLEET_REQUEST_TIMEOUT (the API gave up on them)."""
+        now = time.time()
+        for key, work in list(self.in_flight.items()):
+            if work.online is not None and now > work.online.entry.deadline:
+                self.engine.abort(key)
+                del self.in_flight[key]
+                self.online.fail(work.stream, work.entry_id, work.custom_id, 504, "request_timeout",
+                                 "The request timed out (KVFLEET_REQUEST_TIMEOUT).")
 
     @staticmethod
     def _ended(batch: dict | None) -> tuple[str, str] | None:
@@ -237,21 +263,37 @@ class Worker:
 
     # -- admission ---------------------------------------------------------------
     def _admit(self) -> None:
+        lease_ms = int(self.options.lease_seconds * 1000)
+        online_work = [work.online for work in self.in_flight.values() if work.online is not None]
+        online_count = self.admission.online_count(len(online_work), sum(not w.has_output for w in online_work))
+        is_running = lambda stream, entry_id: request_id(stream, entry_id) in self.in_flight
+        for stream, entry_id, work in self.online.pull(online_count, lease_ms, self.options.max_deliveries,
+                                                       is_running):
+            self.admission.observe(self.engine.num_blocks_needed(len(work.request.prompt_token_ids)), "online")
+            self._start(InFlight(stream, entry_id, None, work.entry.request_id, work.request,
+                                 work.entry.enqueued_at, work), priority=work.entry.priority)
         count = self.admission.count(self.engine.stats())
         if count <= 0:
             return
-        lease_ms = int(self.options.lease_seconds * 1000)
         entries = []  # (stream, entry_id, fields, deliveries)
         for stream in self.streams:
             claimed = stream_ops.reclaim_stale(self.r, stream, self.options.name, lease_ms, count - len(entries))
             entries += [(stream, *entry) for entry in claimed]
         if len(entries) < count:
             is_idle = not self.engine.has_unfinished() and not self.flusher
-            block_ms = self.options.block_ms if is_idle else None  # block on the streams only when idle
-            fresh = stream_ops.read_new(self.r, self.streams, self.options.name, count - len(entries), block_ms)
+            # Block on the streams only when idle, woken by online work as well as batch work.
+            streams = self.online_streams + self.streams if is_idle else self.streams
+            fresh = stream_ops.read_new(self.r, streams, self.options.name, count - len(entries),
+                                        self.options.block_ms if is_idle else None)
             entries += [(stream, entry_id, fields, 1) for stream, entry_id, fields in fresh]
         accepted: list[tuple[dict, InFlight]] = []
         for stream, entry_id, fields, deliveries in entries:
+            if stream in self.online_streams:  # woke up idle on an online request
+                work = self.online.accept(stream, entry_id, fields, deliveries, self.options.max_deliveries)
+                if work is not None:
+                    self._start(InFlight(stream, entry_id, None, work.entry.request_id, work.request,
+                                         work.entry.enqueued_at, work), priority=work.entry.priority)
+                continue
             work = self._accept(stream, entry_id, fields, deliveries)
             if work is not None:
                 accepted.append((fields, work))
@@ -263,9 +305,12 @@ class Worker:
             stream_ops.requeue(self.r, work.stream, work.entry_id, fields, count=True)
             self.metrics.requeues.inc()
         for _, work in accepted[:num_fit]:
-            key = request_id(work.stream, work.entry_id)
-            self.engine.add_request(key, work.request.prompt_token_ids, work.request.params)
-            self.in_flight[key] = work
+            self._start(work, BATCH_PRIORITY)
+
+    def _start(self, work: InFlight, priority: int) -> None:
+        key = request_id(work.stream, work.entry_id)
+        self.engine.add_request(key, work.request.prompt_token_ids, work.request.params, priority=priority)
+        self.in_flight[key] = work
 
     def _accept(self, stream: str, entry_id: str, fields: dict, deliveries: int) -> InFlight | None:
         """Turn an entry into work, or settle it here (error result, dead letter, duplicate)."""
@@ -328,17 +373,43 @@ class Worker:
 
     def _collect(self, outputs) -> None:
         for output in outputs:
-            work = self.in_flight.pop(output.request_id, None)
+            work = self.in_flight.get(output.request_id)
             if work is None:
                 continue
+            if work.online is not None:
+                if self.online.on_output(work.stream, work.entry_id, work.online, output):
+                    del self.in_flight[output.request_id]
+                    self.metrics.observe_finished(output, work.enqueued_at, self.wall_offset, "online",
+                                                  work.online.finish_reasons, work.online.completion_tokens)
+                continue
+            del self.in_flight[output.request_id]
             self.metrics.observe_finished(output, work.enqueued_at, self.wall_offset)
             batch = self._batch(work.batch_id) or {}
             model = batch.get("model") or self.options.served_model_names[0]
             line, usage = to_result_line(work.custom_id, work.request, output, model, self.engine.tokenizer)
             self._add_result(PendingResult(work.stream, work.entry_id, work.batch_id, line, usage))
 
+    def _answer_online(self) -> None:
+        """Write the step's online events and acks; abort the requests whose client is gone."""
+        watched = {work.custom_id: key for key, work in self.in_flight.items() if work.online is not None}
+        for online_id in self.online.flush(list(watched)):
+            key = watched[online_id]
+            work = self.in_flight.pop(key)
+            self.engine.abort(key)
+            stream_ops.ack(self.r, work.stream, work.entry_id)
+
     def _hand_back_unfinished(self) -> None:
-        """On exit: abort what still runs and put it back on the stream for other workers."""
+        """On exit: abort what still runs and put it back on the stream for other workers.
+        An online request that already streamed tokens ends with an error instead."""
+        with contextlib.suppress(OUTAGE_ERRORS):
+            self.online.flush([])  # events of requests that finished
+        for key, work in list(self.in_flight.items()):
+            if work.online is not None and work.online.has_output and work.online.entry.stream:
+                self.engine.abort(key)
+                del self.in_flight[key]
+                self.online.fail(work.stream, work.entry_id, work.custom_id, 500, *WORKER_LOST)
+        with contextlib.suppress(OUTAGE_ERRORS):
+            self.online.flush([])
         for key, work in list(self.in_flight.items()):
             self.engine.abort(key)
             try:
