@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 import redis
+import redis.asyncio
 
 from jobs.keys import default_redis_url
 
@@ -24,11 +25,21 @@ TLS_ENVIRONMENT = {"KVFLEET_REDIS_CA": "ssl_ca_certs", "KVFLEET_REDIS_CERT": "ss
                    "KVFLEET_REDIS_KEY": "ssl_keyfile"}
 
 
-def connect(url: str | None = None, **options) -> redis.Redis:
-    """A client for `url` (default KVFLEET_REDIS_URL); TLS files from the environment."""
-    url = url or default_redis_url()
+def _tls_options(url: str, options: dict) -> dict:
     if url.startswith("rediss://"):
         for variable, option in TLS_ENVIRONMENT.items():
             if os.environ.get(variable):
                 options.setdefault(option, os.environ[variable])
-    return redis.Redis.from_url(url, **options)
+    return options
+
+
+def connect(url: str | None = None, **options) -> redis.Redis:
+    """A client for `url` (default KVFLEET_REDIS_URL); TLS files from the environment."""
+    url = url or default_redis_url()
+    return redis.Redis.from_url(url, **_tls_options(url, options))
+
+
+def connect_async(url: str | None = None, **options) -> redis.asyncio.Redis:
+    """The asyncio client for the same URL and TLS files (the API's blocking reads)."""
+    url = url or default_redis_url()
+    return redis.asyncio.Redis.from_url(url, **_tls_options(url, options))

@@ -1,8 +1,9 @@
-"""OpenAI-compatible Files and Batches API (FastAPI + uvicorn).
+"""OpenAI-compatible API (FastAPI + uvicorn): online completions, Files and Batches.
 
     python -m producers.api [--host 127.0.0.1] [--port 8000] [--redis-url URL]
 
-Routes: GET /v1/models (what live workers serve), GET /v1/models/{model},
+Routes: POST /v1/completions and /v1/chat/completions (online, through the queue;
+producers/online.py), GET /v1/models (what live workers serve), GET /v1/models/{model},
 POST /v1/files, GET /v1/files/{id}, GET /v1/files/{id}/content,
 POST /v1/batches, GET /v1/batches, GET /v1/batches/{id}, POST /v1/batches/{id}/cancel,
 and beyond OpenAI GET /v1/batches/{id}/results/{custom_id}; GET /healthz and
@@ -35,10 +36,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jobs import batches, heartbeats, keys
-from jobs.connection import REDIS_URL_HELP, connect
+from jobs.connection import REDIS_URL_HELP, connect, connect_async
 from jobs.files import FileNotFound, create_file, file_object, new_file_id, read_file
 from jobs.storage import RedisStorage, open_storage
+from producers.errors import APIError, error_body, error_response
 from producers.ingest import submit
+from producers.online import add_online_routes
 
 DEFAULT_MAX_UPLOAD_BYTES = 200 * 1024 * 1024
 MULTIPART_OVERHEAD_BYTES = 64 * 1024  # room for the form's other fields and boundaries
@@ -46,21 +49,6 @@ MULTIPART_OVERHEAD_BYTES = 64 * 1024  # room for the form's other fields and bou
 
 def max_upload_bytes() -> int:
     return int(os.environ.get("KVFLEET_MAX_UPLOAD_BYTES", DEFAULT_MAX_UPLOAD_BYTES))
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, code: str, param: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.message, self.code, self.param, self.kind = status, message, code, param, kind
-
-
-def error_body(message: str, kind: str, code: str, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error_body(error.message, error.kind, error.code, error.param), status_code=error.status)
 
 
 def file_too_large(limit: int) -> APIError:
@@ -86,7 +74,8 @@ class ErrorResponse(BaseModel):
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": description}
     for status, description in ((400, "Invalid request"), (401, "Missing or wrong API key"), (404, "Not found"),
-                                (409, "Conflicting state"), (413, "Upload too large"))}
+                                (409, "Conflicting state"), (413, "Upload too large"),
+                                (429, "Online queue full (Retry-After)"), (504, "KVFLEET_REQUEST_TIMEOUT passed"))}
 
 
 def openai_style_schema(app: FastAPI) -> dict[str, Any]:
@@ -122,7 +111,7 @@ def create_app(redis_url: str | None = None) -> FastAPI:
     registry = CollectorRegistry()
     http_requests = Counter("kvfleet:api_requests", "API requests by route and status", ["route", "status"],
                             registry=registry)
-    app = FastAPI(title="kvfleet", description="OpenAI-compatible Files and Batches API")
+    app = FastAPI(title="kvfleet", description="OpenAI-compatible online completions, Files and Batches API")
     app.state.metrics_registry = registry
     cors_origins = [o.strip() for o in os.environ.get("KVFLEET_CORS_ORIGINS", "").split(",") if o.strip()]
     if cors_origins:  # off by default: browsers on other origins may not call the API
@@ -142,7 +131,10 @@ def create_app(redis_url: str | None = None) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, error: APIError):
-        return error_response(error)
+        response = error_response(error)
+        if error.status == 429:
+            response.headers["Retry-After"] = "1"
+        return response
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, error: StarletteHTTPException):
@@ -160,8 +152,9 @@ def create_app(redis_url: str | None = None) -> FastAPI:
     async def _validation_error(_: Request, error: RequestValidationError):
         detail = error.errors()[0]
         param = ".".join(str(p) for p in detail["loc"] if p not in ("body", "query", "path"))
-        return JSONResponse(error_body(f"{param}: {detail['msg']}", "invalid_request_error", "invalid_request",
-                                       param), status_code=400)
+        message = f"{param}: {detail['msg']}" if param else detail["msg"].removeprefix("Value error, ")
+        return JSONResponse(error_body(message, "invalid_request_error", "invalid_request", param or None),
+                            status_code=400)
 
     @app.middleware("http")
     async def _count(request: Request, call_next):
@@ -322,6 +315,7 @@ def create_app(redis_url: str | None = None) -> FastAPI:
     def metrics():
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
+    add_online_routes(v1, r, connect_async(redis_url))
     app.include_router(v1)
     app.openapi = lambda: openai_style_schema(app)
     return app

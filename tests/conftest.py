@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from engine.demo_model import build_tokenizer, write_checkpoint  # noqa: E402
+from engine.demo_model import build_tokenizer, demo_config, write_checkpoint  # noqa: E402
 from tests.tiny_models import TINY_CONFIGS, VOCAB  # noqa: E402
 
 torch.set_num_threads(2)
@@ -36,6 +36,12 @@ def tiny_models(tmp_path_factory, tiny_tokenizer) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_models) -> str:
     return tiny_models["llama"]
+
+
+@pytest.fixture(scope="session")
+def demo_model(tmp_path_factory) -> str:
+    """The checkpoint `make demo` and `workers.serve` users start with (engine/demo_model.py)."""
+    return str(write_checkpoint(demo_config(), tmp_path_factory.mktemp("demo-model")))
 
 
 # -- services ------------------------------------------------------------------

@@ -35,6 +35,7 @@ class OnlineWork:
     request: EngineRequest
     completion_tokens: int = 0
     finish_reasons: list[str] = field(default_factory=list)
+    text_offsets: dict[int, int] = field(default_factory=dict)  # choice -> characters of its logprob tokens
     has_output: bool = False  # the first token was produced
 
 
@@ -123,9 +124,13 @@ class OnlineLane:
             work.completion_tokens += len(delta.token_ids)
             if delta.finish_reason is not None:
                 work.finish_reasons.append(delta.finish_reason)
+            offset = work.text_offsets.get(delta.index, 0)
+            logprobs = openai_logprobs(delta.logprobs, delta.token_ids, work.request.params.logprobs or 0,
+                                       tokenizer, url, offset)
+            if logprobs is not None and "tokens" in logprobs:  # completions: offsets continue from here
+                work.text_offsets[delta.index] = offset + sum(map(len, logprobs["tokens"]))
             choice = {"index": delta.index, "text": delta.text, "finish_reason": delta.finish_reason,
-                      "logprobs": openai_logprobs(delta.logprobs, delta.token_ids, work.request.params.logprobs or 0,
-                                                  tokenizer, url)}
+                      "logprobs": logprobs}
             if tokenizer is None:
                 choice["token_ids"] = delta.token_ids
             choices.append(choice)

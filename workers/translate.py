@@ -64,9 +64,12 @@ def token_text(token_id: int, tokenizer) -> str:
     return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
 
 
-def openai_logprobs(output_logprobs, token_ids: list[int], num_top: int, tokenizer, url: str):
+def openai_logprobs(output_logprobs, token_ids: list[int], num_top: int, tokenizer, url: str,
+                    text_offset: int = 0):
     """Each engine entry holds the top `num_top` tokens and the sampled one; OpenAI's
-    top list is the top `num_top` (with the sampled token when it ranks there)."""
+    top list is the top `num_top` (with the sampled token when it ranks there).
+    Completions also get each token's character offset in the completion, counted from
+    `text_offset` (where a streamed delta starts)."""
     if output_logprobs is None:
         return None
     tokens = [token_text(t, tokenizer) for t in token_ids]
@@ -76,7 +79,11 @@ def openai_logprobs(output_logprobs, token_ids: list[int], num_top: int, tokeniz
     if url == CHAT_COMPLETIONS:
         return {"content": [{"token": tok, "logprob": lp, "top_logprobs": [
             {"token": k, "logprob": v} for k, v in top.items()]} for tok, lp, top in zip(tokens, chosen, tops)]}
-    return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops}
+    offsets = []
+    for token in tokens:
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops, "text_offset": offsets}
 
 
 def to_result_line(custom_id: str, request: EngineRequest, output: RequestOutput, model: str,

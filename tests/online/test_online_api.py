@@ -1,0 +1,195 @@
+"""Online /v1/completions and /v1/chat/completions through the queue, driven by the
+official `openai` client (sync, async, streaming) against a real worker loop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from engine import SamplingParams
+from jobs import keys
+from producers.ingest import submit
+from tests.online.conftest import MODEL
+
+PROMPT = "The fleet reads the queue and"
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is a KV cache?"}]
+
+
+def greedy(reference, prompt, max_tokens: int = 16, **options):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, **options)
+    return reference.generate([prompt], params, use_tqdm=False)[0]
+
+
+def chat_token_ids(reference, messages) -> list[int]:
+    """The chat template rendering batch lines use (workers/translate.py)."""
+    return reference.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                         return_dict=False)
+
+
+def test_greedy_completion_equals_llm_generate_with_exact_usage(worker, client, reference):
+    expected = greedy(reference, PROMPT)
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
+    assert response.object == "text_completion" and response.model == MODEL
+    assert response.choices[0].text == expected.text
+    assert response.choices[0].finish_reason == expected.finish_reason
+    assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert response.usage.completion_tokens == len(expected.token_ids)
+    assert response.usage.total_tokens == len(expected.prompt_token_ids) + len(expected.token_ids)
+
+
+def test_greedy_chat_equals_llm_generate_on_the_chat_template(worker, client, reference):
+    prompt_ids = chat_token_ids(reference, CHAT)
+    expected = greedy(reference, prompt_ids, max_tokens=12)
+    response = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0)
+    assert response.object == "chat.completion"
+    assert response.choices[0].message.role == "assistant"
+    assert response.choices[0].message.content == expected.text
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (len(prompt_ids),
+                                                                                 len(expected.token_ids))
+
+
+def test_streamed_deltas_add_up_to_the_answer(worker, client):
+    whole = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=20, temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=20, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert len({c.id for c in chunks}) == 1
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    with_choices = [c for c in chunks if c.choices]
+    assert [c.choices[0].finish_reason for c in with_choices] == [None] * (len(with_choices) - 1) + ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+    assert all(c.usage is None for c in chunks[:-1])
+
+    completion = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0)
+    pieces = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0, stream=True))
+    assert all(p.object == "text_completion" for p in pieces) and pieces[-1].choices[0].finish_reason == "length"
+    assert "".join(p.choices[0].text for p in pieces) == completion.choices[0].text
+
+
+def test_server_sent_events_are_exactly_openai_s_format(worker, api):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{api.url}/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        raw = response.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert all(e.startswith("data: {") for e in events[:-2])
+    assert payloads[-1]["choices"] == [] and payloads[-1]["usage"]["completion_tokens"] == 5
+    assert payloads[-2]["choices"][0]["finish_reason"] == "length"
+    assert set(payloads[0]) == {"id", "object", "created", "model", "choices", "usage"}
+
+
+def test_async_client_streams_and_answers_concurrently(worker, async_client):
+    async def one(index: int) -> tuple[str, str]:
+        prompt = f"{PROMPT} {index}"
+        whole = await async_client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0)
+        stream = await async_client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0,
+                                                       stream=True)
+        return whole.choices[0].text, "".join([chunk.choices[0].text async for chunk in stream])
+
+    async def all_of_them():
+        return await asyncio.gather(*(one(i) for i in range(4)))
+
+    for whole, streamed in asyncio.run(all_of_them()):
+        assert whole == streamed
+
+
+def batch_answer(r, url: str, body: dict) -> dict:
+    """The same body as a batch line, through the same worker: its response body."""
+    line = json.dumps({"custom_id": "same", "method": "POST", "url": url, "body": body}).encode()
+    submission = submit(r, lambda: [line], model=MODEL)
+    assert submission.accepted, submission.report.errors
+    batch_id = submission.batch_id
+    deadline = time.monotonic() + 60
+    while (line := r.hget(keys.batch_results(batch_id), "same")) is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    return json.loads(line)["response"]["body"]
+
+
+@pytest.mark.parametrize("fields", [
+    {"n": 2, "temperature": 0.9, "seed": 11, "max_tokens": 8},
+    {"temperature": 0, "max_tokens": 30, "stop": ["e", "an"]},
+    {"temperature": 0, "max_tokens": 3},
+    {"temperature": 0, "max_tokens": 6, "logprobs": 3},
+], ids=["n=2", "stop", "max_tokens", "logprobs"])
+def test_sampling_fields_behave_as_in_batch_lines(worker, client, r, fields):
+    online = client.completions.create(model=MODEL, prompt=PROMPT, **fields).model_dump(exclude_unset=True)
+    streamed = client.completions.create(model=MODEL, prompt=PROMPT, stream=True, **fields)
+    texts: dict[int, str] = {}
+    for chunk in streamed:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    batch = batch_answer(r, "/v1/completions", {"model": MODEL, "prompt": PROMPT, **fields})
+    assert [c["text"] for c in online["choices"]] == [c["text"] for c in batch["choices"]]
+    assert [texts[i] for i in range(len(batch["choices"]))] == [c["text"] for c in batch["choices"]]
+    assert [c["finish_reason"] for c in online["choices"]] == [c["finish_reason"] for c in batch["choices"]]
+    assert [c["logprobs"] for c in online["choices"]] == [c["logprobs"] for c in batch["choices"]]
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert [online["usage"][k] for k in counts] == [batch["usage"][k] for k in counts]
+
+
+def test_chat_logprobs_match_batch_lines(worker, client, r):
+    fields = {"temperature": 0, "max_tokens": 5, "logprobs": True, "top_logprobs": 2}
+    online = client.chat.completions.create(model=MODEL, messages=CHAT, **fields).model_dump(exclude_unset=True)
+    batch = batch_answer(r, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, **fields})
+    assert online["choices"][0]["logprobs"] == batch["choices"][0]["logprobs"]
+    assert len(online["choices"][0]["logprobs"]["content"]) == 5
+
+
+def test_a_disconnect_mid_stream_frees_the_blocks_within_a_second(worker, api):
+    engine = worker.engine
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", f"{api.url}/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: {")
+        assert engine.num_free_blocks < engine.num_total_blocks and worker.in_flight
+    closed_at = time.monotonic()
+    while worker.in_flight or engine.has_unfinished():
+        assert time.monotonic() - closed_at < 1.0, "the request still runs a second after the disconnect"
+        time.sleep(0.01)
+    assert engine.num_free_blocks == engine.num_total_blocks
+
+
+def test_unknown_model_is_404_model_not_found(worker, client):
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=2)
+    assert raised.value.code == "model_not_found"
+    assert raised.value.body["type"] == "invalid_request_error"
+
+
+def test_a_request_the_model_cannot_hold_is_400_before_streaming(worker, client):
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5000, stream=True)
+    assert raised.value.code == "context_length_exceeded"
+
+
+def test_bad_fields_are_400_in_openai_shape(worker, client):
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model=MODEL, prompt=PROMPT, stream_options={"include_usage": True})
+    assert "stream_options" in raised.value.message
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model=MODEL, prompt=PROMPT, extra_body={"priority": "high"})
+    assert raised.value.body["param"] == "priority"
+
+
+def test_online_metrics_are_labelled_by_lane(worker, client, r):
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
+    batch_answer(r, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "temperature": 0})
+    registry = worker.metrics.registry
+    for lane in ("online", "batch"):
+        labels = {"worker": "online-worker", "model_name": MODEL, "lane": lane}
+        assert registry.get_sample_value("kvfleet:generation_tokens_total", labels) == 3
+        assert registry.get_sample_value("kvfleet:time_to_first_token_seconds_count", labels) == 1
+        assert registry.get_sample_value("kvfleet:request_queue_time_seconds_count", labels) == 1
