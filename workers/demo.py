@@ -11,56 +11,18 @@ started, whatever happens.
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
-import redis
 
-from jobs import batches, heartbeats
+from jobs import batches
 from jobs.connection import connect
 from jobs.local_redis import RedisServer, free_port
+from workers.processes import ProcessGroup, reachable_redis
 
 MODEL_NAME = "demo"
-
-
-def reachable_redis() -> str | None:
-    url = os.environ.get("KVFLEET_REDIS_URL")
-    if not url:
-        return None
-    try:
-        connect(url, socket_connect_timeout=1).ping()
-        return url
-    except redis.RedisError:
-        print(f"KVFLEET_REDIS_URL={url} does not answer; starting a local redis-server", flush=True)
-        return None
-
-
-def wait_for_http(url: str, process: subprocess.Popen, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"{process.args} exited with {process.returncode}")
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    raise SystemExit(f"{url} did not come up")
-
-
-def wait_for_worker(r: redis.Redis, process: subprocess.Popen, timeout: float = 180) -> None:
-    """Until the worker heartbeats its model (it loads the model first), so submit finds it."""
-    deadline = time.monotonic() + timeout
-    while MODEL_NAME not in heartbeats.served_models(r):
-        if process.poll() is not None:
-            raise SystemExit(f"the worker exited with {process.returncode}; see its log")
-        if time.monotonic() > deadline:
-            raise SystemExit("the worker did not start")
-        time.sleep(0.2)
 
 
 def main() -> int:
@@ -70,18 +32,15 @@ def main() -> int:
     args = parser.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    processes: list[subprocess.Popen] = []
+    group = ProcessGroup()
     own_redis = None
     python = [sys.executable, "-m"]
 
-    def start(name: str, command: list[str]) -> subprocess.Popen:
-        log = open(out / f"{name}.log", "wb")  # noqa: SIM115 (kept open for the process's life)
-        process = subprocess.Popen(python + command, stdout=log, stderr=subprocess.STDOUT)
-        processes.append(process)
-        return process
+    def start(name: str, command: list[str]) -> None:
+        group.start(name, command, out / f"{name}.log")
 
     try:
-        redis_url = reachable_redis()
+        redis_url = reachable_redis(None)
         if redis_url is None:
             own_redis = RedisServer(out / "redis").start()
             redis_url = own_redis.url
@@ -90,13 +49,13 @@ def main() -> int:
         subprocess.run(python + ["engine.demo_model", str(model_dir)], check=True)
 
         worker_metrics, api_port = free_port(), free_port()
-        worker = start("worker", ["workers", "--model", str(model_dir), "--served-model-name", MODEL_NAME,
+        start("worker", ["workers", "--model", str(model_dir), "--served-model-name", MODEL_NAME,
                          "--redis-url", redis_url, "--name", "demo-worker", "--num-kv-blocks", "512",
                          "--metrics-port", str(worker_metrics), "--drain-seconds", "10"])
         start("finalizer", ["workers.finalizer", "--redis-url", redis_url])
-        api = start("api", ["producers.api", "--port", str(api_port), "--redis-url", redis_url])
-        wait_for_http(f"http://127.0.0.1:{api_port}/healthz", api)
-        wait_for_worker(connect(redis_url), worker)
+        start("api", ["producers.api", "--port", str(api_port), "--redis-url", redis_url])
+        group.wait_for_http(f"http://127.0.0.1:{api_port}/healthz")
+        group.wait_for_model(connect(redis_url), MODEL_NAME)
         print(f"api: http://127.0.0.1:{api_port}/v1   worker metrics: http://127.0.0.1:{worker_metrics}/metrics",
               flush=True)
 
@@ -121,14 +80,7 @@ def main() -> int:
         print(f"per-request results: {out / 'results' / batch_id / 'results'}; logs: {out}/*.log")
         return 0 if batch["status"] == "completed" else 1
     finally:
-        for process in processes:
-            if process.poll() is None:
-                process.terminate()
-        for process in processes:
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        group.stop(["worker", "finalizer", "api"])
         if own_redis is not None:
             own_redis.kill()
 

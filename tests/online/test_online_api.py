@@ -193,3 +193,56 @@ def test_online_metrics_are_labelled_by_lane(worker, client, r):
         assert registry.get_sample_value("kvfleet:generation_tokens_total", labels) == 3
         assert registry.get_sample_value("kvfleet:time_to_first_token_seconds_count", labels) == 1
         assert registry.get_sample_value("kvfleet:request_queue_time_seconds_count", labels) == 1
+
+
+def ghost_worker(r, model: str) -> None:
+    """A live heartbeat for `model` with nothing pulling its stream: requests only queue."""
+    from jobs import heartbeats
+
+    heartbeats.record_heartbeat(r, "ghost", {"models": [model], "root": model, "max_model_len": 64,
+                                             "started_at": time.time()}, ttl_seconds=60)
+    r.xgroup_create(keys.online_stream(model), keys.CONSUMER_GROUP, id="0", mkstream=True)
+
+
+def test_a_full_online_queue_answers_429_with_retry_after(api, client, r, monkeypatch):
+    from jobs import online
+
+    monkeypatch.setenv("KVFLEET_MAX_ONLINE_QUEUE", "2")
+    ghost_worker(r, "busy")
+    for _ in range(2):  # two requests wait for a worker
+        online.enqueue(r, "busy", online.OnlineEntry(online.new_request_id(), "/v1/completions", {"prompt": "x"},
+                                                     False, 0, time.time() + 60, time.time()))
+    with pytest.raises(openai.RateLimitError) as raised:
+        client.completions.create(model="busy", prompt=PROMPT, max_tokens=2)
+    assert raised.value.code == "too_many_requests" and raised.value.response.headers["retry-after"] == "1"
+    assert r.xlen(keys.online_stream("busy")) == 2  # the refused one was not queued
+
+
+def test_a_request_past_its_timeout_is_504_and_cancelled(api, client, r, monkeypatch):
+    monkeypatch.setenv("KVFLEET_REQUEST_TIMEOUT", "1")
+    ghost_worker(r, "slow")
+    started = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as raised:
+        client.completions.create(model="slow", prompt=PROMPT, max_tokens=2)
+    assert raised.value.status_code == 504 and raised.value.code == "request_timeout"
+    assert 1 <= time.monotonic() - started < 5
+    [(_, [(_, fields)])] = r.xread({keys.online_stream("slow"): "0-0"})
+    request_id = fields[b"request_id"].decode()
+    assert r.exists(keys.reply_cancel(request_id))  # a worker that takes it later drops it
+
+
+def test_online_requests_run_ahead_of_a_batch_backlog(worker, client, r):
+    lines = [json.dumps({"custom_id": f"b{i}", "prompt": f"{PROMPT} {i}", "max_tokens": 24, "temperature": 0,
+                         "ignore_eos": True}).encode() for i in range(64)]
+    submission = submit(r, lambda: lines, model=MODEL)
+    deadline = time.monotonic() + 30
+    while not worker.in_flight:  # the worker is busy with the backlog
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
+    assert response.choices[0].finish_reason == "length"
+    done = r.scard(keys.batch_done(submission.batch_id))
+    assert done < 32, f"the online request waited for {done} of 64 batch requests"
+    while r.scard(keys.batch_done(submission.batch_id)) < 64:  # and the backlog still completes
+        assert time.monotonic() < deadline + 120
+        time.sleep(0.1)
