@@ -1,0 +1,98 @@
+"""A worker killed with kill -9 while it holds an online request: before the first
+token the request completes on another worker, unnoticed by the client; after it,
+the client's stream ends with an error event."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import openai
+import pytest
+
+from engine import SamplingParams
+from jobs import keys
+from producers.api import create_app
+from tests.e2e.fleet import Fleet
+from tests.services import ThreadedUvicorn
+
+MODEL = "demo"
+PROMPT = "Workers hold the queue's requests while"
+
+
+@pytest.fixture
+def fleet(demo_model, redis_server, r, tmp_path):
+    fleet = Fleet(demo_model, redis_server.url, tmp_path)
+    yield fleet
+    fleet.stop()
+
+
+@pytest.fixture
+def client(redis_server, r, monkeypatch):
+    monkeypatch.delenv("KVFLEET_API_KEY", raising=False)
+    with ThreadedUvicorn(create_app(redis_server.url)) as api:
+        yield openai.OpenAI(base_url=f"{api.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def start_worker(fleet: Fleet, name: str):
+    process = fleet.start_worker(name, num_kv_blocks=256, lease_seconds=2, served_model_names=[MODEL])
+    fleet.wait_ready(name)
+    return process
+
+
+def stop_while_blocked_on_the_streams(r, process) -> None:
+    """SIGSTOP the idle worker at a moment its XREADGROUP BLOCK is parked in Redis: the
+    next entry is then delivered to it (and sits in its socket) while it cannot run."""
+    deadline = time.monotonic() + 30
+    while True:
+        process.send_signal(signal.SIGSTOP)
+        if any(c.get("cmd") == "xreadgroup" and "b" in c.get("flags", "") for c in r.client_list()):
+            return
+        process.send_signal(signal.SIGCONT)
+        assert time.monotonic() < deadline, "the worker never blocked on its streams"
+        time.sleep(0.05)
+
+
+def test_killed_before_the_first_token_the_request_completes_on_another_worker(fleet, client, r, reference):
+    first = start_worker(fleet, "first")
+    stop_while_blocked_on_the_streams(r, first)
+    chunks: list = []
+    streaming = threading.Thread(target=lambda: chunks.extend(client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True)))
+    streaming.start()
+    deadline = time.monotonic() + 10
+    while not r.xpending(keys.online_stream(MODEL), keys.CONSUMER_GROUP)["pending"]:
+        assert time.monotonic() < deadline, "the request was not delivered to the stopped worker"
+        time.sleep(0.01)
+    [pending] = r.xpending_range(keys.online_stream(MODEL), keys.CONSUMER_GROUP, "-", "+", 10)
+    assert pending["consumer"] == b"first"
+    first.kill()  # kill -9: it never ran a step of the request
+    first.wait(timeout=10)
+    start_worker(fleet, "second")  # takes the entry over once its lease (2 s) has passed
+    streaming.join(timeout=60)
+    assert not streaming.is_alive()
+    expected = reference.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+    assert "".join(c.choices[0].text for c in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_killed_after_the_first_token_the_stream_ends_with_an_error_event(fleet, client, r):
+    first = start_worker(fleet, "first")
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1500, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    received = [next(stream)]
+    assert received[0].choices[0].finish_reason is None
+    first.kill()
+    first.wait(timeout=10)
+    start_worker(fleet, "second")
+    with pytest.raises(openai.APIError) as raised:
+        for chunk in stream:
+            received.append(chunk)
+    assert "stopped after streaming began" in raised.value.message
+    assert all(c.choices[0].finish_reason is None for c in received)  # it never looked finished
+    deadline = time.monotonic() + 10
+    while r.xpending(keys.online_stream(MODEL), keys.CONSUMER_GROUP)["pending"]:  # settled, not run again
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert fleet.metric("second", "kvfleet:generation_tokens_total") == 0
