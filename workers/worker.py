@@ -22,26 +22,24 @@ import contextlib
 import logging
 import signal
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import redis
 
 from engine import LLMEngine
-from jobs import batches, heartbeats, keys
+from jobs import heartbeats, keys
 from jobs.results import error_line
-from jobs.schemas import LineError, parse_line
-from workers import stream_ops
+from workers import batch_lane, stream_ops
 from workers.admission import Admission, default_online_reserve
+from workers.batch_lane import BatchLane
 from workers.flush import PendingResult, ResultFlusher
 from workers.metrics import WorkerMetrics
 from workers.online import BATCH_PRIORITY, WORKER_LOST, OnlineLane, OnlineWork
-from workers.translate import EngineRequest, RequestRejected, error_code, to_engine_request, to_result_line
+from workers.translate import EngineRequest, to_result_line
 
 log = logging.getLogger("kvfleet.worker")
 OUTAGE_ERRORS = (redis.ConnectionError, redis.TimeoutError)  # storage errors are workers/flush.py's
 TRIM_SECONDS = 30.0
-MAX_CACHED_BATCHES = 1024
 
 
 class ColdShutdown(BaseException):
@@ -97,7 +95,7 @@ class Worker:
         self.online = OnlineLane(r, engine, self.online_streams, options.name)
         self.in_flight: dict[str, InFlight] = {}  # engine request id -> work
         self.flusher = ResultFlusher(r, options.max_backoff_seconds)
-        self.batch_cache: OrderedDict[str, dict] = OrderedDict()  # LRU, MAX_CACHED_BATCHES
+        self.batch_lane = BatchLane(r, engine, self.flusher, options.max_deliveries, options.max_requeues)
         self.stopping = False
         self.backoff = 0.0
         self.retry_at = 0.0
@@ -208,38 +206,18 @@ class Worker:
                   "draining": int(self.stopping), "started_at": self.started_at}
         heartbeats.record_heartbeat(self.r, self.options.name, record, max(3, int(self.options.lease_seconds)))
 
-    def _batch(self, batch_id: str, refresh: bool = False) -> dict | None:
-        if refresh or batch_id not in self.batch_cache:
-            try:
-                self.batch_cache[batch_id] = batches.load_fields(self.r, batch_id)
-            except batches.BatchNotFound:
-                self.batch_cache.pop(batch_id, None)
-                return None
-            if len(self.batch_cache) > MAX_CACHED_BATCHES:
-                self.batch_cache.popitem(last=False)
-        self.batch_cache.move_to_end(batch_id)
-        return self.batch_cache[batch_id]
-
-    def _add_result(self, result: PendingResult) -> None:
-        batch = self._batch(result.batch_id)
-        if batch is None:  # the batch was deleted: nothing to record the result in
-            if result.entry_id:
-                stream_ops.ack(self.r, result.stream, result.entry_id)
-            return
-        self.flusher.add(batch["sink"], result)
-
     def _check_batches(self) -> None:
         """Abort in-flight requests of batches cancelled or past their window."""
         for batch_id in {work.batch_id for work in self.in_flight.values() if work.batch_id is not None}:
-            ended = self._ended(self._batch(batch_id, refresh=True))
-            if ended is None:
+            stopped = batch_lane.ended(self.batch_lane.batch(batch_id, refresh=True))
+            if stopped is None:
                 continue
             for key, work in list(self.in_flight.items()):
                 if work.batch_id == batch_id:
                     self.engine.abort(key)
                     del self.in_flight[key]
-                    self._add_result(PendingResult(work.stream, work.entry_id, batch_id,
-                                                   error_line(work.custom_id, *ended)))
+                    self.batch_lane.add_result(PendingResult(work.stream, work.entry_id, batch_id,
+                                                             error_line(work.custom_id, *stopped)))
 
     def _check_deadlines(self) -> None:
         """Abort online requests past their KVFLEET_REQUEST_TIMEOUT (the API gave up on them)."""
@@ -250,16 +228,6 @@ class Worker:
                 del self.in_flight[key]
                 self.online.fail(work.stream, work.entry_id, work.custom_id, 504, "request_timeout",
                                  "The request timed out (KVFLEET_REQUEST_TIMEOUT).")
-
-    @staticmethod
-    def _ended(batch: dict | None) -> tuple[str, str] | None:
-        """(code, message) if the batch's requests must not run any more."""
-        if batch is None or batch["status"] in batches.STOPPED:
-            return "batch_cancelled", "The batch was cancelled before this request finished."
-        if batch["status"] == "expired" or time.time() > batch["expires_at"]:
-            # The status itself turns expired in finalize, once every request is counted.
-            return "batch_expired", "This request could not be executed before the completion window expired."
-        return None
 
     # -- admission ---------------------------------------------------------------
     def _admit(self) -> None:
@@ -294,9 +262,13 @@ class Worker:
                     self._start(InFlight(stream, entry_id, None, work.entry.request_id, work.request,
                                          work.entry.enqueued_at, work), priority=work.entry.priority)
                 continue
-            work = self._accept(stream, entry_id, fields, deliveries)
-            if work is not None:
-                accepted.append((fields, work))
+            if request_id(stream, entry_id) in self.in_flight:
+                continue  # reclaimed our own entry: it is already running
+            model = self.options.served_model_names[self.streams.index(stream)]
+            batch_work = self.batch_lane.accept(stream, model, entry_id, fields, deliveries)
+            if batch_work is not None:
+                accepted.append((fields, InFlight(stream, entry_id, batch_work.batch_id, batch_work.custom_id,
+                                                  batch_work.request, batch_work.enqueued_at)))
         needed = [self.engine.num_blocks_needed(len(w.request.prompt_token_ids)) for _, w in accepted]
         for blocks in needed:
             self.admission.observe(blocks)
@@ -311,51 +283,6 @@ class Worker:
         key = request_id(work.stream, work.entry_id)
         self.engine.add_request(key, work.request.prompt_token_ids, work.request.params, priority=priority)
         self.in_flight[key] = work
-
-    def _accept(self, stream: str, entry_id: str, fields: dict, deliveries: int) -> InFlight | None:
-        """Turn an entry into work, or settle it here (error result, dead letter, duplicate)."""
-        if request_id(stream, entry_id) in self.in_flight:
-            return None  # reclaimed our own entry: it is already running
-        try:
-            batch_id = fields[b"batch_id"].decode()
-            custom_id = fields[b"custom_id"].decode()
-            line, line_number = fields[b"line"], int(fields[b"line_number"])
-        except (KeyError, ValueError, UnicodeDecodeError):
-            stream_ops.dead_letter(self.r, stream, entry_id, fields, "malformed stream entry")
-            return None
-        if deliveries > self.options.max_deliveries:
-            stream_ops.dead_letter(self.r, stream, entry_id, fields,
-                                   f"delivered {deliveries} times (max_deliveries {self.options.max_deliveries})")
-            self._add_result(PendingResult(stream, None, batch_id, error_line(
-                custom_id, "max_deliveries_exceeded", f"The request failed {deliveries - 1} times on workers.")))
-            return None
-        requeues = int(fields.get(keys.HANDED_BACK_FIELD.encode(), 0))
-        if requeues > self.options.max_requeues:
-            model = self.options.served_model_names[self.streams.index(stream)]
-            self._add_result(PendingResult(stream, entry_id, batch_id, error_line(
-                custom_id, "cannot_fit", f"No worker of model {model!r} had room for this request: it was handed "
-                                         f"back {requeues} times (max_requeues {self.options.max_requeues}).")))
-            return None
-        batch = self._batch(batch_id)
-        if batch is None:
-            stream_ops.dead_letter(self.r, stream, entry_id, fields, f"no batch {batch_id}")
-            return None
-        if self.r.sismember(keys.batch_done(batch_id), custom_id):
-            stream_ops.ack(self.r, stream, entry_id)  # a redelivery of finished work
-            return None
-        ended = self._ended(self._batch(batch_id, refresh=batch["status"] != "in_progress"))
-        if ended is not None:
-            self._add_result(PendingResult(stream, entry_id, batch_id, error_line(custom_id, *ended)))
-            return None
-        try:
-            request = to_engine_request(parse_line(line, line_number), self.engine.tokenizer)
-            self.engine.validate(request.prompt_token_ids, request.params)
-        except (LineError, RequestRejected, ValueError) as error:
-            line = error_line(custom_id, error_code(error), str(error))
-            self._add_result(PendingResult(stream, entry_id, batch_id, line))
-            return None
-        enqueued_at = float(fields[b"enqueued_at"]) if b"enqueued_at" in fields else None
-        return InFlight(stream, entry_id, batch_id, custom_id, request, enqueued_at)
 
     # -- results -----------------------------------------------------------------
     def _step(self) -> None:
@@ -384,10 +311,10 @@ class Worker:
                 continue
             del self.in_flight[output.request_id]
             self.metrics.observe_finished(output, work.enqueued_at, self.wall_offset)
-            batch = self._batch(work.batch_id) or {}
+            batch = self.batch_lane.batch(work.batch_id) or {}
             model = batch.get("model") or self.options.served_model_names[0]
             line, usage = to_result_line(work.custom_id, work.request, output, model, self.engine.tokenizer)
-            self._add_result(PendingResult(work.stream, work.entry_id, work.batch_id, line, usage))
+            self.batch_lane.add_result(PendingResult(work.stream, work.entry_id, work.batch_id, line, usage))
 
     def _answer_online(self) -> None:
         """Write the step's online events and acks; abort the requests whose client is gone."""

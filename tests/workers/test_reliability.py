@@ -12,7 +12,7 @@ from engine import EngineConfig, LLMEngine
 from jobs import batches, keys
 from tests.services import S3Server
 from tests.workers.helpers import MODEL, completion, read_lines, run_until, submit_lines
-from workers import worker as worker_module
+from workers import batch_lane
 from workers.worker import Worker, WorkerOptions
 
 
@@ -103,8 +103,8 @@ def test_hand_backs_are_counted_and_capped(tiny_llama, r):
 
 
 def test_the_batch_cache_is_bounded(engine, r, monkeypatch):
-    monkeypatch.setattr(worker_module, "MAX_CACHED_BATCHES", 2)
+    monkeypatch.setattr(batch_lane, "MAX_CACHED_BATCHES", 2)
     worker = make_worker(engine, r)
     batch_ids = [submit_lines(r, [completion(f"c{i}", f"batch {i}", max_tokens=2)]) for i in range(4)]
     run_until(worker, r, batch_ids, timeout=60)
-    assert len(worker.batch_cache) <= 2
+    assert len(worker.batch_lane.batch_cache) <= 2
