@@ -14,7 +14,7 @@ from workers.metrics import WorkerMetrics
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 MODULE = re.compile(r"python -m ([a-z_.]+)")
 FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*|-[a-z])\b")
-CLIS = {"workers", "workers.run_batch", "workers.finalizer", "producers.submit", "producers.status", "producers.api"}
+CLIS = {"workers", "workers.serve", "workers.run_batch", "workers.finalizer", "producers.submit", "producers.status", "producers.api"}
 
 
 def passages(text: str) -> list[str]:

@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     fleet.add_argument("--max-requeues", type=int, default=100,
                        help="times an entry may be handed back for lack of room; then it fails with cannot_fit")
     fleet.add_argument("--drain-seconds", type=float, default=30.0, help="SIGTERM: time to finish in-flight work")
+    fleet.add_argument("--online-reserve", type=int,
+                       help="seats (and their blocks) batch work leaves free for online requests; "
+                            "default: one in sixteen of --max-num-seqs, at least one")
     fleet.add_argument("--heartbeat-seconds", type=float, default=1.0,
                        help="how often to heartbeat, renew in-flight leases and check batch status")
     fleet.add_argument("--log-level", default="INFO")
@@ -50,7 +53,10 @@ def served_model_names(args: argparse.Namespace) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.online_reserve is not None and args.online_reserve < 0:
+        parser.error("--online-reserve must be >= 0")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         engine = LLMEngine(engine_config_from_args(args))
@@ -60,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     names = served_model_names(args)
     options = WorkerOptions(name=args.name, served_model_names=names, lease_seconds=args.lease_seconds,
                             max_deliveries=args.max_deliveries, max_requeues=args.max_requeues,
-                            drain_seconds=args.drain_seconds,
+                            drain_seconds=args.drain_seconds, online_reserve=args.online_reserve,
                             maintain_seconds=args.heartbeat_seconds)
     metrics = WorkerMetrics(args.name, names[0])
     if args.metrics_port:
