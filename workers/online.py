@@ -47,13 +47,13 @@ class OnlineLane:
 
     # -- pulling -----------------------------------------------------------------
     def pull(self, count: int, lease_ms: int, max_deliveries: int,
-             is_running: Callable[[str, str], bool]) -> list[tuple[str, str, OnlineWork]]:
-        """Up to `count` online entries, reclaimed ones first: [(stream, entry_id, work)].
+             is_running: Callable[[str, str], bool], reclaim: bool = True) -> list[tuple[str, str, OnlineWork]]:
+        """Up to `count` online entries, reclaimed ones first (with `reclaim`): [(stream, entry_id, work)].
         `is_running(stream, entry_id)`: a reclaimed entry this worker runs already."""
         if count <= 0:
             return []
         entries = []
-        for stream in self.streams:
+        for stream in self.streams if reclaim else ():
             claimed = stream_ops.reclaim_stale(self.r, stream, self.consumer, lease_ms, count - len(entries))
             entries += [(stream, *entry) for entry in claimed]
         if len(entries) < count:

@@ -103,6 +103,7 @@ class Worker:
         self.wall_offset = time.time() - time.monotonic()
         self.started_at = time.time()
         self.is_group_ready = False
+        self.is_reclaim_due = True  # look for entries of dead workers: once per maintain interval
 
     # -- lifecycle ---------------------------------------------------------------
     def install_signal_handlers(self) -> None:
@@ -177,6 +178,7 @@ class Worker:
         if now - self.last_maintain < self.options.maintain_seconds:
             return
         self.last_maintain = now
+        self.is_reclaim_due = True
         # Every pulled entry keeps its lease until it is acked: running, or finished with
         # its result not yet durable (a storage outage may last longer than the lease).
         held = [(work.stream, work.entry_id) for work in self.in_flight.values()] + self.flusher.entries()
@@ -235,8 +237,9 @@ class Worker:
         online_work = [work.online for work in self.in_flight.values() if work.online is not None]
         online_count = self.admission.online_count(len(online_work), sum(not w.has_output for w in online_work))
         is_running = lambda stream, entry_id: request_id(stream, entry_id) in self.in_flight
+        reclaim, self.is_reclaim_due = self.is_reclaim_due, False
         for stream, entry_id, work in self.online.pull(online_count, lease_ms, self.options.max_deliveries,
-                                                       is_running):
+                                                       is_running, reclaim):
             self.admission.observe(self.engine.num_blocks_needed(len(work.request.prompt_token_ids)), "online")
             self._start(InFlight(stream, entry_id, None, work.entry.request_id, work.request,
                                  work.entry.enqueued_at, work), priority=work.entry.priority)
@@ -244,7 +247,7 @@ class Worker:
         if count <= 0:
             return
         entries = []  # (stream, entry_id, fields, deliveries)
-        for stream in self.streams:
+        for stream in self.streams if reclaim else ():
             claimed = stream_ops.reclaim_stale(self.r, stream, self.options.name, lease_ms, count - len(entries))
             entries += [(stream, *entry) for entry in claimed]
         if len(entries) < count:
