@@ -19,8 +19,6 @@ from pydantic import (
     Field,
     StrictBool,
     ValidationError,
-    field_validator,
-    model_validator,
 )
 
 COMPLETIONS, CHAT_COMPLETIONS = "/v1/completions", "/v1/chat/completions"
@@ -35,6 +33,7 @@ MAX_REPORTED_ERRORS = 100  # invalid lines named one by one; past that, only cou
 MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1  # online priorities; batch work runs below them all
 
 ShortStr = Annotated[str, Field(max_length=256)]
+StopString = Annotated[str, Field(min_length=1, max_length=256)]  # in the types, so the OpenAPI schema says it
 
 
 class LineError(ValueError):
@@ -59,8 +58,8 @@ class SamplingFields(_Strict):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = Field(None, ge=0, lt=2**63)
-    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, le=2**53)  # exact in a JSON number (a double)
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
     n: int | None = Field(None, ge=1, le=16)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
@@ -68,16 +67,6 @@ class SamplingFields(_Strict):
     ignore_eos: StrictBool | None = None
     user: ShortStr | None = None  # accepted from OpenAI clients, not used
     stream: Literal[False] | None = None  # a batch cannot stream
-
-    @field_validator("stop")
-    @classmethod
-    def _check_stop(cls, stop: str | list[str] | None):
-        strings = [stop] if isinstance(stop, str) else stop or []
-        if len(strings) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop strings")
-        if any(not 1 <= len(s) <= 256 for s in strings):
-            raise ValueError("stop strings must be 1 to 256 characters")
-        return stop
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for engine.SamplingParams (vLLM names), unset fields left out."""
@@ -155,17 +144,12 @@ class StreamOptions(_Strict):
 
 
 class OnlineFields(_Strict):
-    """What an online request adds to a batch line's body."""
+    """What an online request adds to a batch line's body; `model` is required, as in OpenAI's API."""
 
+    model: ShortStr
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
     priority: int = Field(0, ge=MIN_PRIORITY, le=MAX_PRIORITY, description="lower runs first, as in vLLM")
-
-    @model_validator(mode="after")
-    def _stream_options_need_stream(self):
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options: only allowed when stream is true")
-        return self
 
     def batch_body(self) -> dict[str, Any]:
         """The body as a batch line would carry it: what the worker validates and runs."""
@@ -173,7 +157,8 @@ class OnlineFields(_Strict):
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
+        """stream_options apply to streams only; without stream they are ignored."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
 class OnlineCompletionBody(OnlineFields, CompletionBody):

@@ -62,13 +62,7 @@ def add_online_routes(router: APIRouter, r: redis.Redis, ar: redis.asyncio.Redis
 
     def enqueue(url: str, body: OnlineFields) -> tuple[str, OnlineEntry]:
         """Checks that need Redis, then XADD; runs in the thread pool (redis-py is blocking)."""
-        served = served_models()
-        model = body.model
-        if model is None:
-            if len(served) != 1:
-                raise APIError(400, "model: required (the served models are listed at GET /v1/models)",
-                               "invalid_request", "model")
-            model = next(iter(served))
+        served, model = served_models(), body.model
         if model not in served:
             served_cache["at"] = 0.0  # maybe it just started: look again next time
             raise APIError(404, f"The model '{model}' does not exist: no live worker serves it.", "model_not_found",
