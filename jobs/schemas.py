@@ -19,6 +19,7 @@ from pydantic import (
     Field,
     StrictBool,
     ValidationError,
+    field_validator,
 )
 
 COMPLETIONS, CHAT_COMPLETIONS = "/v1/completions", "/v1/chat/completions"
@@ -60,6 +61,18 @@ class SamplingFields(_Strict):
     min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = Field(None, ge=0, le=2**53)  # exact in a JSON number (a double)
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _check_stop(cls, stop):
+        """The types say it all (and the OpenAPI schema shows them); this only names the
+        rule in one message instead of one per union member."""
+        strings = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
+        if len(strings) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings")
+        if any(isinstance(s, str) and not 1 <= len(s) <= 256 for s in strings):
+            raise ValueError("stop strings must be 1 to 256 characters")
+        return stop
     n: int | None = Field(None, ge=1, le=16)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
