@@ -4,7 +4,8 @@ from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.llm_engine import ContextLengthExceeded, EngineStats, LLMEngine
 from engine.outputs import CompletionOutput, RequestOutput
+from engine.parallel import ParallelGroupError
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "ContextLengthExceeded", "EngineConfig", "EngineStats", "SamplingParams", "RequestOutputKind",
-           "RequestOutput", "CompletionOutput"]
+           "RequestOutput", "CompletionOutput", "ParallelGroupError"]

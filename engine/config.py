@@ -56,7 +56,8 @@ class EngineConfig:
     tokenizer: str | None = None
     """Tokenizer path; default: the model path."""
     tensor_parallel_size: int = 1
-    """Devices one engine spans; only 1 so far."""
+    """Devices (GPUs, or processes on the CPU) one engine spans; ranks 1..N-1 are processes
+    the engine starts."""
     skip_tokenizer_init: bool = False
     """Run without a tokenizer: prompts must be token ids, outputs carry token ids and empty
     text, and stop strings are refused (as in vLLM)."""
@@ -80,7 +81,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
             raise ValueError(f"attention_backend must be auto, torch, cpu or triton, got {self.attention_backend!r}")
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size: only 1 is supported so far, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")

@@ -27,6 +27,10 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **options))
         self._next_id = 0
 
+    def shutdown(self) -> None:
+        """Stop a tensor-parallel engine's other ranks (their processes also end with this one)."""
+        self.engine.shutdown()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

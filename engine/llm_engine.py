@@ -171,6 +171,10 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def shutdown(self) -> None:
+        """Stop the other ranks of a tensor-parallel group (nothing to do on one device)."""
+        self.model_runner.shutdown()
+
     # -- the loop ---------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return the requests that finished in it and, for DELTA

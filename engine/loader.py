@@ -1,5 +1,8 @@
 """Load Hugging Face safetensors checkpoints (single file or sharded index) into
-kvfleet's model definitions, by the original weight names."""
+kvfleet's model definitions, by the original weight names.
+
+Tensors are read lazily (safetensors slices): a parameter with a `weight_loader`
+(engine/models/parallel_layers.py) reads only the rows or columns its rank holds."""
 
 from __future__ import annotations
 
@@ -7,9 +10,10 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-import torch
 from safetensors import safe_open
 from torch import nn
+
+from engine.models.parallel_layers import copy_checked
 
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -26,16 +30,17 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def iterate_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_weights(model_dir: str | Path) -> Iterator[tuple[str, object]]:
+    """(name, slice): index a slice (`[a:b]`, `[:, a:b]`, `[:]`) to read that part only."""
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, handle.get_tensor(name)
+                yield name, handle.get_slice(name)
 
 
-def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-    """Copy each checkpoint tensor into its parameter (or its slice of a fused one).
-    Raises ValueError on an unknown name, a shape mismatch or a missing weight."""
+def load_weights(model: nn.Module, weights: Iterator[tuple[str, object]]) -> None:
+    """Copy each checkpoint tensor (or lazy slice) into its parameter, or its part of a
+    merged one. Raises ValueError on an unknown name, a shape mismatch or a missing weight."""
     params = dict(model.named_parameters())
     packed = getattr(model, "packed_modules", {})
     tied = {name for name, p in model.named_parameters(remove_duplicate=False) if name not in params}
@@ -55,16 +60,16 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
         if target not in params:
             raise ValueError(f"checkpoint weight {name!r} has no place in {type(model).__name__}")
         param = params[target]
-        destination = param.data
-        if shard is not None:
-            sizes = param.shard_sizes
-            destination = destination.narrow(0, sum(sizes[:shard]), sizes[shard])
-        if destination.shape != tensor.shape:
-            raise ValueError(f"checkpoint weight {name!r}: shape {tuple(tensor.shape)}, "
-                             f"model expects {tuple(destination.shape)}")
-        destination.copy_(tensor)
+        loader = getattr(param, "weight_loader", None)
+        try:
+            if loader is not None:
+                loader(param.data, tensor, shard)
+            else:
+                copy_checked(param.data, tensor[:])
+        except ValueError as error:
+            raise ValueError(f"checkpoint weight {name!r}: {error}") from None
         num_filled[target] += 1
     for name, count in num_filled.items():
-        expected = len(params[name].shard_sizes) if hasattr(params[name], "shard_sizes") else 1
+        expected = getattr(params[name], "num_parts", 1)
         if count != expected:
             raise ValueError(f"checkpoint is missing weights for {name!r} ({count} of {expected} parts found)")

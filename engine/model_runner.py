@@ -1,5 +1,9 @@
 """The only engine class that touches tensors: loads the model, owns the paged KV
-cache, turns a ScheduledBatch into input tensors, runs the model, samples."""
+cache, turns a ScheduledBatch into input tensors, runs the model, samples.
+
+With tensor_parallel_size N, rank 0's runner spawns ranks 1..N-1 (engine/shard.py),
+broadcasts each step's inputs to them, and samples from the gathered logits; every
+rank runs `run` on the same inputs with its own shard and KV pool."""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import random
 
 import torch
 
+from engine import parallel
 from engine.attention import AttentionMetadata, ForwardContext, PrefillSpan, select_backend
 from engine.config import EngineConfig
 from engine.loader import iterate_weights, load_weights
@@ -15,6 +20,7 @@ from engine.models.layers import can_use_onednn_linear, use_onednn_linears, use_
 from engine.sampler import Sampler, SamplerOutput, SamplerRow
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
+from engine.shard import StepInputs, free_init_method, send_exit, start_shards
 from kernels import cdiv
 
 CPU_DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
@@ -31,6 +37,13 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank r of a group on CUDA uses the r-th device from the configured one."""
+    if device.type != "cuda" or rank == 0:
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
 def resolve_dtype(name: str, hf_config) -> torch.dtype:
     if name != "auto":
         return DTYPES[name]
@@ -39,11 +52,13 @@ def resolve_dtype(name: str, hf_config) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, hf_config, eos_token_ids: set[int]) -> None:
+    def __init__(self, config: EngineConfig, hf_config, eos_token_ids: set[int], rank: int = 0,
+                 init_method: str | None = None) -> None:
         self.config = config
         self.block_size = config.block_size
         self.eos_token_ids = eos_token_ids
-        self.device = resolve_device(config.device)
+        self.rank, self.world_size = rank, config.tensor_parallel_size
+        self.device = rank_device(resolve_device(config.device), rank)
         self.dtype = resolve_dtype(config.dtype, hf_config)
         self.vocab_size = hf_config.vocab_size
         max_positions = hf_config.max_position_embeddings
@@ -53,6 +68,17 @@ class ModelRunner:
                              f"max_position_embeddings {max_positions}")
         torch.manual_seed(config.seed)
         self._seed_source = random.Random(config.seed)
+        self.shards = []
+        if self.world_size > 1:
+            parallel.check_tensor_parallel(hf_config, self.world_size, self.device)
+            if rank == 0:
+                init_method = free_init_method()
+                self.shards = start_shards(config, init_method)
+            try:
+                parallel.init_group(rank, self.world_size, init_method, self.device)
+            except Exception as error:
+                self._stop_shards()
+                raise parallel.ParallelGroupError(f"the tensor-parallel group did not form: {error}") from error
         self.model = self._load_model(hf_config)
         self.backend = select_backend(config.attention_backend, self.device)
         if self.backend.name == "triton":
@@ -62,7 +88,7 @@ class ModelRunner:
         attention_layers = [m for m in self.model.modules() if hasattr(m, "num_kv_heads")]
         self.num_layers = len(attention_layers)
         self.num_kv_heads, self.head_dim = attention_layers[0].num_kv_heads, attention_layers[0].head_dim
-        self.num_kv_blocks = self._num_kv_blocks()
+        self.num_kv_blocks = parallel.group_min(self._num_kv_blocks(), self.device)  # every rank: the same pool
         # [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]; zeroed so that
         # padded reads of never-written slots are finite (they are masked, but NaN * 0 is NaN).
         self.kv_cache = torch.zeros(self.num_layers, 2, self.num_kv_blocks, self.block_size, self.num_kv_heads,
@@ -111,11 +137,6 @@ class ModelRunner:
         order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] == 1)
         seqs = [batch.seqs[i] for i in order]
         num_new = [batch.num_new_tokens[i] for i in order]
-        for source, destination in batch.block_copies:
-            self.kv_cache[:, :, destination].copy_(self.kv_cache[:, :, source])
-        input_ids, positions, meta = self._prepare_inputs(seqs, num_new)
-        ctx = ForwardContext(meta, self.kv_caches, self.backend)
-        hidden = self.model(input_ids, positions, ctx)  # [num_tokens, hidden]
         # Rows whose sequence reaches its end this step sample a token; forked samples (n > 1)
         # draw from their parent's row.
         rows, sampled_seqs, row = [], [], 0
@@ -125,10 +146,59 @@ class ModelRunner:
                 for sampled in (seq, *batch.forks.get(seq.seq_id, ())):
                     rows.append(row - 1)
                     sampled_seqs.append(sampled)
+        inputs = self._step_inputs(seqs, num_new, batch.block_copies, rows)
+        logits = self.run(inputs) if self.world_size == 1 else self._run_group(inputs)
         if not rows:
             return [], SamplerOutput([], [])
-        logits = self.model.compute_logits(hidden[self._to_device(torch.tensor(rows))])  # [num_sampled, vocab]
         return sampled_seqs, self.sampler(logits, [self._sampler_row(s) for s in sampled_seqs])
+
+    def _run_group(self, inputs: StepInputs) -> torch.Tensor | None:
+        """Rank 0 of a group: send the inputs, run its own shard. A rank that died, or a
+        collective that failed or timed out, is a ParallelGroupError: never a hang."""
+        self._check_shards()
+        try:
+            inputs.broadcast(self.device)
+            return self.run(inputs)
+        except RuntimeError as error:
+            self._check_shards()
+            raise parallel.ParallelGroupError(f"tensor-parallel step failed: {error}") from error
+
+    def _check_shards(self) -> None:
+        for rank, shard in enumerate(self.shards, start=1):
+            if not shard.is_alive():
+                raise parallel.ParallelGroupError(f"tensor-parallel rank {rank} exited (exit code {shard.exitcode})")
+
+    def run(self, inputs: StepInputs) -> torch.Tensor | None:
+        """Every rank: one forward pass on the step's inputs; the sampled rows' logits
+        [R, vocab] on rank 0 (None elsewhere, or when nothing samples)."""
+        for source, destination in inputs.copies.tolist():
+            self.kv_cache[:, :, destination].copy_(self.kv_cache[:, :, source])
+        input_ids, positions, meta = self._prepare_inputs(inputs)
+        ctx = ForwardContext(meta, self.kv_caches, self.backend)
+        hidden = self.model(input_ids, positions, ctx)  # [num_tokens, hidden]
+        if not len(inputs.rows):
+            return None
+        return self.model.compute_logits(hidden[self._to_device(inputs.rows)])  # [num_sampled, vocab]
+
+    def shutdown(self) -> None:
+        """Rank 0: stop ranks 1..N-1 and leave the group."""
+        if self.world_size == 1 or self.rank != 0:
+            return
+        try:
+            if all(shard.is_alive() for shard in self.shards):
+                send_exit(self.device)
+        except RuntimeError:
+            pass
+        self._stop_shards()
+        parallel.destroy_group()
+
+    def _stop_shards(self) -> None:
+        for shard in self.shards:
+            shard.join(timeout=10)
+            if shard.is_alive():
+                shard.kill()
+                shard.join(timeout=10)
+        self.shards = []
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """A host tensor on the model's device: through pinned memory and without waiting on CUDA."""
@@ -136,25 +206,35 @@ class ModelRunner:
             return tensor
         return tensor.pin_memory().to(self.device, non_blocking=True)
 
-    def _prepare_inputs(self, seqs: list[Sequence], num_new: list[int]):
-        """Every step input is built on the host and copied to the device once; nothing here
-        reads a device tensor back. Prefills are described in the form the backend reads."""
-        num_prefills = sum(1 for n in num_new if n > 1)
+    @staticmethod
+    def _step_inputs(seqs: list[Sequence], num_new: list[int], copies: list[tuple[int, int]],
+                     rows: list[int]) -> StepInputs:
+        """What a step needs from the sequences, as host tensors (what rank 0 broadcasts)."""
         input_ids: list[int] = []
         for seq, n in zip(seqs, num_new):
             input_ids.extend(seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + n])
-        lens = torch.tensor(num_new)
-        starts = torch.tensor([s.num_computed_tokens for s in seqs])
-        seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), lens)  # [T]
-        offsets = lens.cumsum(0) - lens  # first row of each sequence in the flat batch
-        positions = torch.arange(len(input_ids)) - offsets[seq_of_token] + starts[seq_of_token]  # [T]
         width = max(len(s.block_table) for s in seqs)
         block_tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs])
+        return StepInputs(torch.tensor(input_ids), torch.tensor([s.num_computed_tokens for s in seqs]),
+                          torch.tensor(num_new), block_tables, torch.tensor(copies, dtype=torch.int64).view(-1, 2),
+                          torch.tensor(rows, dtype=torch.int64))
+
+    def _prepare_inputs(self, inputs: StepInputs):
+        """Every step input is built on the host and copied to the device once; nothing here
+        reads a device tensor back. Prefills are described in the form the backend reads."""
+        lens, starts, block_tables = inputs.lens, inputs.starts, inputs.block_tables
+        num_new = lens.tolist()
+        num_prefills = sum(1 for n in num_new if n > 1)
+        # Real table lengths: a sequence's blocks cover its context (padding is beyond).
+        table_lens = [-(-int(c) // self.block_size) for c in (starts + lens).tolist()]
+        seq_of_token = torch.repeat_interleave(torch.arange(len(num_new)), lens)  # [T]
+        offsets = lens.cumsum(0) - lens  # first row of each sequence in the flat batch
+        positions = torch.arange(len(inputs.input_ids)) - offsets[seq_of_token] + starts[seq_of_token]  # [T]
         slot_mapping = (block_tables[seq_of_token, positions // self.block_size] * self.block_size
                         + positions % self.block_size)  # [T]
         context_lens = starts + lens  # [num_seqs]
         device_tables = self._to_device(block_tables)  # [num_seqs, width]
-        num_decode_blocks = max((len(s.block_table) for s in seqs[num_prefills:]), default=0)
+        num_decode_blocks = max(table_lens[num_prefills:], default=0)
         meta = AttentionMetadata(
             slot_mapping=self._to_device(slot_mapping),
             num_prefill_tokens=int(lens[:num_prefills].sum()),
@@ -163,17 +243,17 @@ class ModelRunner:
         )
         if num_prefills and self.backend.reads_prefill_spans:
             meta.prefills = [PrefillSpan(int(offsets[i]), num_new[i], int(context_lens[i]),
-                                         device_tables[i, : len(seqs[i].block_table)])
+                                         device_tables[i, : table_lens[i]])
                              for i in range(num_prefills)]
         elif num_prefills:
             query_starts = torch.zeros(num_prefills + 1, dtype=torch.int64)
             query_starts[1:] = lens[:num_prefills].cumsum(0)
-            num_prefill_blocks = max(len(s.block_table) for s in seqs[:num_prefills])
+            num_prefill_blocks = max(table_lens[:num_prefills])
             meta.prefill_query_starts = self._to_device(query_starts)
             meta.prefill_context_lens = self._to_device(context_lens[:num_prefills])
             meta.prefill_block_tables = device_tables[:num_prefills, :num_prefill_blocks]
             meta.max_prefill_queries = max(num_new[:num_prefills])
-        return self._to_device(torch.tensor(input_ids)), self._to_device(positions), meta
+        return self._to_device(inputs.input_ids), self._to_device(positions), meta
 
     def _sampler_row(self, seq: Sequence) -> SamplerRow:
         params = seq.params

@@ -9,15 +9,6 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from kernels import reference
 
 
-def fused_linear(in_features: int, shard_sizes: list[int], bias: bool) -> nn.Linear:
-    """One nn.Linear for several projections of the same input (q/k/v, gate/up); the
-    loader fills each checkpoint tensor into its slice, in `shard_sizes` order."""
-    layer = nn.Linear(in_features, sum(shard_sizes), bias=bias)
-    for param in layer.parameters():
-        param.shard_sizes = shard_sizes  # read by engine.loader
-    return layer
-
-
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()

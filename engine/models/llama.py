@@ -2,7 +2,9 @@
 checkpoints by their original weight names.
 
 q/k/v and gate/up are fused into one matmul each; `packed_modules` tells the
-loader which slice of the fused weight a checkpoint tensor fills.
+loader which slice of the fused weight a checkpoint tensor fills. Under tensor
+parallelism each rank holds its heads (KV heads split, or replicated when there are
+fewer than ranks) and its slice of the MLP (engine/models/parallel_layers.py).
 """
 
 from __future__ import annotations
@@ -11,8 +13,16 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
+from engine import parallel
 from engine.attention import ForwardContext
-from engine.models.layers import RMSNorm, RotaryEmbedding, fused_linear
+from engine.models.layers import RMSNorm, RotaryEmbedding
+from engine.models.parallel_layers import (
+    ColumnParallelLinear,
+    lm_head,
+    merged_column_linear,
+    row_parallel_linear,
+    vocab_embedding,
+)
 
 
 class LlamaAttention(nn.Module):
@@ -21,15 +31,19 @@ class LlamaAttention(nn.Module):
     def __init__(self, config, layer_idx: int, sliding_window: int | None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        total_heads = config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
+        self.num_heads = parallel.divide(total_heads, parallel.tp_size(), "num_attention_heads")  # this rank's
+        kv_start, kv_end = parallel.kv_head_range(config.num_key_value_heads)
+        self.num_kv_heads = kv_end - kv_start
         self.scale = self.head_dim**-0.5
         self.sliding_window = sliding_window
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = fused_linear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size],
-                                     bias=self.qkv_bias(config))
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=self.o_bias(config))
+        full_q = total_heads * self.head_dim
+        kv_rows = (kv_start * self.head_dim, kv_end * self.head_dim)
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, [parallel.shard_range(full_q), kv_rows, kv_rows],
+                                             bias=self.qkv_bias(config))
+        self.o_proj = row_parallel_linear(full_q, config.hidden_size, bias=self.o_bias(config))
 
     def qkv_bias(self, config) -> bool:
         return bool(getattr(config, "attention_bias", False))
@@ -54,9 +68,9 @@ class LlamaMLP(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = fused_linear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.intermediate_size = parallel.divide(config.intermediate_size, parallel.tp_size(), "intermediate_size")
+        self.gate_up_proj = merged_column_linear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
+        self.down_proj = row_parallel_linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act = ACT2FN[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -88,7 +102,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config, layer_cls: type[LlamaDecoderLayer], sliding_windows: list[int | None],
                  max_positions: int) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(layer_cls(config, i, sliding_windows[i]) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -111,7 +125,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, self.layer_cls, self.sliding_windows(config), max_positions)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = lm_head(config.hidden_size, config.vocab_size)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -124,6 +138,6 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab]"""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [N, hidden] -> logits [N, vocab] (on rank 0; None on the other ranks)"""
         return self.lm_head(hidden)

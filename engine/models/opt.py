@@ -7,8 +7,9 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
+from engine import parallel
 from engine.attention import ForwardContext
-from engine.models.layers import fused_linear
+from engine.models.parallel_layers import lm_head, merged_column_linear, row_parallel_linear, vocab_embedding
 
 POSITION_OFFSET = 2  # OPT's learned position table reserves its first two rows
 
@@ -17,11 +18,12 @@ class OPTAttention(nn.Module):
     def __init__(self, config, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = self.num_kv_heads = config.num_attention_heads
-        self.head_dim = config.hidden_size // self.num_heads
+        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.num_heads = self.num_kv_heads = parallel.divide(config.num_attention_heads, parallel.tp_size(),
+                                                             "num_attention_heads")  # this rank's
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = fused_linear(config.hidden_size, [config.hidden_size] * 3, bias=config.enable_bias)
-        self.out_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=config.enable_bias)
+        self.qkv_proj = merged_column_linear(config.hidden_size, [config.hidden_size] * 3, bias=config.enable_bias)
+        self.out_proj = row_parallel_linear(config.hidden_size, config.hidden_size, bias=config.enable_bias)
 
     def forward(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -38,8 +40,9 @@ class OPTDecoderLayer(nn.Module):
         self.do_layer_norm_before = config.do_layer_norm_before
         self.self_attn = OPTAttention(config, layer_idx)
         self.self_attn_layer_norm = nn.LayerNorm(config.hidden_size, elementwise_affine=affine)
-        self.fc1 = nn.Linear(config.hidden_size, config.ffn_dim, bias=config.enable_bias)
-        self.fc2 = nn.Linear(config.ffn_dim, config.hidden_size, bias=config.enable_bias)
+        parallel.divide(config.ffn_dim, parallel.tp_size(), "ffn_dim")
+        self.fc1 = merged_column_linear(config.hidden_size, [config.ffn_dim], bias=config.enable_bias)
+        self.fc2 = row_parallel_linear(config.ffn_dim, config.hidden_size, bias=config.enable_bias)
         self.final_layer_norm = nn.LayerNorm(config.hidden_size, elementwise_affine=affine)
         self.act = ACT2FN[config.activation_function]
 
@@ -62,8 +65,9 @@ class OPTDecoderLayer(nn.Module):
 class OPTDecoder(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.word_embed_proj_dim)
-        self.embed_positions = nn.Embedding(config.max_position_embeddings + POSITION_OFFSET, config.hidden_size)
+        self.embed_tokens = vocab_embedding(config.vocab_size, config.word_embed_proj_dim)
+        # The learned positions split like a vocabulary: each rank holds some of the rows.
+        self.embed_positions = vocab_embedding(config.max_position_embeddings + POSITION_OFFSET, config.hidden_size)
         projected = config.word_embed_proj_dim != config.hidden_size
         self.project_in = nn.Linear(config.word_embed_proj_dim, config.hidden_size, bias=False) if projected else None
         self.project_out = nn.Linear(config.hidden_size, config.word_embed_proj_dim, bias=False) if projected else None
@@ -99,7 +103,7 @@ class OPTForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = OPTModel(config)
-        self.lm_head = nn.Linear(config.word_embed_proj_dim, config.vocab_size, bias=False)
+        self.lm_head = lm_head(config.word_embed_proj_dim, config.vocab_size)
         if getattr(config, "tie_word_embeddings", True):
             self.lm_head.weight = self.model.decoder.embed_tokens.weight
 

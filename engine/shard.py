@@ -1,0 +1,102 @@
+"""Ranks 1..N-1 of a tensor-parallel engine, and the step inputs rank 0 sends them.
+
+Rank 0 (the engine process) spawns one process per other rank. Each loads its shard
+of the weights, sizes its KV pool, and then runs every step: rank 0 broadcasts the
+step's inputs (token ids, context starts and lengths, block tables, block copies, the
+rows to sample), every rank builds positions, slot mappings and attention metadata
+from them the same way, runs its shard, and takes part in the logits gather.
+
+Why torch.distributed broadcasts rather than shared memory and an event (nano-vllm's
+choice): the inputs travel on the same channel as the collectives, so a dead or stuck
+rank fails both the same way, with the group's timeout instead of a wait forever on
+an event; and nothing is pickled. It costs two small broadcasts a step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+
+from engine import parallel
+from engine.config import EngineConfig
+
+STEP, EXIT = 1, 0
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T] the step's tokens, prefills first
+    starts: torch.Tensor  # [S] tokens already in the cache per sequence
+    lens: torch.Tensor  # [S] tokens of each sequence this step
+    block_tables: torch.Tensor  # [S, W] padded with 0
+    copies: torch.Tensor  # [C, 2] (source, destination) blocks to copy first
+    rows: torch.Tensor  # [R] rows of the flat batch whose logits are sampled
+
+    def broadcast(self, device: torch.device) -> None:
+        """Rank 0: send these inputs to every other rank."""
+        sizes = [len(self.input_ids), len(self.starts), self.block_tables.shape[1], len(self.copies), len(self.rows)]
+        parallel.broadcast(torch.tensor([STEP, *sizes], dtype=torch.int64, device=device))
+        parallel.broadcast(torch.cat([self.input_ids, self.starts, self.lens, self.block_tables.flatten(),
+                                      self.copies.flatten(), self.rows]).to(device=device, dtype=torch.int64))
+
+    @staticmethod
+    def receive(device: torch.device) -> StepInputs | None:
+        """Ranks 1..N-1: the next step's inputs, or None when rank 0 shuts the group down."""
+        header = parallel.broadcast(torch.zeros(6, dtype=torch.int64, device=device)).tolist()
+        if header[0] == EXIT:
+            return None
+        num_tokens, num_seqs, width, num_copies, num_rows = header[1:]
+        payload = torch.zeros(num_tokens + 2 * num_seqs + num_seqs * width + 2 * num_copies + num_rows,
+                              dtype=torch.int64, device=device)
+        parts = parallel.broadcast(payload).cpu().split(
+            [num_tokens, num_seqs, num_seqs, num_seqs * width, 2 * num_copies, num_rows])
+        return StepInputs(parts[0], parts[1], parts[2], parts[3].view(num_seqs, width), parts[4].view(-1, 2),
+                          parts[5])
+
+
+def send_exit(device: torch.device) -> None:
+    parallel.broadcast(torch.tensor([EXIT, 0, 0, 0, 0, 0], dtype=torch.int64, device=device))
+
+
+def free_init_method() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def start_shards(config: EngineConfig, init_method: str) -> list[multiprocessing.Process]:
+    """Spawn ranks 1..N-1 (spawn, not fork: a forked child would inherit rank 0's
+    threads and CUDA state). The config travels as JSON."""
+    context = multiprocessing.get_context("spawn")
+    config_json = json.dumps(dataclasses.asdict(config))
+    shards = []
+    for rank in range(1, config.tensor_parallel_size):
+        process = context.Process(target=run_shard, args=(config_json, rank, init_method), daemon=True,
+                                  name=f"kvfleet-tp-rank-{rank}")
+        process.start()
+        shards.append(process)
+    return shards
+
+
+def run_shard(config_json: str, rank: int, init_method: str) -> None:
+    """The main of ranks 1..N-1: load the shard, then run steps until rank 0 says exit.
+    Any failure ends the process with an error, which fails rank 0's next collective."""
+    from transformers import AutoConfig  # noqa: PLC0415 (in the child only)
+
+    from engine.model_runner import ModelRunner  # noqa: PLC0415 (it imports this module)
+
+    config = EngineConfig(**json.loads(config_json))
+    if not torch.cuda.is_available():  # the ranks share the host's cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
+    runner = ModelRunner(config, AutoConfig.from_pretrained(config.model), set(), rank=rank,
+                         init_method=init_method)
+    with torch.inference_mode():
+        while (inputs := StepInputs.receive(runner.device)) is not None:
+            runner.run(inputs)
+    parallel.destroy_group()
