@@ -75,7 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     worker.install_signal_handlers()
     logging.getLogger("kvfleet.worker").info("%s: serving %s from %s with %d KV blocks", args.name,
                                              ", ".join(map(repr, names)), args.redis_url, engine.num_total_blocks)
-    return worker.work()
+    try:
+        return worker.work()
+    finally:
+        engine.shutdown()  # a tensor-parallel group's other ranks
 
 
 if __name__ == "__main__":

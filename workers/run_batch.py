@@ -25,7 +25,7 @@ from contextlib import nullcontext
 
 from tqdm import tqdm
 
-from engine import LLMEngine
+from engine import LLMEngine, ParallelGroupError
 from engine.arg_utils import add_engine_args, engine_config_from_args
 from jobs.results import error_line
 from jobs.schemas import MAX_REPORTED_ERRORS, LineError, custom_id_of, parse_line
@@ -166,8 +166,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"interrupted: {runner.num_written} results written to {args.output_file}; "
                   "--resume runs the rest", file=sys.stderr)
             return 130
+        except ParallelGroupError as error:
+            print(f"error: {error}; {runner.num_written} results written to {args.output_file}; "
+                  "--resume runs the rest", file=sys.stderr)
+            return 1
         finally:
             progress.close()
+            engine.shutdown()
     print(f"{runner.num_written} results written to {args.output_file}", file=sys.stderr)
     return 0
 

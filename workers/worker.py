@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import redis
 
-from engine import LLMEngine
+from engine import LLMEngine, ParallelGroupError
 from jobs import heartbeats, keys
 from jobs.results import error_line
 from workers import batch_lane, stream_ops
@@ -132,6 +132,9 @@ class Worker:
                 self.run_once()
         except ColdShutdown as signal_name:
             log.warning("%s: second %s; cold shutdown", self.options.name, signal_name)
+            exit_code = 1
+        except ParallelGroupError as error:  # a rank died: this engine cannot run another step
+            log.error("%s: %s; handing the work back and exiting", self.options.name, error)
             exit_code = 1
         finally:
             self._hand_back_unfinished()
@@ -291,6 +294,8 @@ class Worker:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except ParallelGroupError:
+            raise
         except Exception:  # noqa: BLE001 (one bad request must not take the worker down)
             # Which request broke the step is unknown: drop them all unacked. They return
             # after the lease, each delivery counted, and a poison one ends in the dead letters.

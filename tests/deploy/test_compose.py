@@ -76,7 +76,9 @@ def test_ports_and_hosts_agree():
     jobs = {job["job_name"]: job for job in prometheus["scrape_configs"]}
     assert jobs["kvfleet-api"]["static_configs"][0]["targets"] == [f"api:{api_port}"]
     workers = jobs["kvfleet-workers"]["dns_sd_configs"][0]
-    assert workers["names"] == ["worker"] and str(workers["port"]) == flag(commands["worker"], "--metrics-port")
+    assert workers["names"] == ["worker", "worker-tp2"]
+    assert str(workers["port"]) == flag(commands["worker"], "--metrics-port") == flag(commands["worker-tp2"],
+                                                                                      "--metrics-port")
     mounted = SERVICES["prometheus"]["volumes"][0].split(":")
     assert (ROOT / mounted[0]).resolve() == (ROOT / "deploy" / "prometheus.yml")
     assert mounted[1] == "/etc/prometheus/prometheus.yml"
@@ -94,6 +96,15 @@ def test_the_default_output_bucket_is_created():
     init = " ".join(SERVICES["minio-init"]["command"])
     assert f"local/{bucket}" in init and "mc mb" in init
     assert SERVICES["api"]["depends_on"]["minio-init"]["condition"] == "service_completed_successfully"
+
+
+def test_the_tensor_parallel_worker_reserves_as_many_gpus_as_it_spans():
+    service = SERVICES["worker-tp2"]
+    args = next(args for name, _, args in kvfleet_commands() if name == "worker-tp2")
+    device = service["deploy"]["resources"]["reservations"]["devices"][0]
+    assert device["count"] == int(flag(args, "--tensor-parallel-size")) == 2
+    assert service["profiles"] == ["tp2"]  # opt-in: the one-GPU worker is the default
+    assert service["shm_size"] and service["volumes"] == SERVICES["worker"]["volumes"]
 
 
 def test_the_model_is_mounted_where_the_worker_reads_it():

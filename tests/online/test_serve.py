@@ -7,37 +7,10 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import openai
 
-from tests.services import free_port
-
-
-def descendants(pid: int) -> set[int]:
-    """Every process below `pid`, from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
-def is_alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+from tests.services import descendants, free_port, is_alive
 
 
 def test_serve_starts_answers_and_stops_on_sigterm_leaving_nothing(demo_model, tmp_path):
