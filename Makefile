@@ -45,6 +45,7 @@ bench: $(STAMP) $(BENCH_VENV)/.installed-stamp
 	$(BIN)/python -m benchmarks.submit_rate
 	$(BIN)/python -m benchmarks.fleet_overhead
 	$(BIN)/python -m benchmarks.online_latency
+	$(BIN)/python -m benchmarks.tensor_parallel
 
 # On a GPU machine: every kernel test, engine parity and timing in one run (see scripts/gpu_check.py).
 # It needs only the engine's dependencies, so it runs on the machine's own python3.
