@@ -79,15 +79,6 @@ def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def gather_last_dim(tensor: torch.Tensor) -> torch.Tensor:
-    """Every rank's [..., n] shard concatenated along the last dimension, on every rank."""
-    if _world_size == 1:
-        return tensor
-    parts = [torch.empty_like(tensor) for _ in range(_world_size)]
-    dist.all_gather(parts, tensor.contiguous())
-    return torch.cat(parts, dim=-1)
-
-
 def broadcast(tensor: torch.Tensor) -> torch.Tensor:
     """Rank 0's tensor, in place on every rank."""
     if _world_size > 1:

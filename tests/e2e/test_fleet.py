@@ -9,22 +9,13 @@ import time
 from collections import Counter
 
 import httpx
-import pytest
 import redis
 
 from engine import LLM, SamplingParams
 from jobs import batches, heartbeats, keys
 from producers.submit import main as submit
-from tests.e2e.fleet import Fleet, wait_terminal
+from tests.e2e.fleet import wait_terminal
 from tests.workers.helpers import completion, read_lines, submit_lines
-
-
-@pytest.fixture
-def fleet(tiny_llama, redis_server, r, tmp_path):
-    fleet = Fleet(tiny_llama, redis_server.url, tmp_path)
-    fleet.start_finalizer()
-    yield fleet
-    fleet.stop()
 
 
 def workload(n: int, seed: int = 0) -> list[tuple[str, int]]:

@@ -9,21 +9,11 @@ import signal
 import time
 from pathlib import Path
 
-import pytest
-
 from engine import LLM, SamplingParams
 from jobs import keys
-from tests.e2e.fleet import Fleet, wait_terminal
+from tests.e2e.fleet import wait_terminal
 from tests.services import descendants
 from tests.workers.helpers import completion, read_lines, submit_lines
-
-
-@pytest.fixture
-def fleet(tiny_llama, redis_server, r, tmp_path):
-    fleet = Fleet(tiny_llama, redis_server.url, tmp_path)
-    fleet.start_finalizer()
-    yield fleet
-    fleet.stop()
 
 
 def rank_processes(pid: int) -> list[int]:
