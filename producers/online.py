@@ -141,8 +141,11 @@ def add_online_routes(router: APIRouter, r: redis.Redis, ar: redis.asyncio.Redis
                         return
                 try:
                     last_id, events = await next_events(entry, last_id, None)  # Starlette watches the client
-                except APIError as error:
-                    events = [online.error_event(error.status, error.code, error.message)]
+                except APIError as error:  # past the deadline: end the stream, and cancel the request
+                    for chunk in chunks.of(online.error_event(error.status, error.code, error.message)):
+                        yield sse(chunk)
+                    yield sse("[DONE]")
+                    return
         finally:  # also when the client disconnects and Starlette cancels this generator
             finish(entry, is_complete)  # blocking, and brief: a cancelled task cannot await
 

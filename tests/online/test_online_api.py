@@ -246,3 +246,18 @@ def test_online_requests_run_ahead_of_a_batch_backlog(worker, client, r):
     while r.scard(keys.batch_done(submission.batch_id)) < 64:  # and the backlog still completes
         assert time.monotonic() < deadline + 120
         time.sleep(0.1)
+
+
+def test_a_stream_past_its_timeout_ends_with_an_error_event_and_stops_the_worker(worker, client, monkeypatch):
+    monkeypatch.setenv("KVFLEET_REQUEST_TIMEOUT", "2")
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1000, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    received = 0
+    with pytest.raises(openai.APIError) as raised:
+        for _ in stream:
+            received += 1
+    assert received > 0 and "timed out" in raised.value.message
+    deadline = time.monotonic() + 3
+    while worker.in_flight or worker.engine.has_unfinished():
+        assert time.monotonic() < deadline, "the worker still runs the request after its timeout"
+        time.sleep(0.02)
