@@ -5,7 +5,8 @@ from engine.llm import LLM
 from engine.llm_engine import ContextLengthExceeded, EngineStats, LLMEngine
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.parallel import ParallelGroupError
-from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __all__ = ["LLM", "LLMEngine", "ContextLengthExceeded", "EngineConfig", "EngineStats", "SamplingParams", "RequestOutputKind",
-           "RequestOutput", "CompletionOutput", "ParallelGroupError"]
+           "RequestOutput", "CompletionOutput", "ParallelGroupError",
+           "StructuredOutputsParams"]

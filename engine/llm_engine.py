@@ -18,6 +18,7 @@ from engine.postprocess import DeltaTracker, StopChecker, make_request_output, r
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.structured_outputs import StructuredOutputs
 
 # Any one of these makes a folder loadable by AutoTokenizer (with tokenizer_config.json beside it).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
@@ -136,6 +137,10 @@ class LLMEngine:
         if self.tokenizer is None and params.stop:
             raise ValueError("stop: stop strings need a tokenizer (skip_tokenizer_init is set); "
                              "use stop_token_ids")
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs: constraints need a tokenizer (skip_tokenizer_init is set)")
+            self._structured().check(params.structured_outputs)
         if num_prompt == 0:
             raise ValueError("prompt: must not be empty")
         if not all(isinstance(t, int) and 0 <= t < self.hf_config.vocab_size for t in prompt_token_ids):
@@ -159,6 +164,8 @@ class LLMEngine:
         prompt_token_ids = self.tokenize(prompt)
         self.validate(prompt_token_ids, params)
         seq = Sequence(request_id, prompt_token_ids, params, arrival_time, priority=priority)
+        if params.structured_outputs is not None:
+            seq.grammar = self._structured().start(params.structured_outputs)  # compiles in the background
         deltas = DeltaTracker() if params.output_kind is RequestOutputKind.DELTA else None
         self.requests[request_id] = _Request(prompt if isinstance(prompt, str) else None, [seq], deltas)
         self.scheduler.add(seq)
@@ -170,6 +177,13 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def _structured(self) -> StructuredOutputs:
+        """The xgrammar compiler, built with the first constrained request."""
+        if self.model_runner.structured is None:
+            self.model_runner.structured = StructuredOutputs(self.tokenizer, self.hf_config.vocab_size,
+                                                             self.eos_token_ids)
+        return self.model_runner.structured
 
     def shutdown(self) -> None:
         """Stop the other ranks of a tensor-parallel group (nothing to do on one device)."""

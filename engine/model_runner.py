@@ -95,6 +95,7 @@ class ModelRunner:
                                     self.head_dim, dtype=self.dtype, device=self.device)
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.sampler = Sampler()
+        self.structured = None  # engine.structured_outputs.StructuredOutputs, set with the first constraint
         self.generators: dict[str, torch.Generator] = {}
 
     def _load_model(self, hf_config) -> torch.nn.Module:
@@ -150,6 +151,8 @@ class ModelRunner:
         logits = self.run(inputs) if self.world_size == 1 else self._run_group(inputs)
         if not rows:
             return [], SamplerOutput([], [])
+        if self.structured is not None:
+            self.structured.apply_masks(logits, [seq.grammar for seq in sampled_seqs])
         return sampled_seqs, self.sampler(logits, [self._sampler_row(s) for s in sampled_seqs])
 
     def _run_group(self, inputs: StepInputs) -> torch.Tensor | None:

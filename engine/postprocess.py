@@ -19,6 +19,10 @@ class StopChecker:
     def check(self, seq: Sequence) -> str | None:
         """The finish reason ("stop" or "length"), or None to go on; sets seq.stop_reason."""
         params, token_id = seq.params, seq.token_ids[-1]
+        if seq.grammar is not None:  # advance the constraint; a complete grammar ends the output
+            seq.grammar.accept(token_id)
+            if seq.grammar.is_terminated():
+                return "stop"
         may_stop = seq.num_output_tokens >= params.min_tokens
         if may_stop and token_id in params.stop_token_ids:
             seq.stop_reason = token_id

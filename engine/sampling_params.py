@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class RequestOutputKind(enum.Enum):
@@ -13,6 +15,43 @@ class RequestOutputKind(enum.Enum):
     """One output, when every sample has finished."""
     DELTA = enum.auto()
     """An output every step that produced tokens, holding only what is new (streaming)."""
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One constraint, vLLM's names: a JSON schema, a regex, a choice of strings, an EBNF
+    grammar, or any JSON object."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs: exactly one of json, regex, choice, grammar, json_object "
+                             f"must be set, got {given or 'none'}")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs.choice: must be a non-empty list of non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, name))
+
+    def cache_key(self) -> str:
+        value = getattr(self, self.kind)
+        if isinstance(value, dict):
+            value = json.dumps(value, sort_keys=True)
+        elif isinstance(value, (list, tuple)):
+            value = json.dumps(list(value))
+        return f"{self.kind}:{value}"
+
+    def to_ebnf_choice(self) -> str:
+        """choice -> root ::= "a" | "b" (EBNF string literals escape like JSON strings)."""
+        return "root ::= " + " | ".join(json.dumps(option) for option in self.choice)
 
 
 @dataclass
@@ -42,6 +81,8 @@ class SamplingParams:
     detokenize: bool = True
     """Decode the output text; False returns token ids only (stop strings need text)."""
     output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, regex, choice or grammar (engine/structured_outputs.py)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -86,9 +86,14 @@ class Scheduler:
                 budget -= num_new
                 index += 1
 
-        # 2. Waiting sequences, in order, while their blocks are free.
-        while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        # 2. Waiting sequences, in order, while their blocks are free. A constrained one whose
+        # grammar still compiles is passed over for now.
+        index = 0
+        while index < len(self.waiting) and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[index]
+            if seq.grammar is not None and not seq.grammar.is_ready():
+                index += 1
+                continue
             cached = self.block_manager.find_cached_prefix(seq) if seq.num_computed_tokens == 0 else []
             num_remaining = seq.num_tokens - seq.num_computed_tokens - len(cached) * self.block_manager.block_size
             num_new = min(num_remaining, budget)
@@ -96,7 +101,7 @@ class Scheduler:
                 break
             if not self.block_manager.allocate(seq, num_new, cached):
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(index)
             if seq.num_computed_tokens == 0:
                 num_cached_tokens = len(cached) * self.block_manager.block_size
                 self.block_manager.record_prefix_lookup(seq.num_tokens, num_cached_tokens)

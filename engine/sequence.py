@@ -52,6 +52,7 @@ class Sequence:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.inter_token_latencies: list[float] = []
+        self.grammar = None  # engine.structured_outputs.SequenceGrammar of a constrained request
 
     @property
     def seq_id(self) -> str:
@@ -101,6 +102,7 @@ class Sequence:
         child.num_cached_tokens = self.num_cached_tokens
         child.first_scheduled_time = self.first_scheduled_time
         child.status = self.status
+        child.grammar = self.grammar.fork() if self.grammar is not None else None
         return child
 
     def __repr__(self) -> str:

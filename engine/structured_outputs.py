@@ -1,0 +1,141 @@
+"""Structured outputs (constrained decoding) with xgrammar, as vLLM and SGLang do.
+
+    check       the constraint converts to a grammar (fast, no tokenizer): a bad schema,
+                regex or grammar is a ValueError at add_request, naming what is wrong
+    compile     per constraint, once, in a background thread (cached by the constraint);
+                a sequence waits in the scheduler until its grammar is ready, so a slow
+                compile never stalls the step for the other requests
+    mask        each step, one token bitmask row per constrained sequence, applied to its
+                logits before sampling; unconstrained rows are untouched
+    accept      every sampled token advances the sequence's matcher; the request stops
+                when the grammar is complete (the matcher accepted a stop token)
+
+Preemption by recompute keeps a sequence's output tokens, so its matcher state stays
+valid; a forked sample (n > 1) starts its own matcher at the same (empty) state.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from engine.sampling_params import StructuredOutputsParams
+
+ERROR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # xgrammar's "[time] file.cc:123: " prefix
+
+
+def clean_error(error: Exception) -> str:
+    return ERROR_PREFIX.sub("", str(error).strip().splitlines()[0]).strip() or type(error).__name__
+
+
+class SequenceGrammar:
+    """One sequence's constraint state: its compiled grammar (maybe still compiling) and matcher."""
+
+    def __init__(self, compiled: Future, is_json: bool) -> None:
+        self.compiled = compiled
+        self.is_json = is_json  # JSON output: no raw control characters in it
+        self._matcher = None
+
+    def is_ready(self) -> bool:
+        return self.compiled.done()
+
+    @property
+    def matcher(self):
+        if self._matcher is None:
+            import xgrammar  # noqa: PLC0415 (imported with the first constrained request)
+
+            self._matcher = xgrammar.GrammarMatcher(self.compiled.result())
+        return self._matcher
+
+    def accept(self, token_id: int) -> bool:
+        return self.matcher.accept_token(token_id)
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def fork(self) -> SequenceGrammar:
+        """A sibling sample's state: forks happen before any output token, so a fresh matcher."""
+        return SequenceGrammar(self.compiled, self.is_json)
+
+
+class StructuredOutputs:
+    """The xgrammar compiler of one engine (one tokenizer), its compile cache and thread."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int]) -> None:
+        import xgrammar  # noqa: PLC0415 (torch-heavy; only engines that see a constraint load it)
+
+        self.xgrammar = xgrammar
+        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                       stop_token_ids=sorted(eos_token_ids) or None)
+        self.compiler = xgrammar.GrammarCompiler(info)
+        self.vocab_size = vocab_size
+        # xgrammar's JSON strings admit raw control characters (U+0000-U+001F), which strict JSON
+        # parsers refuse; compact JSON needs none, so JSON constraints never sample such a token.
+        self.control_token_ids = [token_id for token_id, text in enumerate(info.decoded_vocab)
+                                  if text and any(byte < 0x20 for byte in text)]
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfleet-grammar")
+        self.compiled: dict[str, Future] = {}
+        self.compile_seconds: dict[str, float] = {}
+
+    def check(self, params: StructuredOutputsParams) -> None:
+        """Raise ValueError if the constraint does not convert to a grammar (no tokenizer needed)."""
+        grammar = self.xgrammar.Grammar
+        try:
+            if params.json is not None:
+                grammar.from_json_schema(_schema_text(params.json), any_whitespace=False)
+            elif params.regex is not None:
+                grammar.from_regex(params.regex)
+            elif params.grammar is not None:
+                grammar.from_ebnf(params.grammar)
+            elif params.choice is not None:
+                grammar.from_ebnf(params.to_ebnf_choice())
+        except (RuntimeError, ValueError, TypeError) as error:
+            raise ValueError(f"structured_outputs.{params.kind}: {clean_error(error)}") from None
+
+    def start(self, params: StructuredOutputsParams) -> SequenceGrammar:
+        """The sequence's state; its grammar compiles in the background (once per constraint)."""
+        key = params.cache_key()
+        if key not in self.compiled:
+            self.compiled[key] = self.executor.submit(self._compile, params, key)
+        return SequenceGrammar(self.compiled[key], params.json is not None or params.json_object)
+
+    def _compile(self, params: StructuredOutputsParams, key: str):
+        import time  # noqa: PLC0415
+
+        start = time.perf_counter()
+        compiler = self.compiler
+        if params.json is not None:
+            compiled = compiler.compile_json_schema(_schema_text(params.json), any_whitespace=False)
+        elif params.json_object:  # any object, compact (without free whitespace, as the schemas)
+            compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        elif params.regex is not None:
+            compiled = compiler.compile_regex(params.regex)
+        elif params.choice is not None:
+            compiled = compiler.compile_grammar(params.to_ebnf_choice())
+        else:
+            compiled = compiler.compile_grammar(params.grammar)
+        self.compile_seconds[key] = time.perf_counter() - start
+        return compiled
+
+    def apply_masks(self, logits: torch.Tensor, grammars: list[SequenceGrammar | None]) -> None:
+        """logits [R, vocab], in place: each constrained row keeps only the tokens its grammar allows."""
+        rows = [row for row, grammar in enumerate(grammars) if grammar is not None]
+        if not rows:
+            return
+        bitmask = self.xgrammar.allocate_token_bitmask(len(grammars), self.vocab_size)  # [R, ceil(vocab / 32)]
+        for row in rows:
+            grammars[row].matcher.fill_next_token_bitmask(bitmask, row)
+        self.xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+        json_rows = [row for row in rows if grammars[row].is_json]
+        if json_rows and self.control_token_ids:
+            json_index = torch.tensor(json_rows, device=logits.device)[:, None]
+            control_index = torch.tensor(self.control_token_ids, device=logits.device)[None, :]
+            logits[json_index, control_index] = float("-inf")
+
+
+def _schema_text(schema: str | dict[str, Any]) -> str:
+    return schema if isinstance(schema, str) else json.dumps(schema)

@@ -1,0 +1,112 @@
+"""Structured outputs on the random-weight demo model, whose free output is gibberish:
+only the constraint can make it valid. Every output that stops validates against its
+JSON schema (the `jsonschema` library), matches its regex, or is one of its choices."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import jsonschema
+import pytest
+
+from engine import LLM, SamplingParams, StructuredOutputsParams
+
+NAME = {"type": "string", "maxLength": 10}
+SCHEMAS = {
+    "required fields": {"type": "object", "properties": {"total": {"type": "number"}, "currency": NAME},
+                        "required": ["total", "currency"], "additionalProperties": False},
+    "enum": {"type": "object", "properties": {"category": {"enum": ["billing", "bug", "question"]}},
+             "required": ["category"], "additionalProperties": False},
+    "array bounds": {"type": "object", "properties": {"tags": {"type": "array", "items": NAME, "minItems": 1,
+                                                               "maxItems": 3}},
+                     "required": ["tags"], "additionalProperties": False},
+    "integer bounds": {"type": "object", "properties": {"age": {"type": "integer", "minimum": 18, "maximum": 99}},
+                       "required": ["age"], "additionalProperties": False},
+    "number bounds": {"type": "object", "properties": {"score": {"type": "number", "minimum": 0, "maximum": 1}},
+                      "required": ["score"], "additionalProperties": False},
+    "nested": {"type": "object", "properties": {"party": {
+        "type": "object", "properties": {"name": NAME, "role": {"enum": ["buyer", "seller"]}},
+        "required": ["name", "role"], "additionalProperties": False}}, "required": ["party"],
+        "additionalProperties": False},
+    "anyOf": {"type": "object", "properties": {"id": {"anyOf": [{"type": "integer"}, NAME]}}, "required": ["id"],
+              "additionalProperties": False},
+    "pattern": {"type": "object", "properties": {"date": {"type": "string", "pattern": r"^\d{4}-\d{2}-\d{2}$"}},
+                "required": ["date"], "additionalProperties": False},
+    "boolean and null": {"type": "object", "properties": {"paid": {"type": "boolean"}, "note": {"type": "null"}},
+                         "required": ["paid", "note"], "additionalProperties": False},
+    "array of objects": {"type": "object", "properties": {"lines": {"type": "array", "maxItems": 2, "items": {
+        "type": "object", "properties": {"qty": {"type": "integer", "minimum": 1, "maximum": 9}},
+        "required": ["qty"], "additionalProperties": False}}}, "required": ["lines"], "additionalProperties": False},
+}
+PROMPTS = [f"Document {i}: extract the fields." for i in range(20)]
+
+
+@pytest.fixture(scope="module")
+def llm(demo_model):
+    return LLM(demo_model, num_kv_blocks=1024, max_num_seqs=32)
+
+
+def test_every_finished_output_validates_against_its_schema(llm):
+    params, schemas = [], []
+    for schema in SCHEMAS.values():
+        for _ in PROMPTS:
+            params.append(SamplingParams(temperature=0, max_tokens=96,
+                                         structured_outputs=StructuredOutputsParams(json=schema)))
+            schemas.append(schema)
+    outputs = llm.generate(PROMPTS * len(SCHEMAS), params, use_tqdm=False)
+    stopped = [(o, s) for o, s in zip(outputs, schemas) if o.finish_reason == "stop"]
+    assert len(outputs) == 200 and len(stopped) >= 150, f"only {len(stopped)} of 200 completed their grammar"
+    for output, schema in stopped:
+        jsonschema.validate(json.loads(output.text), schema)
+
+
+def test_regex_choice_and_json_object(llm):
+    rng = random.Random(0)
+    prompts = [f"Case {rng.random()}" for _ in range(20)]
+    regex, choices = r"[A-Z]{3}-\d{4}", ["positive", "negative", "neutral"]
+    kinds = [StructuredOutputsParams(regex=regex), StructuredOutputsParams(choice=choices),
+             StructuredOutputsParams(json_object=True)]
+    outputs = llm.generate(prompts * 3, [SamplingParams(temperature=0.8, seed=i, max_tokens=64, structured_outputs=k)
+                                         for k in kinds for i in range(20)], use_tqdm=False)
+    by_kind = [outputs[i * 20:(i + 1) * 20] for i in range(3)]
+    assert all(o.finish_reason == "stop" and re.fullmatch(regex, o.text) for o in by_kind[0])
+    assert all(o.finish_reason == "stop" and o.text in choices for o in by_kind[1])
+    objects = [o for o in by_kind[2] if o.finish_reason == "stop"]
+    assert objects and all(isinstance(json.loads(o.text), dict) for o in objects)
+
+
+def test_unconstrained_requests_are_untouched_by_constrained_neighbours(llm):
+    free = SamplingParams(temperature=0, max_tokens=24)
+    alone = llm.generate(PROMPTS, free, use_tqdm=False)
+    constrained = SamplingParams(temperature=0, max_tokens=48,
+                                 structured_outputs=StructuredOutputsParams(json=SCHEMAS["nested"]))
+    mixed = llm.generate(PROMPTS * 2, [free] * 20 + [constrained] * 20, use_tqdm=False)
+    assert [o.token_ids for o in mixed[:20]] == [o.token_ids for o in alone]
+
+
+def test_constraints_hold_under_preemption_and_with_n2(demo_model):
+    small = LLM(demo_model, num_kv_blocks=24, max_num_seqs=16)  # 16 x ~5 blocks do not fit: preemption
+    schema = SCHEMAS["array of objects"]
+    params = SamplingParams(temperature=0.9, seed=3, n=2, max_tokens=60,
+                            structured_outputs=StructuredOutputsParams(json=schema))
+    outputs = small.generate(PROMPTS[:16], params, use_tqdm=False)
+    assert small.engine.stats().num_preemptions > 0
+    samples = [c for o in outputs for c in o.outputs]
+    assert len(samples) == 32
+    stopped = [c for c in samples if c.finish_reason == "stop"]
+    assert len(stopped) >= 24
+    for completion in stopped:
+        jsonschema.validate(json.loads(completion.text), schema)
+
+
+@pytest.mark.parametrize(("constraint", "message"), [
+    ({"json": {"type": "nonsense"}}, 'structured_outputs.json: Unsupported type "nonsense"'),
+    ({"regex": "[a-"}, "structured_outputs.regex: Regex parsing error at position"),
+    ({"grammar": "root ::= "}, "structured_outputs.grammar:"),
+])
+def test_a_constraint_that_does_not_compile_is_refused_naming_it(llm, constraint, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        llm.generate(["x"], SamplingParams(structured_outputs=StructuredOutputsParams(**constraint)), use_tqdm=False)
+    assert not llm.engine.has_unfinished()
