@@ -38,6 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from jobs import batches, heartbeats, keys
 from jobs.connection import REDIS_URL_HELP, connect, connect_async
 from jobs.files import FileNotFound, create_file, file_object, new_file_id, read_file
+from jobs.schemas import field_path
 from jobs.storage import RedisStorage, open_storage
 from producers.errors import APIError, error_body, error_response
 from producers.ingest import submit
@@ -151,8 +152,9 @@ def create_app(redis_url: str | None = None) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, error: RequestValidationError):
         detail = error.errors()[0]
-        param = ".".join(str(p) for p in detail["loc"] if p not in ("body", "query", "path"))
-        message = f"{param}: {detail['msg']}" if param else detail["msg"].removeprefix("Value error, ")
+        param = ".".join(field_path(tuple(p for p in detail["loc"] if p not in ("body", "query", "path"))))
+        reason = detail["msg"].removeprefix("Value error, ")
+        message = f"{param}: {reason}" if param else reason
         return JSONResponse(error_body(message, "invalid_request_error", "invalid_request", param or None),
                             status_code=400)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine import ContextLengthExceeded, RequestOutput, SamplingParams
+from engine import ContextLengthExceeded, RequestOutput, SamplingParams, StructuredOutputsParams
 from jobs.results import Choice, Usage, chat_completion_body, completion_body, success_line
 from jobs.schemas import CHAT_COMPLETIONS, ChatBody, CompletionBody, Request
 
@@ -39,7 +39,9 @@ def to_engine_request(request: Request, tokenizer) -> EngineRequest:
     completions with token-id prompts can run."""
     body = request.parsed_body()
     try:
-        params = SamplingParams(**body.sampling_kwargs())
+        constraint = body.constraint()
+        params = SamplingParams(**body.sampling_kwargs(), structured_outputs=StructuredOutputsParams(**constraint)
+                                if constraint is not None else None)
     except ValueError as error:
         raise RequestRejected("invalid_request", str(error)) from None
     if tokenizer is None and (request.url == CHAT_COMPLETIONS or isinstance(body.prompt, str)):

@@ -9,6 +9,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from jobs.schemas import LineError, parse_line
 from producers.api import create_app
@@ -25,6 +26,16 @@ def live_api(redis_server):
             yield server
 
 
+def semantic_exceptions(body) -> list:
+    """Output constraints carry rules no OpenAPI schema can state: a JSON Schema must be valid
+    against its own metaschema, a regex must compile, and one request takes one constraint.
+    Refusing such a body is right, so for those bodies only, "schema-valid data is accepted"
+    is not checked (every other check still is)."""
+    if isinstance(body, dict) and ("structured_outputs" in body or "response_format" in body):
+        return [positive_data_acceptance]
+    return []
+
+
 def test_every_route_answers_in_its_schema_and_never_5xx(live_api):
     """All of Schemathesis's checks on every operation the live schema lists: no 5xx, status
     codes, content types and bodies as documented, schema-invalid input refused, and auth
@@ -36,7 +47,8 @@ def test_every_route_answers_in_its_schema_and_never_5xx(live_api):
         @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None)
         @given(case=operation.as_strategy())
         def check(case):
-            case.call_and_validate(headers={"Authorization": f"Bearer {API_KEY}"})
+            case.call_and_validate(headers={"Authorization": f"Bearer {API_KEY}"},
+                                   excluded_checks=semantic_exceptions(case.body))
 
         check()
 

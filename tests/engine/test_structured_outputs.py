@@ -7,39 +7,16 @@ from __future__ import annotations
 import json
 import random
 import re
+from pathlib import Path
 
 import jsonschema
 import pytest
 
 from engine import LLM, SamplingParams, StructuredOutputsParams
 
-NAME = {"type": "string", "maxLength": 10}
-SCHEMAS = {
-    "required fields": {"type": "object", "properties": {"total": {"type": "number"}, "currency": NAME},
-                        "required": ["total", "currency"], "additionalProperties": False},
-    "enum": {"type": "object", "properties": {"category": {"enum": ["billing", "bug", "question"]}},
-             "required": ["category"], "additionalProperties": False},
-    "array bounds": {"type": "object", "properties": {"tags": {"type": "array", "items": NAME, "minItems": 1,
-                                                               "maxItems": 3}},
-                     "required": ["tags"], "additionalProperties": False},
-    "integer bounds": {"type": "object", "properties": {"age": {"type": "integer", "minimum": 18, "maximum": 99}},
-                       "required": ["age"], "additionalProperties": False},
-    "number bounds": {"type": "object", "properties": {"score": {"type": "number", "minimum": 0, "maximum": 1}},
-                      "required": ["score"], "additionalProperties": False},
-    "nested": {"type": "object", "properties": {"party": {
-        "type": "object", "properties": {"name": NAME, "role": {"enum": ["buyer", "seller"]}},
-        "required": ["name", "role"], "additionalProperties": False}}, "required": ["party"],
-        "additionalProperties": False},
-    "anyOf": {"type": "object", "properties": {"id": {"anyOf": [{"type": "integer"}, NAME]}}, "required": ["id"],
-              "additionalProperties": False},
-    "pattern": {"type": "object", "properties": {"date": {"type": "string", "pattern": r"^\d{4}-\d{2}-\d{2}$"}},
-                "required": ["date"], "additionalProperties": False},
-    "boolean and null": {"type": "object", "properties": {"paid": {"type": "boolean"}, "note": {"type": "null"}},
-                         "required": ["paid", "note"], "additionalProperties": False},
-    "array of objects": {"type": "object", "properties": {"lines": {"type": "array", "maxItems": 2, "items": {
-        "type": "object", "properties": {"qty": {"type": "integer", "minimum": 1, "maximum": 9}},
-        "required": ["qty"], "additionalProperties": False}}}, "required": ["lines"], "additionalProperties": False},
-}
+# Ten schemas: required fields, enums, array bounds, integer and number bounds, nesting, anyOf,
+# string patterns, booleans and null, arrays of objects.
+SCHEMAS = json.loads((Path(__file__).resolve().parents[2] / "examples" / "extraction_schemas.json").read_text())
 PROMPTS = [f"Document {i}: extract the fields." for i in range(20)]
 
 

@@ -8,6 +8,7 @@ import json
 import time
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -261,3 +262,30 @@ def test_a_stream_past_its_timeout_ends_with_an_error_event_and_stops_the_worker
     while worker.in_flight or worker.engine.has_unfinished():
         assert time.monotonic() < deadline, "the worker still runs the request after its timeout"
         time.sleep(0.02)
+
+
+INVOICE = {"type": "object", "properties": {"total": {"type": "integer", "minimum": 0, "maximum": 999},
+                                            "paid": {"type": "boolean"}},
+           "required": ["total", "paid"], "additionalProperties": False}
+
+
+def test_response_format_json_schema_online_streamed_or_not(worker, client):
+    response_format = {"type": "json_schema", "json_schema": {"name": "invoice", "schema": INVOICE}}
+    whole = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=40, temperature=0,
+                                           response_format=response_format)
+    assert whole.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(whole.choices[0].message.content), INVOICE)
+    chunks = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=40, temperature=0, stream=True,
+                                            response_format=response_format)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    choice = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0,
+                                       extra_body={"structured_outputs": {"choice": ["refund", "keep"]}})
+    assert choice.choices[0].text in ("refund", "keep")
+
+
+def test_a_bad_schema_online_is_a_400_naming_it(worker, client):
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=MODEL, messages=CHAT, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}})
+    assert raised.value.body["param"] == "response_format.json_schema.schema"
+    assert "not a valid JSON Schema" in raised.value.message
