@@ -229,7 +229,7 @@ class ModelRunner:
         num_new = lens.tolist()
         num_prefills = sum(1 for n in num_new if n > 1)
         # Real table lengths: a sequence's blocks cover its context (padding is beyond).
-        table_lens = [-(-int(c) // self.block_size) for c in (starts + lens).tolist()]
+        table_lens = [cdiv(context, self.block_size) for context in (starts + lens).tolist()]
         seq_of_token = torch.repeat_interleave(torch.arange(len(num_new)), lens)  # [T]
         offsets = lens.cumsum(0) - lens  # first row of each sequence in the flat batch
         positions = torch.arange(len(inputs.input_ids)) - offsets[seq_of_token] + starts[seq_of_token]  # [T]

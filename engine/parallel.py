@@ -98,12 +98,8 @@ def group_min(value: int, device: torch.device) -> int:
 def check_tensor_parallel(hf_config, world_size: int, device: torch.device) -> None:
     """Before any process starts: the sizes a group of `world_size` must divide, and the devices."""
     divide(hf_config.num_attention_heads, world_size, "num_attention_heads")
-    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
-    if world_size <= num_kv_heads:
-        divide(num_kv_heads, world_size, "num_key_value_heads")
-    elif world_size % num_kv_heads:
-        raise ValueError(f"tensor_parallel_size {world_size} is larger than num_key_value_heads ({num_kv_heads}) "
-                         "and not a multiple of it: the KV heads cannot be replicated evenly")
+    with rank_view(0, world_size):  # the split every rank will make, or its error
+        kv_head_range(getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads)
     for field in ("intermediate_size", "ffn_dim"):
         if getattr(hf_config, field, None):
             divide(getattr(hf_config, field), world_size, field)

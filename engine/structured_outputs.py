@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -75,8 +76,8 @@ class StructuredOutputs:
         self.vocab_size = vocab_size
         # xgrammar's JSON strings admit raw control characters (U+0000-U+001F), which strict JSON
         # parsers refuse; compact JSON needs none, so JSON constraints never sample such a token.
-        self.control_token_ids = [token_id for token_id, text in enumerate(info.decoded_vocab)
-                                  if text and any(byte < 0x20 for byte in text)]
+        self.control_token_ids = torch.tensor([token_id for token_id, text in enumerate(info.decoded_vocab)
+                                               if text and any(byte < 0x20 for byte in text)], dtype=torch.int64)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfleet-grammar")
         self.compiled: dict[str, Future] = {}
         self.compile_seconds: dict[str, float] = {}
@@ -104,8 +105,6 @@ class StructuredOutputs:
         return SequenceGrammar(self.compiled[key], params.json is not None or params.json_object)
 
     def _compile(self, params: StructuredOutputsParams, key: str):
-        import time  # noqa: PLC0415
-
         start = time.perf_counter()
         compiler = self.compiler
         if params.json is not None:
@@ -131,10 +130,9 @@ class StructuredOutputs:
             grammars[row].matcher.fill_next_token_bitmask(bitmask, row)
         self.xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
         json_rows = [row for row in rows if grammars[row].is_json]
-        if json_rows and self.control_token_ids:
+        if json_rows and len(self.control_token_ids):
             json_index = torch.tensor(json_rows, device=logits.device)[:, None]
-            control_index = torch.tensor(self.control_token_ids, device=logits.device)[None, :]
-            logits[json_index, control_index] = float("-inf")
+            logits[json_index, self.control_token_ids.to(logits.device)[None, :]] = float("-inf")
 
 
 def _schema_text(schema: str | dict[str, Any]) -> str:

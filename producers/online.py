@@ -106,9 +106,7 @@ def add_online_routes(router: APIRouter, r: redis.Redis, ar: redis.asyncio.Redis
             last_id, events = await next_events(entry, "0-0", request)
             if events[0]["type"] == "error":
                 is_complete = True
-                error = events[0]
-                raise APIError(error["status"], error["message"], error["code"],
-                               kind="server_error" if error["status"] >= 500 else "invalid_request_error")
+                raise event_error(events[0])
             if body.stream:
                 is_handed_over = True  # the stream takes the request over, with its own cleanup
                 chunks = stream_chunks(entry, model, url, body, last_id, events)
@@ -179,8 +177,7 @@ class Accumulator:
             if event["type"] == "restart":
                 self.reset()
             elif event["type"] == "error":
-                raise APIError(event["status"], event["message"], event["code"],
-                               kind="server_error" if event["status"] >= 500 else "invalid_request_error")
+                raise event_error(event)
             elif event["type"] == "done":
                 self.usage = event["usage"]
                 return True
@@ -203,6 +200,12 @@ class Accumulator:
         response = build(model, choices, usage)
         response["id"] = response_id(entry, url)
         return response
+
+
+def event_error(event: dict[str, Any]) -> APIError:
+    """A worker's error event as the API error it stands for."""
+    return APIError(event["status"], event["message"], event["code"],
+                    kind="server_error" if event["status"] >= 500 else "invalid_request_error")
 
 
 def merge_logprobs(so_far: dict | None, new: dict | None) -> dict | None:
@@ -236,8 +239,8 @@ class ChunkWriter:
 
     def of(self, event: dict[str, Any]) -> list[dict[str, Any]]:
         if event["type"] == "error":
-            kind = "server_error" if event["status"] >= 500 else "invalid_request_error"
-            return [error_body(event["message"], kind, event["code"])]
+            error = event_error(event)
+            return [error_body(error.message, error.kind, error.code)]
         if event["type"] == "done":
             return [self._chunk([], usage=event["usage"])] if self.include_usage else []
         if event["type"] != "delta":

@@ -52,13 +52,8 @@ class OnlineLane:
         `is_running(stream, entry_id)`: a reclaimed entry this worker runs already."""
         if count <= 0:
             return []
-        entries = []
-        for stream in self.streams if reclaim else ():
-            claimed = stream_ops.reclaim_stale(self.r, stream, self.consumer, lease_ms, count - len(entries))
-            entries += [(stream, *entry) for entry in claimed]
-        if len(entries) < count:
-            fresh = stream_ops.read_new(self.r, self.streams, self.consumer, count - len(entries), None)
-            entries += [(stream, entry_id, fields, 1) for stream, entry_id, fields in fresh]
+        entries = stream_ops.pull(self.r, self.consumer, count, lease_ms, self.streams if reclaim else [],
+                                  self.streams, None)
         accepted = []
         for stream, entry_id, fields, deliveries in entries:
             if is_running(stream, entry_id):

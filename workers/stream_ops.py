@@ -33,6 +33,19 @@ def read_new(r: redis.Redis, streams: list[str], consumer: str, count: int, bloc
     return [(stream.decode(), eid.decode(), fields) for stream, items in reply or [] for eid, fields in items]
 
 
+def pull(r: redis.Redis, consumer: str, count: int, lease_ms: int, reclaim_streams: list[str],
+         read_streams: list[str], block_ms: int | None):
+    """Up to `count` entries: stale ones taken over from `reclaim_streams` first, then never-delivered
+    ones of `read_streams` (blocking up to block_ms): [(stream, entry_id, fields, deliveries)]."""
+    entries = []
+    for stream in reclaim_streams:
+        entries += [(stream, *entry) for entry in reclaim_stale(r, stream, consumer, lease_ms, count - len(entries))]
+    if len(entries) < count:
+        fresh = read_new(r, read_streams, consumer, count - len(entries), block_ms)
+        entries += [(stream, entry_id, fields, 1) for stream, entry_id, fields in fresh]
+    return entries
+
+
 def reclaim_stale(r: redis.Redis, stream: str, consumer: str, lease_ms: int, count: int):
     """Take over up to `count` entries idle longer than the lease: [(entry_id, fields, deliveries)]."""
     if count <= 0:

@@ -243,30 +243,21 @@ class Worker:
         reclaim, self.is_reclaim_due = self.is_reclaim_due, False
         for stream, entry_id, work in self.online.pull(online_count, lease_ms, self.options.max_deliveries,
                                                        is_running, reclaim):
-            self.admission.observe(self.engine.num_blocks_needed(len(work.request.prompt_token_ids)), "online")
-            self._start(InFlight(stream, entry_id, None, work.entry.request_id, work.request,
-                                 work.entry.enqueued_at, work), priority=work.entry.priority)
+            self._start_online(stream, entry_id, work)
         count = self.admission.count(self.engine.stats())
         if count <= 0:
             return
-        entries = []  # (stream, entry_id, fields, deliveries)
-        for stream in self.streams if reclaim else ():
-            claimed = stream_ops.reclaim_stale(self.r, stream, self.options.name, lease_ms, count - len(entries))
-            entries += [(stream, *entry) for entry in claimed]
-        if len(entries) < count:
-            is_idle = not self.engine.has_unfinished() and not self.flusher
-            # Block on the streams only when idle, woken by online work as well as batch work.
-            streams = self.online_streams + self.streams if is_idle else self.streams
-            fresh = stream_ops.read_new(self.r, streams, self.options.name, count - len(entries),
-                                        self.options.block_ms if is_idle else None)
-            entries += [(stream, entry_id, fields, 1) for stream, entry_id, fields in fresh]
+        is_idle = not self.engine.has_unfinished() and not self.flusher
+        # Block on the streams only when idle, woken by online work as well as batch work.
+        entries = stream_ops.pull(self.r, self.options.name, count, lease_ms, self.streams if reclaim else [],
+                                  self.online_streams + self.streams if is_idle else self.streams,
+                                  self.options.block_ms if is_idle else None)
         accepted: list[tuple[dict, InFlight]] = []
         for stream, entry_id, fields, deliveries in entries:
             if stream in self.online_streams:  # woke up idle on an online request
                 work = self.online.accept(stream, entry_id, fields, deliveries, self.options.max_deliveries)
                 if work is not None:
-                    self._start(InFlight(stream, entry_id, None, work.entry.request_id, work.request,
-                                         work.entry.enqueued_at, work), priority=work.entry.priority)
+                    self._start_online(stream, entry_id, work)
                 continue
             if request_id(stream, entry_id) in self.in_flight:
                 continue  # reclaimed our own entry: it is already running
@@ -284,6 +275,11 @@ class Worker:
             self.metrics.requeues.inc()
         for _, work in accepted[:num_fit]:
             self._start(work, BATCH_PRIORITY)
+
+    def _start_online(self, stream: str, entry_id: str, work: OnlineWork) -> None:
+        self.admission.observe(self.engine.num_blocks_needed(len(work.request.prompt_token_ids)), "online")
+        self._start(InFlight(stream, entry_id, None, work.entry.request_id, work.request, work.entry.enqueued_at,
+                             work), priority=work.entry.priority)
 
     def _start(self, work: InFlight, priority: int) -> None:
         key = request_id(work.stream, work.entry_id)
