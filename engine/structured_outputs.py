@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from engine.sampling_params import StructuredOutputsParams
+from jobs.json_schema_support import unsupported_features
 
 ERROR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # xgrammar's "[time] file.cc:123: " prefix
 
@@ -85,6 +86,9 @@ class StructuredOutputs:
     def check(self, params: StructuredOutputsParams) -> None:
         """Raise ValueError if the constraint does not convert to a grammar (no tokenizer needed)."""
         grammar = self.xgrammar.Grammar
+        problems = [] if params.json is None else list(unsupported_features(_schema_dict(params.json)))
+        if problems:
+            raise ValueError(f"structured_outputs.json: not supported by the grammar compiler: {'; '.join(problems)}")
         try:
             if params.json is not None:
                 grammar.from_json_schema(_schema_text(params.json), any_whitespace=False)
@@ -134,6 +138,12 @@ class StructuredOutputs:
             json_index = torch.tensor(json_rows, device=logits.device)[:, None]
             logits[json_index, self.control_token_ids.to(logits.device)[None, :]] = float("-inf")
 
+
+def _schema_dict(schema: str | dict[str, Any]) -> Any:
+    try:
+        return json.loads(schema) if isinstance(schema, str) else schema
+    except json.JSONDecodeError:
+        return None  # the compiler names what is wrong with it
 
 def _schema_text(schema: str | dict[str, Any]) -> str:
     return schema if isinstance(schema, str) else json.dumps(schema)

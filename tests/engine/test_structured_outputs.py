@@ -82,6 +82,8 @@ def test_constraints_hold_under_preemption_and_with_n2(demo_model):
     ({"json": {"type": "nonsense"}}, 'structured_outputs.json: Unsupported type "nonsense"'),
     ({"regex": "[a-"}, "structured_outputs.regex: Regex parsing error at position"),
     ({"grammar": "root ::= "}, "structured_outputs.grammar:"),
+    ({"json": {"type": "array", "uniqueItems": True}},
+     "structured_outputs.json: not supported by the grammar compiler: /: uniqueItems:"),
 ])
 def test_a_constraint_that_does_not_compile_is_refused_naming_it(llm, constraint, message):
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -1,16 +1,17 @@
 """Tensor parallelism on the CPU: gloo, world size 2. Each parallel layer against its
 torch.nn counterpart; every architecture against one device and transformers; a
-shard's parameter count; preemption, prefix caching and n > 1 under TP=2."""
+shard's parameter count; preemption, prefix caching, n > 1 and structured outputs under TP=2."""
 
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engine import LLM, SamplingParams, parallel
+from engine import LLM, SamplingParams, StructuredOutputsParams, parallel
 from engine.models import get_model_class
 from engine.shard import free_init_method
 from tests.engine import tp_ranks
@@ -92,11 +93,15 @@ def test_tp2_matches_one_device_and_transformers(tiny_models, name, record_prope
     assert min(fractions.values()) >= 0.75  # fp32 near-ties are rare on these models
 
 
-def test_preemption_prefix_caching_and_n2_under_tp2(tiny_llama):
+def test_preemption_prefix_caching_n2_and_structured_outputs_under_tp2(tiny_llama):
     shared = list(range(3, 35))  # two full blocks every prompt shares
     rng = random.Random(4)
     prompts = [shared + [rng.randrange(3, VOCAB) for _ in range(rng.randint(4, 20))] for _ in range(8)]
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, n=2)
+    free = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, n=2)
+    # Half the prompts constrained: rank 0 masks the gathered logits, the shards never see a grammar.
+    constrained = SamplingParams(temperature=0, max_tokens=40, n=2,
+                                 structured_outputs=StructuredOutputsParams(regex=r"[a-z]{3,12}( [a-z]{3,12}){2}"))
+    params = [free, constrained] * 4
     options = dict(num_kv_blocks=20, max_num_seqs=8)  # too few blocks for all at once: preemption
     expected = LLM(tiny_llama, **options).generate(prompts, params, use_tqdm=False)
     llm = LLM(tiny_llama, tensor_parallel_size=2, **options)
@@ -106,9 +111,13 @@ def test_preemption_prefix_caching_and_n2_under_tp2(tiny_llama):
     finally:
         llm.shutdown()
     assert stats.num_preemptions > 0 and stats.num_prefix_hit_tokens > 0
-    for got, want in zip(outputs, expected):
+    for index, (got, want) in enumerate(zip(outputs, expected)):
         assert len(got.outputs) == 2 and got.outputs[0].token_ids == got.outputs[1].token_ids  # greedy n=2
         assert got.token_ids == want.token_ids
+        if index % 2:
+            assert all(re.fullmatch(r"[a-z]{3,12}( [a-z]{3,12}){2}", out.text) or out.finish_reason == "length"
+                       for out in got.outputs), [out.text for out in got.outputs]
+    assert sum(out.finish_reason == "stop" for got in outputs[1::2] for out in got.outputs) >= 4
 
 
 def test_sizes_the_group_cannot_split_are_refused_before_any_process_starts(tiny_models):

@@ -289,3 +289,7 @@ def test_a_bad_schema_online_is_a_400_naming_it(worker, client):
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}})
     assert raised.value.body["param"] == "response_format.json_schema.schema"
     assert "not a valid JSON Schema" in raised.value.message
+    with pytest.raises(openai.BadRequestError) as raised:  # EBNF is checked by the worker's compiler
+        client.completions.create(model=MODEL, prompt=PROMPT, stream=True,
+                                  extra_body={"structured_outputs": {"grammar": "root ::= ("}})
+    assert raised.value.body["message"].startswith("structured_outputs.grammar: EBNF parser error")

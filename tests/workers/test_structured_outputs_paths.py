@@ -10,6 +10,8 @@ import jsonschema
 import pytest
 
 from engine import EngineConfig, LLMEngine
+from jobs import batches, keys
+from jobs.storage import open_storage
 from producers.submit import main as submit_cli
 from tests.engine.test_structured_outputs import SCHEMAS
 from tests.workers.helpers import MODEL, read_lines, run_until, submit_lines
@@ -38,11 +40,15 @@ def test_a_batch_of_constrained_lines_through_a_worker(demo_engine, r):
     records += [line(f"pick-{i}", n=2, seed=i, temperature=0.9, structured_outputs={"choice": ["yes", "no"]})
                 for i in range(4)]
     records += [line(f"free-{i}") for i in range(4)]  # unconstrained neighbours
+    records += [line("ebnf", structured_outputs={"grammar": "root ::= ("})]  # checked by the worker's compiler
     batch_id = submit_lines(r, records)
     worker = Worker(demo_engine, r, WorkerOptions(name="w", served_model_names=[MODEL], block_ms=50,
                                                   maintain_seconds=0.05))
     done = run_until(worker, r, [batch_id], timeout=120)[batch_id]
-    assert done["request_counts"] == {"total": 36, "completed": 36, "failed": 0}
+    assert done["request_counts"] == {"total": 37, "completed": 36, "failed": 1}
+    [error_line] = read_lines(r, done["error_file_id"])
+    assert error_line["custom_id"] == "ebnf" and error_line["error"]["code"] == "invalid_request"
+    assert error_line["error"]["message"].startswith("structured_outputs.grammar: ")
     bodies = {line["custom_id"]: line["response"]["body"] for line in read_lines(r, done["output_file_id"])}
     stopped = 0
     for name, schema in schemas:
@@ -56,11 +62,23 @@ def test_a_batch_of_constrained_lines_through_a_worker(demo_engine, r):
     assert all(c["text"] in ("yes", "no") for i in range(4) for c in bodies[f"pick-{i}"]["choices"])
 
 
-def test_a_schema_that_is_not_a_schema_is_a_line_error_at_submit(tmp_path, redis_server, r, capsys):
+@pytest.mark.parametrize(("schema", "message"), [
+    ({"type": "nonsense"}, "body.response_format.json_schema.schema: not a valid JSON Schema"),
+    ({"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}},
+     "body.response_format.json_schema.schema: not supported by the grammar compiler: "
+     "/properties/tags: uniqueItems: unique array items are not enforced"),
+])
+def test_a_bad_or_unsupported_schema_is_a_line_error_at_submit(tmp_path, redis_server, r, capsys, schema, message):
     path = tmp_path / "lines.jsonl"
-    bad = line("bad", response_format=response_format({"type": "nonsense"}))
     path.write_text(json.dumps(line("good", response_format=response_format(SCHEMAS["enum"]))) + "\n"
-                    + json.dumps(bad) + "\n")
+                    + json.dumps(line("bad", response_format=response_format(schema))) + "\n")
     assert submit_cli([str(path), "--redis-url", redis_server.url, "--model", MODEL]) == 1
-    assert f"{path}:2: body.response_format.json_schema.schema: not a valid JSON Schema" in capsys.readouterr().err
+    assert f"{path}:2: {message}" in capsys.readouterr().err
     assert r.keys("kvfleet:stream:*") == []  # nothing of that batch was enqueued
+
+    assert submit_cli([str(path), "--redis-url", redis_server.url, "--model", MODEL, "--skip-invalid"]) == 0
+    batch_id = capsys.readouterr().out.split()[0]
+    assert [fields[b"custom_id"].decode() for _, fields in r.xrange(keys.stream(MODEL))] == ["good"]
+    assert batches.batch_object(r, batch_id)["request_counts"] == {"total": 2, "completed": 0, "failed": 1}
+    error = json.loads(open_storage("redis", r).get_result(batch_id, "bad"))["error"]
+    assert error["code"] == "invalid_request" and message in error["message"]
