@@ -64,9 +64,9 @@ def submit_backlog(r: redis.Redis, num_requests: int, max_tokens: int, seed: int
 
 def batch_rate(r: redis.Redis, batch_id: str, window: float) -> float:
     """Batch requests completed per second over the window."""
-    before, start = r.scard(keys.batch_done(batch_id)), time.perf_counter()
+    before, start = batches.num_counted(r, batch_id), time.perf_counter()
     time.sleep(window)
-    return (r.scard(keys.batch_done(batch_id)) - before) / (time.perf_counter() - start)
+    return (batches.num_counted(r, batch_id) - before) / (time.perf_counter() - start)
 
 
 def preemptions(r: redis.Redis) -> int:
@@ -168,12 +168,12 @@ def main() -> None:
 
         batch_id = submit_backlog(r, args.batch_requests, args.max_tokens, seed=3)
         time.sleep(args.warmup)
-        before, start, preempted = r.scard(keys.batch_done(batch_id)), time.perf_counter(), preemptions(r)
+        before, start, preempted = batches.num_counted(r, batch_id), time.perf_counter(), preemptions(r)
         busy = asyncio.run(online_load(base_url, online_rate, args.window, args.max_tokens, seed=2))
-        with_online = (r.scard(keys.batch_done(batch_id)) - before) / (time.perf_counter() - start)
+        with_online = (batches.num_counted(r, batch_id) - before) / (time.perf_counter() - start)
         time.sleep(1.5)  # one more heartbeat
         preempted_busy = preemptions(r) - preempted
-        assert r.scard(keys.batch_done(batch_id)) < args.batch_requests, "the backlog ran out: raise --batch-requests"
+        assert batches.num_counted(r, batch_id) < args.batch_requests, "the backlog ran out: raise --batch-requests"
         cancel_and_wait_idle(r, batch_id)
         alone_after, _ = batch_alone(r, args, seed=4)  # again: a shared host drifts
     finally:

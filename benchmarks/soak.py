@@ -61,7 +61,7 @@ def poll_continuously(base_url: str, r: redis.Redis, batch_ids: list[str], stop:
             counts["status"] += 1
             if client.get(f"/v1/batches/{batch_id}").status_code != 200:
                 counts["errors"] += 1
-            done = r.srandmember(keys.batch_done(batch_id))
+            done = r.srandmember(keys.partition_done(batch_id, 0))  # one Redis: one partition
             if done is not None:
                 counts["results"] += 1
                 if client.get(f"/v1/batches/{batch_id}/results/{done.decode()}").status_code != 200:
@@ -116,8 +116,7 @@ def main() -> None:
         for quarter in range(1, 5):
             target = args.num_requests * quarter // 4
             while True:
-                done = sum(int(r.hget(keys.batch(b), "completed") or 0) + int(r.hget(keys.batch(b), "failed") or 0)
-                           for b in batch_ids)
+                done = sum(batches.num_counted(r, b) for b in batch_ids)
                 if done >= target:
                     break
                 dead = [name for name, p in processes.items() if p.poll() is not None]

@@ -37,23 +37,28 @@ TIMESTAMP_FIELDS = {"in_progress": "in_progress_at", "finalizing": "finalizing_a
                     "failed": "failed_at", "cancelling": "cancelling_at", "cancelled": "cancelled_at",
                     "expired": "expired_at"}
 WINDOWS = {"24h": 24 * 3600}
-INT_FIELDS = ("created_at", "expires_at", *TIMESTAMP_FIELDS.values(), "total", "completed", "failed",
-              "enqueued", "prompt_tokens", "completion_tokens", "cached_tokens")
+INT_FIELDS = ("created_at", "expires_at", *TIMESTAMP_FIELDS.values(), "total")
 JSON_FIELDS = ("metadata", "errors")
 
-# KEYS: the batch hash, the open-batches set. ARGV: new status, its timestamp field,
-# "1" if the new status is terminal, then the legal source statuses.
+COUNT_FIELDS = ("completed", "failed", "prompt_tokens", "completion_tokens", "cached_tokens")  # per partition
+
+# KEYS: the batch hash. ARGV: new status, its timestamp field, then the legal source statuses.
 _TRANSITION_LUA = """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return {-1, ''} end
-for i = 4, #ARGV do
+for i = 3, #ARGV do
   if ARGV[i] == status then
     redis.call('HSET', KEYS[1], 'status', ARGV[1], ARGV[2], redis.call('TIME')[1])
-    if ARGV[3] == '1' then redis.call('SREM', KEYS[2], redis.call('HGET', KEYS[1], 'id')) end
     return {1, status}
   end
 end
 return {0, status}
+"""
+# KEYS: the batch hash. ARGV: field, value, field, value, ... Creates it only if it does not exist.
+_CREATE_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV))
+return 1
 """
 
 
@@ -91,25 +96,24 @@ def create_batch(r: redis.Redis, batch_id: str, *, endpoint: str, model: str, in
     fields = {"id": batch_id, "status": "validating", "endpoint": endpoint, "model": model,
               "input_file_id": input_file_id or "", "completion_window": completion_window, "sink": sink,
               "created_at": now, "expires_at": now + parse_window(completion_window),
-              "metadata": json.dumps(metadata or {}), "total": 0, "completed": 0, "failed": 0, "enqueued": 0}
-    if not r.hsetnx(keys.batch(batch_id), "id", batch_id):
-        return False
-    pipe = r.pipeline(transaction=True)
-    pipe.hset(keys.batch(batch_id), mapping=fields)
-    pipe.zadd(keys.BATCHES, {batch_id: created})  # sub-second, so listing order is creation order
+              "metadata": json.dumps(metadata or {}), "total": 0}
+    # The indexes first (they live in other slots than the batch): an id listed before its
+    # hash exists is skipped by readers, a hash never listed would be lost to the sweep.
+    pipe = r.pipeline(transaction=False)
+    pipe.zadd(keys.BATCHES, {batch_id: created}, nx=True)  # sub-second, so listing order is creation order
     pipe.sadd(keys.OPEN_BATCHES, batch_id)  # until terminal: what the finalizer's sweep looks at
     pipe.execute()
-    return True
+    flat = [item for pair in fields.items() for item in pair]
+    return bool(r.eval(_CREATE_LUA, 1, keys.batch(batch_id), *flat))
 
 
 def _transition_args(batch_id: str, to_status: str) -> list:
-    return [2, keys.batch(batch_id), keys.OPEN_BATCHES, to_status, TIMESTAMP_FIELDS[to_status],
-            "1" if to_status in TERMINAL else "0", *TRANSITIONS[to_status]]
+    return [1, keys.batch(batch_id), to_status, TIMESTAMP_FIELDS[to_status], *TRANSITIONS[to_status]]
 
 
 def queue_transition(pipe: redis.client.Pipeline, batch_id: str, to_status: str) -> None:
     """The same transition, queued in a MULTI; an illegal one leaves the status as it is."""
-    pipe.eval(_TRANSITION_LUA, *_transition_args(batch_id, to_status))
+    pipe.execute_command("EVAL", _TRANSITION_LUA, *_transition_args(batch_id, to_status))  # no eval() in a cluster pipeline
 
 
 def transition(r: redis.Redis, batch_id: str, to_status: str) -> str:
@@ -121,6 +125,8 @@ def transition(r: redis.Redis, batch_id: str, to_status: str) -> str:
         raise BatchNotFound(batch_id)
     if code == 0:
         raise IllegalTransition(f"batch {batch_id}: cannot go from {previous} to {to_status}")
+    if to_status in TERMINAL:  # another slot: if this is lost, the sweep drops the id
+        r.srem(keys.OPEN_BATCHES, batch_id)
     return previous
 
 
@@ -132,10 +138,17 @@ def fail(r: redis.Redis, batch_id: str, code: str, message: str) -> None:
 
 
 def load_fields(r: redis.Redis, batch_id: str) -> dict[str, Any]:
-    raw = r.hgetall(keys.batch(batch_id))
+    """The batch hash's fields, with the counts and usage summed over its partitions."""
+    pipe = r.pipeline(transaction=False)
+    pipe.hgetall(keys.batch(batch_id))
+    for partition in range(keys.num_partitions(r)):
+        pipe.hmget(keys.partition_counts(batch_id, partition), *COUNT_FIELDS)
+    raw, *partitions = pipe.execute()
     if not raw:
         raise BatchNotFound(batch_id)
     fields: dict[str, Any] = {k.decode(): v.decode() for k, v in raw.items()}
+    for index, name in enumerate(COUNT_FIELDS):
+        fields[name] = sum(int(values[index] or 0) for values in partitions)
     for name in INT_FIELDS:
         if name in fields:
             fields[name] = int(fields[name])
@@ -176,3 +189,17 @@ def list_batch_ids(r: redis.Redis, after: str | None = None, limit: int = 20) ->
             raise BatchNotFound(after)
         start = rank + 1
     return [b.decode() for b in r.zrevrange(keys.BATCHES, start, start + limit - 1)]
+
+
+def num_counted(r: redis.Redis, batch_id: str) -> int:
+    """How many of the batch's requests have a result counted (completed or failed)."""
+    fields = load_fields(r, batch_id)
+    return fields["completed"] + fields["failed"]
+
+
+def counted_ids(r: redis.Redis, batch_id: str) -> set[str]:
+    """The custom ids with a result counted, over every partition."""
+    pipe = r.pipeline(transaction=False)
+    for partition in range(keys.num_partitions(r)):
+        pipe.smembers(keys.partition_done(batch_id, partition))
+    return {member.decode() for members in pipe.execute() for member in members}

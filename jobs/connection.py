@@ -4,6 +4,9 @@ demo): a URL, plus TLS files from the environment.
     redis://[user:password@]host:port/db        plain TCP, with an ACL user if given
     rediss://[user:password@]host:port/db       TLS; redis-py's query parameters work too
                                                 (?ssl_cert_reqs=required&ssl_ca_certs=/ca.pem)
+    redis+cluster://[user:password@]host:port[,host:port...]/
+    rediss+cluster://...                        a Redis Cluster (redis-py's cluster client), over TLS
+                                                with rediss+; any reachable node finds the rest
 
 KVFLEET_REDIS_CA, KVFLEET_REDIS_CERT and KVFLEET_REDIS_KEY name the CA bundle that
 verifies the server and the client certificate and key (mutual TLS) for rediss:// URLs.
@@ -12,34 +15,89 @@ verifies the server and the client certificate and key (mutual TLS) for rediss:/
 from __future__ import annotations
 
 import os
+from functools import cache
+from urllib.parse import unquote, urlsplit
 
 import redis
 import redis.asyncio
+import redis.asyncio.cluster
+from redis.cluster import ClusterNode, RedisCluster
 
 from jobs.keys import default_redis_url
 
-REDIS_URL_HELP = ("redis://[USER:PASSWORD@]HOST:PORT/DB, or rediss:// for TLS (server CA in KVFLEET_REDIS_CA, "
+CLUSTER_SCHEMES = {"redis+cluster": False, "rediss+cluster": True}  # scheme -> TLS
+
+REDIS_URL_HELP = ("redis://[USER:PASSWORD@]HOST:PORT/DB, rediss:// for TLS (server CA in KVFLEET_REDIS_CA, "
                   "client certificate and key in KVFLEET_REDIS_CERT and KVFLEET_REDIS_KEY); "
+                  "redis+cluster://HOST:PORT[,HOST:PORT...]/ (or rediss+cluster://) for a Redis Cluster; "
                   "default: KVFLEET_REDIS_URL or redis://localhost:6379/0. The ACL a kvfleet user needs is in the README")
 TLS_ENVIRONMENT = {"KVFLEET_REDIS_CA": "ssl_ca_certs", "KVFLEET_REDIS_CERT": "ssl_certfile",
                    "KVFLEET_REDIS_KEY": "ssl_keyfile"}
 
 
 def _tls_options(url: str, options: dict) -> dict:
-    if url.startswith("rediss://"):
+    if url.startswith(("rediss://", "rediss+cluster://")):
         for variable, option in TLS_ENVIRONMENT.items():
             if os.environ.get(variable):
                 options.setdefault(option, os.environ[variable])
     return options
 
 
-def connect(url: str | None = None, **options) -> redis.Redis:
-    """A client for `url` (default KVFLEET_REDIS_URL); TLS files from the environment."""
+def is_cluster_url(url: str) -> bool:
+    return url.split("://", 1)[0] in CLUSTER_SCHEMES
+
+
+def _cluster_options(url: str, options: dict) -> tuple[list[tuple[str, int]], dict]:
+    """(host, port) of each node the URL names, and the client options."""
+    parts = urlsplit(url)
+    if parts.path.strip("/") not in ("", "0"):
+        raise ValueError(f"a Redis Cluster has only database 0, not {parts.path.strip('/')!r}")
+    credentials, _, hosts = parts.netloc.rpartition("@")
+    user, _, password = credentials.partition(":") if credentials else ("", "", "")
+    nodes = []
+    for host_port in hosts.split(","):
+        host, _, port = host_port.rpartition(":") if ":" in host_port else (host_port, "", "")
+        nodes.append((host or "localhost", int(port or 6379)))
+    options = _tls_options(url, dict(options))
+    if user or password:
+        options.update(username=unquote(user) or None, password=unquote(password) or None)
+    if CLUSTER_SCHEMES[parts.scheme]:
+        options["ssl"] = True
+    return nodes, options
+
+
+def connect(url: str | None = None, **options) -> redis.Redis | RedisCluster:
+    """A client for `url` (default KVFLEET_REDIS_URL); TLS files from the environment.
+    A redis+cluster:// URL gives redis-py's cluster client (MOVED, failover and retries are its job)."""
     url = url or default_redis_url()
+    if is_cluster_url(url):
+        nodes, options = _cluster_options(url, options)
+        return RedisCluster(startup_nodes=[ClusterNode(host, port) for host, port in nodes], **options)
     return redis.Redis.from_url(url, **_tls_options(url, options))
 
 
-def connect_async(url: str | None = None, **options) -> redis.asyncio.Redis:
+def connect_async(url: str | None = None, **options) -> redis.asyncio.Redis | redis.asyncio.RedisCluster:
     """The asyncio client for the same URL and TLS files (the API's blocking reads)."""
     url = url or default_redis_url()
+    if is_cluster_url(url):
+        nodes, options = _cluster_options(url, options)
+        return redis.asyncio.RedisCluster(
+            startup_nodes=[redis.asyncio.cluster.ClusterNode(host, port) for host, port in nodes], **options)
     return redis.asyncio.Redis.from_url(url, **_tls_options(url, options))
+
+
+def queue_connection(r: redis.Redis | RedisCluster) -> redis.Redis:
+    """The Redis of the finalize queue (RQ): the data Redis itself, except with a cluster,
+    where RQ cannot run: then the plain Redis that KVFLEET_QUEUE_URL names."""
+    if not isinstance(r, RedisCluster):
+        return r
+    url = os.environ.get("KVFLEET_QUEUE_URL")
+    if not url or is_cluster_url(url):
+        raise ValueError("with a Redis Cluster, set KVFLEET_QUEUE_URL to a plain Redis (redis:// or rediss://) "
+                         "for the finalize queue: RQ cannot run on a cluster")
+    return _queue_client(url)
+
+
+@cache
+def _queue_client(url: str) -> redis.Redis:
+    return connect(url)

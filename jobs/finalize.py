@@ -27,17 +27,18 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import tempfile
 import time
 
 import redis
-from rq import Queue, get_current_job
+from rq import Queue, SimpleWorker, get_current_job
 from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from jobs import batches, keys
-from jobs.connection import connect
+from jobs.connection import connect, queue_connection
 from jobs.files import create_file
 from jobs.results import is_error_line
 from jobs.storage import CHUNK, RedisStorage, describe_error, is_permanent_error, open_storage
@@ -48,7 +49,8 @@ SWEEP_STATUSES = ("in_progress", "finalizing", "cancelling")  # may be waiting f
 
 
 def finalize_queue(r: redis.Redis) -> Queue:
-    return Queue(keys.FINALIZE_QUEUE, connection=r, serializer=JSONSerializer)
+    """The RQ queue of finalize jobs; `r` is the data Redis (see connection.queue_connection)."""
+    return Queue(keys.FINALIZE_QUEUE, connection=queue_connection(r), serializer=JSONSerializer)
 
 
 def job_id(batch_id: str) -> str:
@@ -60,11 +62,14 @@ def request_finalize(r: redis.Redis, batch_id: str, force: bool = False) -> bool
     True if this call did.
 
     NOTE: the flag, the status change and the RQ job commit in one MULTI (under WATCH),
-    so a worker killed half-way cannot leave a batch flagged but never finalized.
+    so a worker killed half-way cannot leave a batch flagged but never finalized. With a
+    Redis Cluster the queue is on another Redis: the job is enqueued right after the MULTI,
+    and if that is lost the Sweeper enqueues it again after its grace period.
     """
     key = keys.batch(batch_id)
     queue = finalize_queue(r)
-    with r.pipeline() as pipe:
+    is_same_redis = queue.connection is r
+    with r.pipeline(transaction=True) as pipe:
         while True:
             try:
                 pipe.watch(key)
@@ -77,17 +82,36 @@ def request_finalize(r: redis.Redis, batch_id: str, force: bool = False) -> bool
                 # from cancelling the transition is refused and finalize ends it cancelled.
                 if not is_expired:
                     batches.queue_transition(pipe, batch_id, "finalizing")
-                queue.enqueue_call("jobs.finalize.finalize_batch", args=[batch_id], job_id=job_id(batch_id),
-                                   result_ttl=3600, failure_ttl=7 * 86400, pipeline=pipe)
+                if is_same_redis:
+                    _enqueue_finalize(queue, batch_id, pipe)
                 pipe.execute()
+                if not is_same_redis:
+                    _enqueue_finalize(queue, batch_id)
                 return True
             except redis.WatchError:
                 continue  # the batch changed meanwhile (another result landed): look again
 
 
+def run_queued_jobs(r: redis.Redis) -> int:
+    """Run every queued finalize job in this process, as workers.finalizer would (tests,
+    benchmarks, the demo); how many there were."""
+    queue = finalize_queue(r)
+    num_jobs = queue.count
+    if num_jobs:
+        SimpleWorker([queue], connection=queue.connection, serializer=JSONSerializer).work(burst=True)
+    return num_jobs
+
+
+def _enqueue_finalize(queue: Queue, batch_id: str, pipe: redis.client.Pipeline | None = None) -> None:
+    queue.enqueue_call("jobs.finalize.finalize_batch", args=[batch_id], job_id=job_id(batch_id),
+                       result_ttl=3600, failure_ttl=7 * 86400, pipeline=pipe)
+
+
 def _connection() -> redis.Redis:
+    """The data Redis: the job's own connection, unless the queue has a Redis of its own
+    (a cluster fleet), then KVFLEET_REDIS_URL (workers.finalizer sets it from --redis-url)."""
     job = get_current_job()
-    if job is not None:
+    if job is not None and not os.environ.get("KVFLEET_QUEUE_URL"):
         return job.connection
     return connect()
 
@@ -144,7 +168,7 @@ def _write_files(r: redis.Redis, batch_id: str, fields: dict) -> None:
 
 def _job_status(r: redis.Redis, batch_id: str) -> JobStatus | None:
     try:
-        return Job.fetch(job_id(batch_id), connection=r, serializer=JSONSerializer).get_status()
+        return Job.fetch(job_id(batch_id), connection=queue_connection(r), serializer=JSONSerializer).get_status()
     except NoSuchJobError:
         return None
 
@@ -152,17 +176,16 @@ def _job_status(r: redis.Redis, batch_id: str) -> JobStatus | None:
 def counted_but_open(r: redis.Redis) -> list[str]:
     """Open batches whose every request has a result counted, in a status that waits
     for finalize."""
-    batch_ids = sorted(b.decode() for b in r.smembers(keys.OPEN_BATCHES))
-    pipe = r.pipeline(transaction=False)
-    for batch_id in batch_ids:
-        pipe.hmget(keys.batch(batch_id), "status", "total", "completed", "failed")
     found = []
-    for batch_id, (status, total, completed, failed) in zip(batch_ids, pipe.execute()):
-        if status is None:
+    for batch_id in sorted(b.decode() for b in r.smembers(keys.OPEN_BATCHES)):
+        try:
+            fields = batches.load_fields(r, batch_id)
+        except batches.BatchNotFound:
             r.srem(keys.OPEN_BATCHES, batch_id)  # the hash is gone
             continue
-        total, done = int(total or 0), int(completed or 0) + int(failed or 0)
-        if status.decode() in SWEEP_STATUSES and total > 0 and done >= total:
+        if fields["status"] in batches.TERMINAL:
+            r.srem(keys.OPEN_BATCHES, batch_id)  # its transition's SREM was lost
+        elif fields["status"] in SWEEP_STATUSES and 0 < fields["total"] <= fields["completed"] + fields["failed"]:
             found.append(batch_id)
     return found
 

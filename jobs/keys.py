@@ -1,22 +1,43 @@
-"""Every Redis key kvfleet uses, in one place.
+"""Every Redis key kvfleet uses, in one place, laid out for Redis Cluster.
 
-| key                              | type        | holds                                                        |
-|----------------------------------|-------------|--------------------------------------------------------------|
-| kvfleet:stream:{model}           | stream      | one entry per request, fields STREAM_ENTRY_FIELDS below      |
-| kvfleet:online:{model}           | stream      | online requests (read first), fields in jobs/online.py       |
-| kvfleet:reply:{request_id}       | stream + TTL| an online request's events, worker -> API (jobs/online.py)   |
-| kvfleet:reply:{request_id}:cancel| string + TTL| set by the API when the client went away or timed out        |
-| kvfleet:batch:{id}               | hash        | the batch object's fields, counts, timestamps, sink          |
-| kvfleet:batch:{id}:done          | set         | custom ids with a durable result (counted once)              |
-| kvfleet:batch:{id}:results       | hash        | custom id -> result line (the redis sink)                    |
-| kvfleet:batches                  | sorted set  | batch ids by creation time (listing)                         |
-| kvfleet:batches:open             | set         | batch ids not yet terminal (the finalizer's sweep)           |
-| kvfleet:file:{id}                | hash        | a file object: bytes, filename, purpose, location            |
-| kvfleet:file:{id}:content        | string      | the content of a file stored in Redis                        |
-| kvfleet:dead                     | stream      | dead-lettered entries with their last error                  |
-| kvfleet:worker:{name}            | hash + TTL  | heartbeat: served models, KV blocks, running/waiting/...     |
-| kvfleet:workers                  | sorted set  | worker names by last heartbeat (jobs/heartbeats.py)          |
-| rq:queue:kvfleet-finalize        | RQ queue    | finalize_batch jobs (JSON serializer), one per batch         |
+NOTE: the part of a key in braces is its hash tag: Redis Cluster places keys with the
+same tag in the same slot, and only keys of one slot may meet in a Lua script or a
+MULTI. Every script and MULTI in kvfleet touches keys of one tag.
+
+| key                                   | type         | holds                                                    |
+|---------------------------------------|--------------|----------------------------------------------------------|
+| kvfleet:stream:{pN}:{model}           | stream       | requests of partition N, fields STREAM_ENTRY_FIELDS      |
+| kvfleet:done:{pN}:{batch}             | set          | custom ids of the batch's partition-N requests with a    |
+|                                       |              | durable result (each counted once)                       |
+| kvfleet:counts:{pN}:{batch}           | hash         | that partition's total, completed, failed and usage      |
+| kvfleet:dead:{tag}                    | stream       | dead-lettered entries of the streams with that tag       |
+| kvfleet:online:{model}                | stream       | online requests (read first), fields in jobs/online.py   |
+| kvfleet:reply:{request_id}            | stream + TTL | an online request's events, worker -> API                |
+| kvfleet:reply:{request_id}:cancel     | string + TTL | set by the API when the client went away or timed out    |
+| kvfleet:batch:{batch}                 | hash         | the batch object's fields, total, timestamps, sink       |
+| kvfleet:batch:{batch}:results         | hash         | custom id -> result line (the redis sink)                |
+| kvfleet:batches                       | sorted set   | batch ids by creation time (listing)                     |
+| kvfleet:batches:open                  | set          | batch ids not yet terminal (the finalizer's sweep)       |
+| kvfleet:file:{file}                   | hash         | a file object: bytes, filename, purpose, location        |
+| kvfleet:file:{file}:content           | string       | the content of a file stored in Redis                    |
+| kvfleet:worker:{workers}:{name}       | hash + TTL   | heartbeat: served models, KV blocks, running/waiting/... |
+| kvfleet:workers:{workers}             | sorted set   | worker names by last heartbeat (jobs/heartbeats.py)      |
+| rq:queue:kvfleet-finalize             | RQ queue     | finalize_batch jobs (JSON serializer), one per batch     |
+
+Partitions. On one Redis there is one partition (N = 0). On a Redis Cluster each model's
+stream is split into NUM_CLUSTER_PARTITIONS streams, so one model's load spreads over
+every master instead of pinning one slot. A batch's lines go to partitions in runs of
+PARTITION_LINES lines, starting at a partition chosen by the batch id: a small batch
+stays in one partition (a few keys), a large one spreads over all. Its counting keys
+(done, counts) are per partition, tagged like the stream, so recording a result and
+acking its entry stay one script; the batch hash (status, total) has a tag of its own,
+and its counts are the sum of its partitions'. Workers read the partitions in rotation.
+The trade-off: with P partitions a worker makes up to P reads to find work, and a batch's
+counts take P reads; P = 16 covers clusters of up to 16 masters.
+
+RQ cannot run on a Redis Cluster (its transactions span slots: rq/rq#1942), so with a
+cluster the finalize queue lives on a plain Redis named by KVFLEET_QUEUE_URL
+(jobs/connection.py).
 
 A stream entry's fields, as producers/ingest.py writes them and workers read them:
 
@@ -31,56 +52,98 @@ A stream entry's fields, as producers/ingest.py writes them and workers read the
 from __future__ import annotations
 
 import os
+import re
+import zlib
+
+import redis
+from redis.cluster import RedisCluster
 
 PREFIX = "kvfleet"
 CONSUMER_GROUP = "workers"
 FINALIZE_QUEUE = "kvfleet-finalize"
 BATCHES = f"{PREFIX}:batches"
 OPEN_BATCHES = f"{PREFIX}:batches:open"
-DEAD_LETTERS = f"{PREFIX}:dead"
-WORKERS = f"{PREFIX}:workers"
+WORKERS = f"{PREFIX}:workers:{{workers}}"
 STREAM_ENTRY_FIELDS = ("batch_id", "custom_id", "line_number", "line", "enqueued_at")
 HANDED_BACK_FIELD = "requeues"
+NUM_CLUSTER_PARTITIONS = 16
+PARTITION_LINES = 100  # consecutive lines of a batch that share a partition
+_TAG = re.compile(r"\{([^}]*)\}")
 
 
-def stream(model: str) -> str:
-    return f"{PREFIX}:stream:{model}"
+def num_partitions(r: redis.Redis | RedisCluster) -> int:
+    return NUM_CLUSTER_PARTITIONS if isinstance(r, RedisCluster) else 1
+
+
+def partition_of(batch_id: str, line_index: int, num_partitions: int) -> int:
+    """The partition of a batch's line_index-th valid line (0-based)."""
+    return (zlib.crc32(batch_id.encode()) + line_index // PARTITION_LINES) % num_partitions
+
+
+def stream(model: str, partition: int = 0) -> str:
+    return f"{PREFIX}:stream:{{p{partition}}}:{model}"
+
+
+def streams(model: str, num_partitions: int) -> list[str]:
+    return [stream(model, partition) for partition in range(num_partitions)]
+
+
+def stream_partition(stream_key: str) -> int:
+    """The partition a batch stream's key names."""
+    return int(hash_tag(stream_key)[1:])
+
+
+def hash_tag(key: str) -> str:
+    match = _TAG.search(key)
+    return match.group(1) if match else key
+
+
+def partition_done(batch_id: str, partition: int) -> str:
+    return f"{PREFIX}:done:{{p{partition}}}:{batch_id}"
+
+
+def partition_counts(batch_id: str, partition: int) -> str:
+    return f"{PREFIX}:counts:{{p{partition}}}:{batch_id}"
+
+
+def dead_letters(stream_key: str) -> str:
+    """The dead-letter stream of a stream: the same hash tag, so moving an entry is one MULTI."""
+    return f"{PREFIX}:dead:{{{hash_tag(stream_key)}}}"
+
+
+DEAD_LETTERS_PATTERN = f"{PREFIX}:dead:*"
 
 
 def online_stream(model: str) -> str:
-    return f"{PREFIX}:online:{model}"
+    return f"{PREFIX}:online:{{{model}}}"
 
 
 def reply(request_id: str) -> str:
-    return f"{PREFIX}:reply:{request_id}"
+    return f"{PREFIX}:reply:{{{request_id}}}"
 
 
 def reply_cancel(request_id: str) -> str:
-    return f"{PREFIX}:reply:{request_id}:cancel"
+    return f"{PREFIX}:reply:{{{request_id}}}:cancel"
 
 
 def batch(batch_id: str) -> str:
-    return f"{PREFIX}:batch:{batch_id}"
-
-
-def batch_done(batch_id: str) -> str:
-    return f"{PREFIX}:batch:{batch_id}:done"
+    return f"{PREFIX}:batch:{{{batch_id}}}"
 
 
 def batch_results(batch_id: str) -> str:
-    return f"{PREFIX}:batch:{batch_id}:results"
+    return f"{PREFIX}:batch:{{{batch_id}}}:results"
 
 
 def file(file_id: str) -> str:
-    return f"{PREFIX}:file:{file_id}"
+    return f"{PREFIX}:file:{{{file_id}}}"
 
 
 def file_content(file_id: str) -> str:
-    return f"{PREFIX}:file:{file_id}:content"
+    return f"{PREFIX}:file:{{{file_id}}}:content"
 
 
 def worker(name: str) -> str:
-    return f"{PREFIX}:worker:{name}"
+    return f"{PREFIX}:worker:{{workers}}:{name}"
 
 
 def default_redis_url() -> str:

@@ -5,9 +5,10 @@ Two streaming passes, so memory stays bounded whatever the file's length:
   1. parse every line, collect errors (up to a cap), and keep an 8-byte digest
      of each custom id; duplicates are found by sorting the digests, and only
      then is the file read again to name their lines;
-  2. XADD the valid lines, pipelined in chunks; each chunk and the batch's
-     `enqueued` counter commit in one MULTI, so a re-run resumes where a crashed
-     one stopped and never enqueues a line twice.
+  2. XADD the valid lines in chunks of keys.PARTITION_LINES, each to its partition's
+     stream by one script that also marks the chunk enqueued and adds it to the
+     partition's total; so a re-run resumes where a crashed one stopped and never
+     enqueues a line twice. The scripts are pipelined, CHUNK_LINES lines a round trip.
 The stream entry carries the original line and its number; workers re-parse it
 with the same `jobs.schemas.parse_line`.
 """
@@ -138,7 +139,7 @@ def submit(r: redis.Redis, source: LineSource, *, batch_id: str | None = None, e
     r.hset(keys.batch(batch_id), "total", report.num_lines)
     if fields["status"] == "validating":
         batches.transition(r, batch_id, "in_progress")
-    num_enqueued = _enqueue(r, source, batch_id, report, already=fields["enqueued"], on_progress=on_progress)
+    num_enqueued = _enqueue(r, source, batch_id, report, on_progress=on_progress)
     if report.invalid:
         storage = open_storage(sink, r)
         for line_number, custom_id in report.invalid.items():
@@ -148,33 +149,55 @@ def submit(r: redis.Redis, source: LineSource, *, batch_id: str | None = None, e
     return Submission(batch_id, report, num_enqueued)
 
 
-def _enqueue(r: redis.Redis, source: LineSource, batch_id: str, report: Report, already: int,
+# KEYS: the partition's stream and counts hash. ARGV: the chunk's marker, the batch id, then
+# custom_id, line_number, line and enqueued_at of each line. Returns how many it enqueued.
+_ENQUEUE_CHUNK_LUA = """
+if redis.call('HSETNX', KEYS[2], ARGV[1], 1) == 0 then return 0 end
+local count = 0
+for i = 3, #ARGV, 4 do
+  redis.call('XADD', KEYS[1], '*', 'batch_id', ARGV[2], 'custom_id', ARGV[i], 'line_number', ARGV[i + 1],
+             'line', ARGV[i + 2], 'enqueued_at', ARGV[i + 3])
+  count = count + 1
+end
+redis.call('HINCRBY', KEYS[2], 'total', count)
+return count
+"""
+
+
+def _enqueue(r: redis.Redis, source: LineSource, batch_id: str, report: Report,
              on_progress: Callable[[int], None] | None) -> int:
-    """Pass 2: XADD the valid lines after the first `already`, chunk by chunk."""
-    stream = keys.stream(report.model)
-    pipe = r.pipeline(transaction=True)
-    index = num_enqueued = pending = 0
+    """Pass 2: XADD the valid lines, PARTITION_LINES a script, skipping chunks already enqueued."""
+    num_partitions = keys.num_partitions(r)
+    pipe = r.pipeline(transaction=False)
+    chunk: list = []
+    index = num_enqueued = num_pending = 0
+
+    def add_chunk() -> None:
+        chunk_index = (index - 1) // keys.PARTITION_LINES
+        partition = keys.partition_of(batch_id, chunk_index * keys.PARTITION_LINES, num_partitions)
+        # execute_command: redis-py's cluster pipeline has no eval(), but routes EVAL by its keys
+        pipe.execute_command("EVAL", _ENQUEUE_CHUNK_LUA, 2, keys.stream(report.model, partition),
+                  keys.partition_counts(batch_id, partition), f"chunk:{chunk_index}", batch_id, *chunk)
+        chunk.clear()
+
     for line_number, raw in _lines(source):
         if line_number in report.invalid:
             continue
         index += 1
-        if index <= already:
-            continue
-        custom_id = custom_id_of(raw, line_number)
-        pipe.xadd(stream, {"batch_id": batch_id, "custom_id": custom_id, "line_number": line_number,
-                           "line": raw.strip(), "enqueued_at": f"{time.time():.3f}"})
-        pending += 1
-        if pending == CHUNK_LINES:
-            num_enqueued += _flush(pipe, batch_id, pending, on_progress)
-            pending = 0
-    if pending:
-        num_enqueued += _flush(pipe, batch_id, pending, on_progress)
-    return num_enqueued
+        chunk += [custom_id_of(raw, line_number), line_number, raw.strip(), f"{time.time():.3f}"]
+        if index % keys.PARTITION_LINES == 0:
+            add_chunk()
+            num_pending += keys.PARTITION_LINES
+        if num_pending >= CHUNK_LINES:
+            num_enqueued += _flush(pipe, on_progress)
+            num_pending = 0
+    if chunk:
+        add_chunk()
+    return num_enqueued + _flush(pipe, on_progress)
 
 
-def _flush(pipe: redis.client.Pipeline, batch_id: str, count: int, on_progress) -> int:
-    pipe.hincrby(keys.batch(batch_id), "enqueued", count)
-    pipe.execute()
-    if on_progress:
+def _flush(pipe: redis.client.Pipeline, on_progress) -> int:
+    count = sum(pipe.execute())
+    if on_progress and count:
         on_progress(count)
     return count

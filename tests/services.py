@@ -8,20 +8,9 @@ import time
 from pathlib import Path
 
 import uvicorn
-from rq import SimpleWorker
-from rq.serializers import JSONSerializer
 
-from jobs.finalize import finalize_queue
+from jobs.finalize import run_queued_jobs as run_finalize_jobs  # noqa: F401 (re-exported for tests)
 from jobs.local_redis import RedisServer, free_port  # noqa: F401 (re-exported for tests)
-
-
-def run_finalize_jobs(r) -> int:
-    """Run every queued finalize job in this process, as `workers.finalizer` would; how many."""
-    queue = finalize_queue(r)
-    num_jobs = queue.count
-    if num_jobs:
-        SimpleWorker([queue], connection=r, serializer=JSONSerializer).work(burst=True)
-    return num_jobs
 
 
 class S3Server:

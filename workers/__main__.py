@@ -2,7 +2,7 @@
 
     python -m workers --model PATH [--served-model-name NAME [NAME ...]] [--redis-url URL] [--name NAME]
         [engine options: --max-model-len, --num-kv-blocks | --kv-cache-memory, --max-num-seqs, --dtype, ...]
-        [--metrics-port PORT] [--lease-seconds S] [--max-deliveries N] [--drain-seconds S]
+        [--metrics-port PORT] [--lease-seconds S] [--max-deliveries N] [--drain-seconds S] [--stall-seconds S]
 
 The worker serves the stream of each served model name; the default name is the
 --model argument exactly as given, as `vllm serve` does.
@@ -20,6 +20,7 @@ from engine import LLMEngine
 from engine.arg_utils import add_engine_args, engine_config_from_args
 from jobs import keys
 from jobs.connection import REDIS_URL_HELP, connect
+from workers.health import DEFAULT_STALL_SECONDS, Health, serve
 from workers.metrics import WorkerMetrics
 from workers.worker import Worker, WorkerOptions
 
@@ -32,7 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="model name(s) to serve, one stream each; default: --model exactly as given")
     fleet.add_argument("--redis-url", default=keys.default_redis_url(), help=REDIS_URL_HELP)
     fleet.add_argument("--name", default=f"{socket.gethostname()}-{os.getpid()}", help="consumer name")
-    fleet.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    fleet.add_argument("--metrics-port", type=int,
+                       help="serve /metrics (Prometheus), /healthz (ready: model loaded, consumer groups joined, "
+                            "not draining) and /livez (the loop turns) on this port")
+    fleet.add_argument("--stall-seconds", type=float, default=DEFAULT_STALL_SECONDS,
+                       help="/livez fails once no loop iteration started for this long")
     fleet.add_argument("--lease-seconds", type=float, default=60.0,
                        help="entries idle longer than this are taken over from dead workers")
     fleet.add_argument("--max-deliveries", type=int, default=3, help="then the entry is dead-lettered")
@@ -58,20 +63,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.online_reserve is not None and args.online_reserve < 0:
         parser.error("--online-reserve must be >= 0")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    names = served_model_names(args)
+    metrics, health = WorkerMetrics(args.name, names[0]), Health(args.stall_seconds)
+    if args.metrics_port:  # before the model loads: /livez answers while it does, /healthz says not ready
+        serve(args.metrics_port, metrics.registry, health)
     try:
         engine = LLMEngine(engine_config_from_args(args))
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    names = served_model_names(args)
     options = WorkerOptions(name=args.name, served_model_names=names, lease_seconds=args.lease_seconds,
                             max_deliveries=args.max_deliveries, max_requeues=args.max_requeues,
                             drain_seconds=args.drain_seconds, online_reserve=args.online_reserve,
                             maintain_seconds=args.heartbeat_seconds)
-    metrics = WorkerMetrics(args.name, names[0])
-    if args.metrics_port:
-        metrics.serve(args.metrics_port)
-    worker = Worker(engine, connect(args.redis_url), options, metrics)
+    worker = Worker(engine, connect(args.redis_url), options, metrics, health)
     worker.install_signal_handlers()
     logging.getLogger("kvfleet.worker").info("%s: serving %s from %s with %d KV blocks", args.name,
                                              ", ".join(map(repr, names)), args.redis_url, engine.num_total_blocks)

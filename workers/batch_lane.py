@@ -91,7 +91,7 @@ class BatchLane:
         if batch is None:
             stream_ops.dead_letter(self.r, stream, entry_id, fields, f"no batch {batch_id}")
             return None
-        if self.r.sismember(keys.batch_done(batch_id), custom_id):
+        if self.r.sismember(keys.partition_done(batch_id, keys.stream_partition(stream)), custom_id):
             stream_ops.ack(self.r, stream, entry_id)  # a redelivery of finished work
             return None
         stopped = ended(self.batch(batch_id, refresh=batch["status"] != "in_progress"))

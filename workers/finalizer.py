@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import threading
 
@@ -51,12 +52,14 @@ def run_sweeps(r: redis.Redis, every: float, grace: float, stop: threading.Event
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ["KVFLEET_REDIS_URL"] = args.redis_url  # what finalize jobs connect to (jobs/finalize.py)
     r = connect(args.redis_url)
     stop = threading.Event()
     if not args.burst:
         threading.Thread(target=run_sweeps, args=(r, args.sweep_seconds, args.grace_seconds, stop), daemon=True,
                          name="sweep").start()
-    worker = Worker([finalize_queue(r)], connection=r, serializer=JSONSerializer)
+    queue = finalize_queue(r)  # on a plain Redis of its own with a cluster (KVFLEET_QUEUE_URL)
+    worker = Worker([queue], connection=queue.connection, serializer=JSONSerializer)
     try:
         worker.work(burst=args.burst, with_scheduler=False)  # no forked scheduler: see jobs/finalize.py
     finally:

@@ -3,7 +3,7 @@ Request metrics carry `lane="online"|"batch"`."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from engine import EngineStats, RequestOutput
 
@@ -52,9 +52,6 @@ class WorkerMetrics:
         self.request_queue_time = per_lane(Histogram, "request_queue_time_seconds",
                                            "Stream enqueue to engine start", buckets=LATENCY_BUCKETS)
         self._seen_preemptions = 0
-
-    def serve(self, port: int) -> None:
-        start_http_server(port, registry=self.registry)
 
     def observe_finished(self, output: RequestOutput, enqueued_at: float | None, wall_offset: float,
                          lane: str = "batch", finish_reasons: list[str] | None = None,

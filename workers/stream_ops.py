@@ -9,6 +9,7 @@ entries of dead or stuck workers ever go idle past the lease and get reclaimed.
 from __future__ import annotations
 
 import redis
+from redis.cluster import RedisCluster
 
 from jobs import keys
 
@@ -25,12 +26,28 @@ def ensure_group(r: redis.Redis, stream: str) -> None:
 
 def read_new(r: redis.Redis, streams: list[str], consumer: str, count: int, block_ms: int | None):
     """Never-delivered entries of the streams, the first stream's first:
-    [(stream, entry_id, fields)]. COUNT applies to each stream, so up to count x len(streams)
-    come back; every one is delivered, and admission hands back what does not fit."""
+    [(stream, entry_id, fields)]. On one Redis, one XREADGROUP: COUNT applies to each stream,
+    so up to count x len(streams) come back; every one is delivered, and admission hands back
+    what does not fit. On a cluster (one read per stream: they live in different slots) the
+    streams are read in order until `count` are found; with none, it blocks on the first
+    stream only (the caller rotates the order)."""
     if count <= 0:
         return []
-    reply = r.xreadgroup(GROUP, consumer, dict.fromkeys(streams, ">"), count=count, block=block_ms)
-    return [(stream.decode(), eid.decode(), fields) for stream, items in reply or [] for eid, fields in items]
+    if not isinstance(r, RedisCluster):
+        return _entries(r.xreadgroup(GROUP, consumer, dict.fromkeys(streams, ">"), count=count, block=block_ms))
+    found = []
+    for stream in streams:
+        found += _entries(r.xreadgroup(GROUP, consumer, {stream: ">"}, count=count - len(found)))
+        if len(found) >= count:
+            return found
+    if not found and block_ms is not None and streams:
+        found = _entries(r.xreadgroup(GROUP, consumer, {streams[0]: ">"}, count=count, block=block_ms))
+    return found
+
+
+def _entries(reply) -> list:
+    return [(stream.decode() if isinstance(stream, bytes) else stream, eid.decode(), fields)
+            for stream, items in reply or [] for eid, fields in items]
 
 
 def pull(r: redis.Redis, consumer: str, count: int, lease_ms: int, reclaim_streams: list[str],
@@ -83,7 +100,7 @@ def dead_letter(r: redis.Redis, stream: str, entry_id: str, fields: dict, error:
     record = {k.decode() if isinstance(k, bytes) else k: v for k, v in fields.items()}
     record.update({"stream": stream, "entry_id": entry_id, "error": error})
     pipe = r.pipeline(transaction=True)
-    pipe.xadd(keys.DEAD_LETTERS, record)
+    pipe.xadd(keys.dead_letters(stream), record)
     pipe.xack(stream, GROUP, entry_id)
     pipe.execute()
 

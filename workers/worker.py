@@ -25,6 +25,13 @@ import time
 from dataclasses import dataclass
 
 import redis
+from redis.exceptions import (
+    ClusterDownError,
+    ClusterError,
+    MasterDownError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 
 from engine import LLMEngine, ParallelGroupError
 from jobs import heartbeats, keys
@@ -33,12 +40,16 @@ from workers import batch_lane, stream_ops
 from workers.admission import Admission, default_online_reserve
 from workers.batch_lane import BatchLane
 from workers.flush import PendingResult, ResultFlusher
+from workers.health import Health
 from workers.metrics import WorkerMetrics
 from workers.online import BATCH_PRIORITY, WORKER_LOST, OnlineLane, OnlineWork
 from workers.translate import EngineRequest, to_result_line
 
 log = logging.getLogger("kvfleet.worker")
-OUTAGE_ERRORS = (redis.ConnectionError, redis.TimeoutError)  # storage errors are workers/flush.py's
+# Storage errors are workers/flush.py's. A cluster mid-failover answers CLUSTERDOWN or TRYAGAIN,
+# or has no node for a slot yet: back off and retry, as for an outage.
+OUTAGE_ERRORS = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, TryAgainError, MasterDownError,
+                 ClusterError, SlotNotCoveredError)
 TRIM_SECONDS = 30.0
 
 
@@ -83,9 +94,14 @@ def request_id(stream: str, entry_id: str) -> str:
 
 class Worker:
     def __init__(self, engine: LLMEngine, r: redis.Redis, options: WorkerOptions,
-                 metrics: WorkerMetrics | None = None) -> None:
+                 metrics: WorkerMetrics | None = None, health: Health | None = None) -> None:
         self.engine, self.r, self.options = engine, r, options
-        self.streams = [keys.stream(model) for model in options.served_model_names]
+        self.health = health or Health()
+        self.health.is_loaded = True  # the engine exists
+        num_partitions = keys.num_partitions(r)  # 1 on one Redis; a cluster splits each model's stream
+        self.stream_models = {stream: model for model in options.served_model_names
+                              for stream in keys.streams(model, num_partitions)}
+        self.streams = list(self.stream_models)  # rotated each pull, so every partition gets read
         self.online_streams = [keys.online_stream(model) for model in options.served_model_names]
         self.metrics = metrics or WorkerMetrics(options.name, options.served_model_names[0])
         max_num_seqs = engine.config.max_num_seqs
@@ -118,7 +134,7 @@ class Worker:
     def request_stop(self) -> None:
         if not self.stopping:
             log.info("%s: stop requested; draining for up to %ss", self.options.name, self.options.drain_seconds)
-        self.stopping = True
+        self.stopping = self.health.is_draining = True
 
     def work(self) -> int:
         drain_deadline, exit_code = None, 0
@@ -141,6 +157,7 @@ class Worker:
         return exit_code
 
     def run_once(self) -> None:
+        self.health.last_loop_at = time.monotonic()
         if time.monotonic() >= self.retry_at:
             try:
                 self._maintain()
@@ -152,7 +169,7 @@ class Worker:
             except redis.ResponseError as error:
                 if "NOGROUP" not in str(error) and "no such key" not in str(error):
                     raise
-                self.is_group_ready = False  # the stream or its group was deleted: create it again
+                self.is_group_ready = self.health.is_joined = False  # the stream or group was deleted: again
                 self._back_off(f"redis: {error}")
         if self.engine.has_unfinished():
             self._step()
@@ -177,7 +194,7 @@ class Worker:
         if not self.is_group_ready:
             for stream in self.streams + self.online_streams:
                 stream_ops.ensure_group(self.r, stream)
-            self.is_group_ready = True
+            self.is_group_ready = self.health.is_joined = True
         if now - self.last_maintain < self.options.maintain_seconds:
             return
         self.last_maintain = now
@@ -248,6 +265,7 @@ class Worker:
         if count <= 0:
             return
         is_idle = not self.engine.has_unfinished() and not self.flusher
+        self.streams.append(self.streams.pop(0))
         # Block on the streams only when idle, woken by online work as well as batch work.
         entries = stream_ops.pull(self.r, self.options.name, count, lease_ms, self.streams if reclaim else [],
                                   self.online_streams + self.streams if is_idle else self.streams,
@@ -261,7 +279,7 @@ class Worker:
                 continue
             if request_id(stream, entry_id) in self.in_flight:
                 continue  # reclaimed our own entry: it is already running
-            model = self.options.served_model_names[self.streams.index(stream)]
+            model = self.stream_models[stream]
             batch_work = self.batch_lane.accept(stream, model, entry_id, fields, deliveries)
             if batch_work is not None:
                 accepted.append((fields, InFlight(stream, entry_id, batch_work.batch_id, batch_work.custom_id,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from jobs import batches, keys
+from jobs import batches
 from tests.workers.helpers import read_lines
 
 
@@ -25,7 +25,7 @@ def check_history(r, expected: dict[str, set[str]], allow_failed: bool = False) 
         unknown = sorted(set(seen) - custom_ids)
         assert (lost, doubled, unknown) == ([], [], []), f"{batch_id}: lost {lost}, doubled {doubled}, " \
                                                          f"unknown {unknown}"
-        assert {m.decode() for m in r.smembers(keys.batch_done(batch_id))} == custom_ids
+        assert batches.counted_ids(r, batch_id) == custom_ids
         assert batch["request_counts"] == {"total": len(custom_ids), "completed": len(outputs),
                                            "failed": len(errors)}
         if not allow_failed:

@@ -117,6 +117,6 @@ def test_a_permanently_broken_sink_fails_alone_while_the_other_batch_completes(f
     assert batch["request_counts"] == {"total": 40, "completed": 0, "failed": 40}
     assert batch["errors"]["data"][0]["code"] == "storage_error"
     assert "NoSuchBucket" in batch["errors"]["data"][0]["message"]
-    assert r.scard(keys.batch_done(broken)) == 40
+    assert batches.num_counted(r, broken) == 40
     lines = r.hvals(keys.batch_results(broken))  # the storage_error lines, kept in Redis
     assert len(lines) == 40 and all(b"storage_error" in line and b"kvfleet-no-such-bucket" in line for line in lines)

@@ -12,6 +12,7 @@ import httpx
 import redis
 
 from jobs import batches, keys
+from jobs.connection import connect
 from tests.services import free_port
 from tests.workers.helpers import MODEL
 
@@ -47,7 +48,7 @@ class Fleet:
 
     def wait_ready(self, *names: str, timeout: float = 60) -> None:
         """Until each worker has registered its heartbeat in Redis."""
-        r = redis.Redis.from_url(self.redis_url)
+        r = connect(self.redis_url)
         deadline = time.monotonic() + timeout
         while not all(r.exists(keys.worker(name)) for name in names):
             for name in names:

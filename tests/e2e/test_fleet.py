@@ -143,7 +143,13 @@ def test_sigterm_drains_and_exits_zero_while_the_other_finishes(fleet, r):
     fleet.wait_ready("leaver", "stayer")
     batch_id = submit_lines(r, slow_requests(24))
     assert wait_in_flight(r, "leaver") > 0
+    probe = f"http://127.0.0.1:{fleet.metrics_ports['leaver']}"
+    assert httpx.get(f"{probe}/healthz", timeout=5).status_code == 200  # what a readiness probe asks
+    assert httpx.get(f"{probe}/livez", timeout=5).status_code == 200
     fleet.processes["leaver"].send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    if fleet.processes["leaver"].poll() is None:  # still draining: no longer ready
+        assert httpx.get(f"{probe}/healthz", timeout=5).json()["draining"] is True
     assert fleet.processes["leaver"].wait(timeout=30) == 0, fleet.log("leaver")
     assert not r.exists(keys.worker("leaver"))
     batch = wait_terminal(r, [batch_id], timeout=180, fleet=fleet)[batch_id]

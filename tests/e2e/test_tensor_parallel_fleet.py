@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from engine import LLM, SamplingParams
-from jobs import keys
+from jobs import batches
 from tests.e2e.fleet import wait_terminal
 from tests.services import descendants
 from tests.workers.helpers import completion, read_lines, submit_lines
@@ -40,7 +40,7 @@ def test_a_tp2_worker_runs_a_batch_and_a_dead_rank_loses_nothing(fleet, r, tiny_
     records = [completion(f"b{i}", f"a longer request {i}", max_tokens=60, ignore_eos=True) for i in range(24)]
     second = submit_lines(r, records)
     deadline = time.monotonic() + 60
-    while not r.scard(keys.batch_done(second)):  # the worker is well into the batch
+    while not batches.num_counted(r, second):  # the worker is well into the batch
         assert time.monotonic() < deadline, fleet.log("tp2")
         time.sleep(0.05)
     os.kill(rank1, signal.SIGKILL)

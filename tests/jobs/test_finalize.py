@@ -72,7 +72,7 @@ def test_sweep_finalizes_a_counted_batch_that_never_asked(r):
     storage = open_storage("redis", r)
     for i in range(2):  # counted as a worker would, but as if it died before request_finalize
         storage.put_result(batch_id, f"c{i}", json.dumps(error_line(f"c{i}", "x", "y")).encode())
-    r.hset(keys.batch(batch_id), "failed", 2)
+    r.hset(keys.partition_counts(batch_id, 0), "failed", 2)
     assert batches.batch_object(r, batch_id)["status"] == "in_progress"
     assert Sweeper(r, grace_seconds=0).sweep() == [batch_id]
     run_finalize_jobs(r)

@@ -95,7 +95,8 @@ def test_resubmitting_with_the_same_batch_id_enqueues_nothing_twice(r, redis_ser
 
 def test_a_crashed_submit_resumes_without_duplicates(r, redis_server, tmp_path, monkeypatch):
     path = write_lines(tmp_path / "in.jsonl", [chat(f"c{i}") for i in range(10)])
-    monkeypatch.setattr(ingest, "CHUNK_LINES", 3)
+    monkeypatch.setattr(ingest, "CHUNK_LINES", 3)  # a round trip each 3 lines
+    monkeypatch.setattr(keys, "PARTITION_LINES", 3)  # and one script each 3 lines
     calls = []
 
     def crash_after_two_chunks(count):

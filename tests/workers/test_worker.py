@@ -92,7 +92,7 @@ def test_bad_requests_become_error_lines_and_the_worker_survives(worker, r):
     assert errors["bad-token"]["code"] == "invalid_request"
     assert "token ids must be integers in [0, 512)" in errors["bad-token"]["message"]
     assert errors["poison"]["code"] == "invalid_request" and "not valid JSON" in errors["poison"]["message"]
-    dead = r.xrange(keys.DEAD_LETTERS)
+    dead = r.xrange(keys.dead_letters(keys.stream(MODEL)))
     assert len(dead) == 1 and dead[0][1][b"error"] == b"malformed stream entry"
     # The worker carries on with the next batch.
     after = submit_lines(r, [completion("later", "Questions and answers")])
@@ -181,7 +181,7 @@ def test_redis_restart_mid_batch_loses_and_doubles_nothing(worker, r, redis_serv
     assert batch["request_counts"] == {"total": 30, "completed": 30, "failed": 0}
     ids = [line["custom_id"] for line in read_lines(r, batch["output_file_id"])]
     assert sorted(ids) == sorted(f"c{i}" for i in range(30))
-    assert r.scard(keys.batch_done(batch_id)) == 30
+    assert batches.num_counted(r, batch_id) == 30
 
 
 def test_n_samples_come_back_as_n_choices_with_summed_usage(worker, r):

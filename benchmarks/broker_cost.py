@@ -1,0 +1,182 @@
+"""What one request costs the broker, and how many requests/s one Redis core carries.
+
+    python -m benchmarks.broker_cost [--num-requests 2000] [--clients 3] [--seconds 10]
+
+1. The real path on the demo model: `producers.ingest.submit`, one in-process worker
+   (pull, lease renewals, results, acks, heartbeats) and the finalize job, on a
+   redis-server of its own. Per phase and per request: Redis commands (from INFO
+   commandstats deltas, commands that Lua scripts run included), round trips (counted
+   on the client's connections) and bytes in and out (INFO stats), and the server's CPU
+   seconds (INFO cpu).
+2. One Redis core's capacity for that mix, measured: `--clients` processes run the
+   broker side of the same path with no model (submit batches, pull, record results with
+   their acks, finalize) as fast as they can for `--seconds`; requests/s and the server's
+   CPU share while they do.
+Prints a table and a JSON summary; the README's capacity table is computed from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import redis
+import redis.connection
+
+from benchmarks.common import print_summary
+from engine import EngineConfig, LLMEngine
+from engine.demo_model import demo_config, write_checkpoint
+from jobs import batches, keys
+from jobs.finalize import run_queued_jobs as run_finalize_jobs
+from jobs.local_redis import RedisServer
+from jobs.results import Usage, record_result, success_line
+from jobs.storage import RedisStorage
+from producers.ingest import submit
+from workers import stream_ops
+from workers.worker import Worker, WorkerOptions
+
+MODEL = "bench"
+ROUND_TRIPS = Counter()  # connection id -> packed sends (one per command or pipeline)
+
+
+def _count_round_trips() -> None:
+    original = redis.connection.AbstractConnection.send_packed_command
+
+    def counted(self, command, check_health=True):
+        ROUND_TRIPS["total"] += 1
+        return original(self, command, check_health)
+
+    redis.connection.AbstractConnection.send_packed_command = counted
+
+
+class Snapshot:
+    """Server counters at one moment, read on a connection kept out of the round-trip count."""
+
+    def __init__(self, admin: redis.Redis) -> None:
+        sent_before = ROUND_TRIPS["total"]
+        stats, cpu = admin.info("commandstats"), admin.info("cpu")
+        server = admin.info("stats")
+        self.commands = {name.removeprefix("cmdstat_"): value["calls"] for name, value in stats.items()}
+        self.cpu = cpu["used_cpu_sys"] + cpu["used_cpu_user"]
+        self.bytes_in, self.bytes_out = server["total_net_input_bytes"], server["total_net_output_bytes"]
+        ROUND_TRIPS["total"] = sent_before  # the INFO calls themselves are not the workload's
+        self.round_trips = sent_before
+
+    def delta(self, later: Snapshot, num_requests: int) -> dict:
+        commands = {name: later.commands[name] - self.commands.get(name, 0) for name in later.commands}
+        commands = {name: count for name, count in commands.items() if count and name != "info"}
+        return {"commands_per_request": round(sum(commands.values()) / num_requests, 2),
+                "round_trips_per_request": round((later.round_trips - self.round_trips) / num_requests, 2),
+                "bytes_in_per_request": round((later.bytes_in - self.bytes_in) / num_requests),
+                "bytes_out_per_request": round((later.bytes_out - self.bytes_out) / num_requests),
+                "server_cpu_ms_per_request": round(1000 * (later.cpu - self.cpu) / num_requests, 4),
+                "commands": dict(sorted(commands.items(), key=lambda item: -item[1]))}
+
+
+def lines(num_requests: int, tag: str) -> list[bytes]:
+    return [(f'{{"custom_id": "{tag}-{i}", "prompt": "Summarize document {i} in a few words.", '
+             f'"max_tokens": 4, "temperature": 0}}').encode() for i in range(num_requests)]
+
+
+def measure_real_path(url: str, model_dir: str, num_requests: int) -> dict:
+    r, admin = redis.Redis.from_url(url), redis.Redis.from_url(url)
+    engine = LLMEngine(EngineConfig(model=model_dir, num_kv_blocks=512, max_num_seqs=64))
+    worker = Worker(engine, r, WorkerOptions(name="bench", served_model_names=[MODEL], block_ms=20))
+    worker.run_once()  # consumer groups exist before the clock starts
+    phases, start = {}, Snapshot(admin)
+    batch_id = submit(r, lambda: lines(num_requests, "r"), model=MODEL).batch_id
+    submitted = Snapshot(admin)
+    phases["submit"] = start.delta(submitted, num_requests)
+    while batches.num_counted(r, batch_id) < num_requests or worker.flusher:
+        worker.run_once()
+    worked = Snapshot(admin)
+    phases["worker"] = submitted.delta(worked, num_requests)
+    assert run_finalize_jobs(r) == 1 and batches.batch_object(r, batch_id)["status"] == "completed"
+    finalized = Snapshot(admin)
+    phases["finalize"] = worked.delta(finalized, num_requests)
+    phases["total"] = start.delta(finalized, num_requests)
+    return phases
+
+
+def broker_client(url: str, index: int, seconds: float, batch_size: int, results: multiprocessing.Queue) -> None:
+    """The broker side of the path with no model: submit, pull, record + ack, finalize."""
+    r = redis.Redis.from_url(url)
+    stream, consumer, storage = keys.stream(MODEL), f"client-{index}", RedisStorage(r)
+    usage, body = Usage(12, 4), {"object": "text_completion", "choices": [{"index": 0, "text": "four words of text",
+                                                                           "finish_reason": "length"}]}
+    done, deadline, rounds = 0, time.monotonic() + seconds, 0
+    while time.monotonic() < deadline:
+        batch_lines = lines(batch_size, f"c{index}-{rounds}")
+        batch_id = submit(r, lambda batch_lines=batch_lines: batch_lines, model=MODEL).batch_id
+        rounds += 1
+        while True:
+            entries = stream_ops.pull(r, consumer, 64, 60_000, [], [stream], None)
+            if not entries:
+                break
+            for _, entry_id, fields, _ in entries:
+                custom_id = fields[b"custom_id"].decode()
+                record_result(r, storage, fields[b"batch_id"].decode(), success_line(custom_id, body), usage,
+                              ack=(stream, keys.CONSUMER_GROUP, entry_id))
+                done += 1
+        run_finalize_jobs(r)
+        assert batches.batch_object(r, batch_id)["status"] == "completed"
+    results.put(done)
+
+
+def measure_capacity(url: str, clients: int, seconds: float) -> dict:
+    admin = redis.Redis.from_url(url)
+    stream_ops.ensure_group(admin, keys.stream(MODEL))
+    results = multiprocessing.Queue()
+    before = Snapshot(admin)
+    started = time.perf_counter()
+    processes = [multiprocessing.Process(target=broker_client, args=(url, i, seconds, 200, results))
+                 for i in range(clients)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join()
+    elapsed = time.perf_counter() - started
+    after = Snapshot(admin)
+    num_requests = sum(results.get() for _ in processes)
+    cpu_share = (after.cpu - before.cpu) / elapsed
+    return {"clients": clients, "seconds": round(elapsed, 2), "requests": num_requests,
+            "requests_per_s": round(num_requests / elapsed), "redis_cpu_share": round(cpu_share, 2),
+            "requests_per_s_at_one_core": round(num_requests / elapsed / max(cpu_share, 1e-9)),
+            **{k: v for k, v in before.delta(after, num_requests).items() if k != "commands"}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-requests", type=int, default=2000)
+    parser.add_argument("--clients", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as folder:
+        model_dir = str(write_checkpoint(demo_config(), Path(folder) / "model"))
+        server = RedisServer(Path(folder) / "redis").start()
+        try:
+            _count_round_trips()
+            phases = measure_real_path(server.url, model_dir, args.num_requests)
+            redis.Redis.from_url(server.url).flushall()
+            capacity = measure_capacity(server.url, args.clients, args.seconds)
+        finally:
+            server.kill()
+    print(f"{'phase':10s} {'commands':>9s} {'round trips':>12s} {'bytes in':>9s} {'bytes out':>10s} {'cpu ms':>8s}"
+          "   (per request)")
+    for name, phase in phases.items():
+        print(f"{name:10s} {phase['commands_per_request']:9.2f} {phase['round_trips_per_request']:12.2f} "
+              f"{phase['bytes_in_per_request']:9d} {phase['bytes_out_per_request']:10d} "
+              f"{phase['server_cpu_ms_per_request']:8.4f}")
+    print(f"capacity: {capacity['clients']} clients, {capacity['requests_per_s']:,} requests/s at "
+          f"{capacity['redis_cpu_share']:.0%} of one Redis core -> {capacity['requests_per_s_at_one_core']:,} "
+          f"requests/s per core")
+    print_summary({"benchmark": "broker_cost", "num_requests": args.num_requests, "phases": phases,
+                   "capacity": capacity})
+
+
+if __name__ == "__main__":
+    main()
