@@ -70,7 +70,7 @@ class Snapshot:
         commands = {name: later.commands[name] - self.commands.get(name, 0) for name in later.commands}
         commands = {name: count for name, count in commands.items() if count and name != "info"}
         return {"commands_per_request": round(sum(commands.values()) / num_requests, 2),
-                "round_trips_per_request": round((later.round_trips - self.round_trips) / num_requests, 2),
+                "round_trips_per_request": round((later.round_trips - self.round_trips) / num_requests, 3),
                 "bytes_in_per_request": round((later.bytes_in - self.bytes_in) / num_requests),
                 "bytes_out_per_request": round((later.bytes_out - self.bytes_out) / num_requests),
                 "server_cpu_ms_per_request": round(1000 * (later.cpu - self.cpu) / num_requests, 4),
@@ -108,7 +108,7 @@ def broker_client(url: str, index: int, seconds: float, batch_size: int, results
     stream, consumer, storage = keys.stream(MODEL), f"client-{index}", RedisStorage(r)
     usage, body = Usage(12, 4), {"object": "text_completion", "choices": [{"index": 0, "text": "four words of text",
                                                                            "finish_reason": "length"}]}
-    done, deadline, rounds = 0, time.monotonic() + seconds, 0
+    done, deadline, rounds, batch_ids = 0, time.monotonic() + seconds, 0, []
     while time.monotonic() < deadline:
         batch_lines = lines(batch_size, f"c{index}-{rounds}")
         batch_id = submit(r, lambda batch_lines=batch_lines: batch_lines, model=MODEL).batch_id
@@ -122,9 +122,9 @@ def broker_client(url: str, index: int, seconds: float, batch_size: int, results
                 record_result(r, storage, fields[b"batch_id"].decode(), success_line(custom_id, body), usage,
                               ack=(stream, keys.CONSUMER_GROUP, entry_id))
                 done += 1
-        run_finalize_jobs(r)
-        assert batches.batch_object(r, batch_id)["status"] == "completed"
-    results.put(done)
+        run_finalize_jobs(r)  # the batches every client's results completed so far
+        batch_ids.append(batch_id)
+    results.put((done, batch_ids))
 
 
 def measure_capacity(url: str, clients: int, seconds: float) -> dict:
@@ -137,16 +137,21 @@ def measure_capacity(url: str, clients: int, seconds: float) -> dict:
                  for i in range(clients)]
     for process in processes:
         process.start()
+    reports = [results.get(timeout=seconds + 600) for _ in processes]  # before join: the queue must drain
     for process in processes:
         process.join()
     elapsed = time.perf_counter() - started
     after = Snapshot(admin)
-    num_requests = sum(results.get() for _ in processes)
+    num_requests = sum(done for done, _ in reports)
+    run_finalize_jobs(admin)
+    assert all(batches.batch_object(admin, batch_id)["status"] == "completed"
+               for _, batch_ids in reports for batch_id in batch_ids)
     cpu_share = (after.cpu - before.cpu) / elapsed
     return {"clients": clients, "seconds": round(elapsed, 2), "requests": num_requests,
             "requests_per_s": round(num_requests / elapsed), "redis_cpu_share": round(cpu_share, 2),
             "requests_per_s_at_one_core": round(num_requests / elapsed / max(cpu_share, 1e-9)),
-            **{k: v for k, v in before.delta(after, num_requests).items() if k != "commands"}}
+            # round trips are counted in this process only: the clients' are not
+            **{k: v for k, v in before.delta(after, num_requests).items() if k not in ("commands", "round_trips_per_request")}}
 
 
 def main() -> None:
@@ -168,7 +173,7 @@ def main() -> None:
     print(f"{'phase':10s} {'commands':>9s} {'round trips':>12s} {'bytes in':>9s} {'bytes out':>10s} {'cpu ms':>8s}"
           "   (per request)")
     for name, phase in phases.items():
-        print(f"{name:10s} {phase['commands_per_request']:9.2f} {phase['round_trips_per_request']:12.2f} "
+        print(f"{name:10s} {phase['commands_per_request']:9.2f} {phase['round_trips_per_request']:12.3f} "
               f"{phase['bytes_in_per_request']:9d} {phase['bytes_out_per_request']:10d} "
               f"{phase['server_cpu_ms_per_request']:8.4f}")
     print(f"capacity: {capacity['clients']} clients, {capacity['requests_per_s']:,} requests/s at "

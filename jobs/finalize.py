@@ -98,7 +98,8 @@ def run_queued_jobs(r: redis.Redis) -> int:
     queue = finalize_queue(r)
     num_jobs = queue.count
     if num_jobs:
-        SimpleWorker([queue], connection=queue.connection, serializer=JSONSerializer).work(burst=True)
+        SimpleWorker([queue], connection=queue.connection, serializer=JSONSerializer).work(burst=True,
+                                                                                          logging_level="WARNING")
     return num_jobs
 
 

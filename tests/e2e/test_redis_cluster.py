@@ -1,6 +1,7 @@
 """kvfleet on a real Redis Cluster (3 masters, a replica each, started by the test):
 a model's stream split into partitions over the masters, a worker killed with -9,
-a failover mid-batch; every batch ends exactly once and the API reads it."""
+a failover mid-batch; every batch ends exactly once and the API reads it; online
+requests stream through the cluster."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import signal
 import time
 
 import httpx
+import openai
 import redis
 
-from engine import EngineConfig, LLMEngine
+from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from jobs import batches, keys
 from producers.api import create_app
 from producers.submit import main as submit_cli
@@ -108,3 +110,19 @@ def test_a_worker_rides_out_a_failover_mid_batch(cluster, redis_cluster, tiny_ll
     assert done["request_counts"] == {"total": 300, "completed": 300, "failed": 0}
     assert sorted(line["custom_id"] for line in read_lines(cluster, done["output_file_id"])) == \
         sorted(f"c{i}" for i in range(300))
+
+
+def test_online_requests_through_the_cluster(cluster, redis_cluster, demo_model):
+    from tests.online.conftest import MODEL as ONLINE_MODEL
+    from tests.online.conftest import WorkerThread
+
+    engine = LLMEngine(EngineConfig(model=demo_model, num_kv_blocks=64, max_num_seqs=4))
+    reference = LLM(demo_model, num_kv_blocks=64).generate(["The cluster"], SamplingParams(temperature=0, max_tokens=8),
+                                                          use_tqdm=False)[0].text
+    with ThreadedUvicorn(create_app(redis_cluster.url)) as api, WorkerThread(engine, redis_cluster.url) as worker:
+        worker._heartbeat()
+        client = openai.OpenAI(base_url=f"{api.url}/v1", api_key="unused", max_retries=0)
+        whole = client.completions.create(model=ONLINE_MODEL, prompt="The cluster", max_tokens=8, temperature=0)
+        streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
+            model=ONLINE_MODEL, prompt="The cluster", max_tokens=8, temperature=0, stream=True) if chunk.choices)
+    assert whole.choices[0].text == streamed == reference

@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from engine import LLM, EngineConfig, LLMEngine
+from jobs.connection import connect
 from producers.api import create_app
 from tests.services import ThreadedUvicorn
 from workers.worker import Worker, WorkerOptions
@@ -29,11 +30,9 @@ def reference(demo_model) -> LLM:
 
 class WorkerThread:
     def __init__(self, engine: LLMEngine, redis_url: str, **options) -> None:
-        import redis
-
         defaults = dict(name="online-worker", served_model_names=[MODEL], lease_seconds=5, block_ms=100,
                         maintain_seconds=0.1)
-        self.worker = Worker(engine, redis.Redis.from_url(redis_url), WorkerOptions(**{**defaults, **options}))
+        self.worker = Worker(engine, connect(redis_url), WorkerOptions(**{**defaults, **options}))
         self.thread = threading.Thread(target=self.worker.work, daemon=True)
 
     def __enter__(self) -> Worker:
