@@ -6,8 +6,10 @@ requests stream through the cluster."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -15,6 +17,7 @@ import redis
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from jobs import batches, keys
+from jobs.connection import connect
 from producers.api import create_app
 from producers.submit import main as submit_cli
 from tests.e2e.fleet import Fleet, wait_terminal
@@ -126,3 +129,15 @@ def test_online_requests_through_the_cluster(cluster, redis_cluster, demo_model)
         streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
             model=ONLINE_MODEL, prompt="The cluster", max_tokens=8, temperature=0, stream=True) if chunk.choices)
     assert whole.choices[0].text == streamed == reference
+
+
+def test_the_readme_acl_with_cluster_slots_is_enough_on_a_cluster(cluster, redis_cluster):
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    rule = re.search(r"^user kvfleet (.*)$", readme, re.MULTILINE).group(1).replace(">PASSWORD", ">secret").split()
+    for port in [node.port for node in redis_cluster.nodes]:
+        redis.Redis(port=port).execute_command("ACL", "SETUSER", "kvfleet", "reset", *rule, "+cluster|slots")
+    user_url = redis_cluster.url.replace("redis+cluster://", "redis+cluster://kvfleet:secret@")
+    client = connect(user_url)
+    batch_id = submit_lines(client, [completion(f"c{i}", f"text {i}") for i in range(150)])
+    assert batches.batch_object(client, batch_id)["request_counts"]["total"] == 150
+    assert sum(client.xlen(stream) for stream in batch_streams(batch_id, 150)) == 150
