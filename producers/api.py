@@ -331,9 +331,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main() -> None:
-    args = build_parser().parse_args()
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     uvicorn.run(create_app(args.redis_url), host=args.host, port=args.port, log_level="info")
+    return 0
 
 
 if __name__ == "__main__":

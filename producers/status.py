@@ -1,6 +1,8 @@
-"""Print a batch object and its counts.
+"""Batches at a glance: recent ones as a table, one as JSON, or one watched to the end.
 
-    python -m producers.status BATCH_ID [--watch] [--redis-url URL]
+    python -m producers.status                      # the most recent batches, a table
+    python -m producers.status BATCH_ID [--json]    # one batch: its counts, then its object as JSON
+    python -m producers.status BATCH_ID --watch     # a progress bar with an ETA until it ends
 """
 
 from __future__ import annotations
@@ -9,6 +11,9 @@ import argparse
 import json
 import sys
 import time
+
+import redis
+from tqdm import tqdm
 
 from jobs import batches, keys
 from jobs.connection import REDIS_URL_HELP, connect
@@ -20,32 +25,85 @@ def summary(batch: dict) -> str:
             f"of {counts['total']}")
 
 
+def age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def table(rows: list[dict], now: float | None = None) -> str:
+    """Recent batches, one line each: id, status, model, done/total, failed, age."""
+    now = now or time.time()
+    header = ("BATCH", "STATUS", "MODEL", "DONE", "FAILED", "AGE")
+    lines = [header] + [(b["id"], b["status"], b["model"],
+                         f"{b['request_counts']['completed'] + b['request_counts']['failed']}/"
+                         f"{b['request_counts']['total']}", str(b["request_counts"]["failed"]),
+                         age(now - b["created_at"])) for b in rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in lines)
+
+
+def watch(r: redis.Redis, batch_id: str, poll_seconds: float = 0.5, stream=None, force: bool = False) -> dict:
+    """Poll until the batch reaches a terminal status, with a progress bar (rate and ETA) of its
+    counts on `stream` (stderr). The bar is drawn on a terminal, or always with `force`."""
+    stream = stream or sys.stderr
+    batch = batches.batch_object(r, batch_id)
+    with tqdm(total=batch["request_counts"]["total"], desc=batch_id, unit="req", file=stream,
+              disable=not (force or stream.isatty()), dynamic_ncols=True) as progress:
+        while True:
+            counts = batch["request_counts"]
+            progress.total = counts["total"]
+            progress.update(counts["completed"] + counts["failed"] - progress.n)
+            progress.set_postfix(status=batch["status"], failed=counts["failed"])
+            if batch["status"] in batches.TERMINAL:
+                return batch
+            time.sleep(poll_seconds)
+            batch = batches.batch_object(r, batch_id)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m producers.status", description=__doc__.split("\n\n")[0])
-    parser.add_argument("batch_id")
-    parser.add_argument("--watch", action="store_true", help="print a line per change until the batch ends")
-    parser.add_argument("--interval", type=float, default=1.0)
+    parser.add_argument("batch_id", nargs="?", help="a batch; without one, the most recent batches")
+    parser.add_argument("--watch", action="store_true", help="a progress bar with an ETA until the batch ends")
+    parser.add_argument("--json", action="store_true", help="only the batch object, as JSON")
+    parser.add_argument("--limit", type=int, default=20, help="how many recent batches to list")
+    parser.add_argument("--interval", type=float, default=0.5, help="seconds between polls with --watch")
     parser.add_argument("--redis-url", default=keys.default_redis_url(), help=REDIS_URL_HELP)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    r = connect(args.redis_url)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
-        batch = batches.batch_object(r, args.batch_id)
+        return _run(parser, args, connect(args.redis_url))
+    except redis.ConnectionError as error:
+        print(f"error: cannot reach Redis at {args.redis_url}: {error}", file=sys.stderr)
+        return 2
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, r: redis.Redis) -> int:
+    if args.batch_id is None:
+        if args.watch:
+            parser.error("--watch needs a BATCH_ID")
+        rows = []
+        for batch_id in batches.list_batch_ids(r, limit=args.limit):
+            try:
+                rows.append(batches.batch_object(r, batch_id))
+            except batches.BatchNotFound:  # listed while being created or deleted
+                continue
+        print(json.dumps(rows) if args.json else table(rows) if rows else "no batches")
+        return 0
+    try:
+        batch = watch(r, args.batch_id, args.interval, force=True) if args.watch \
+            else batches.batch_object(r, args.batch_id)
     except batches.BatchNotFound:
         print(f"no batch {args.batch_id!r}", file=sys.stderr)
         return 1
-    last = None
-    while args.watch and batch["status"] not in batches.TERMINAL:
-        if summary(batch) != last:
-            last = summary(batch)
-            print(last, flush=True)
-        time.sleep(args.interval)
-        batch = batches.batch_object(r, args.batch_id)
-    print(summary(batch))
-    print(json.dumps(batch, indent=2))
+    if not args.json:
+        print(summary(batch))
+    print(json.dumps(batch, indent=None if args.json else 2))
     return 0
 
 

@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import redis
 from tqdm import tqdm
@@ -28,6 +27,7 @@ from jobs import batches, heartbeats, keys
 from jobs.connection import REDIS_URL_HELP, connect
 from jobs.schemas import MAX_REPORTED_ERRORS
 from producers.ingest import submit
+from producers.status import watch
 
 
 class NoWorkerServes(Exception):
@@ -54,20 +54,6 @@ def parse_metadata(pairs: list[str]) -> dict[str, str]:
             raise SystemExit(f"--metadata: expected key=value, got {pair!r}")
         metadata[key] = value
     return metadata
-
-
-def wait_for(r: redis.Redis, batch_id: str, poll_seconds: float = 0.5, stream=sys.stderr) -> dict:
-    """Poll until the batch reaches a terminal status, with a progress bar of its counts."""
-    batch = batches.batch_object(r, batch_id)
-    with tqdm(total=batch["request_counts"]["total"], desc=batch_id, unit="req", file=stream,
-              disable=not stream.isatty()) as progress:
-        while batch["status"] not in batches.TERMINAL:
-            time.sleep(poll_seconds)
-            batch = batches.batch_object(r, batch_id)
-            counts = batch["request_counts"]
-            progress.update(counts["completed"] + counts["failed"] - progress.n)
-            progress.set_postfix(status=batch["status"], failed=counts["failed"])
-    return batch
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -131,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     print(submission.batch_id)
     print(f"enqueued {submission.num_enqueued} of {report.num_lines} requests"
           + (f", {report.num_errors} recorded as failed" if report.num_errors else ""), file=sys.stderr)
-    batch = wait_for(r, submission.batch_id) if args.wait else batches.batch_object(r, submission.batch_id)
+    batch = watch(r, submission.batch_id) if args.wait else batches.batch_object(r, submission.batch_id)
     if args.json:
         print(json.dumps(batch))
     return 1 if batch["status"] in batches.UNSUCCESSFUL else 0

@@ -25,11 +25,15 @@ from workers.processes import ProcessGroup, reachable_redis
 MODEL_NAME = "demo"
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m workers.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", default="examples/prompts.jsonl")
     parser.add_argument("--out", default="out")
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     group = ProcessGroup()

@@ -1,0 +1,72 @@
+"""The `kvfleet` command: every fleet CLI under one name, `status` as a table and a
+progress bar with an ETA."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from jobs import batches, keys
+from jobs.results import error_line, record_result, success_line
+from jobs.storage import RedisStorage
+from kvfleet.cli import COMMANDS
+from kvfleet.cli import main as kvfleet
+from tests.workers.helpers import completion, submit_lines
+
+KVFLEET = Path(sys.executable).parent / "kvfleet"  # the console script pip installed
+
+
+def test_kvfleet_help_lists_every_subcommand():
+    assert KVFLEET.exists(), "pip install -e . installs the kvfleet script"
+    done = subprocess.run([str(KVFLEET), "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0
+    for name in ("submit", "status", "api", "worker", "finalizer", "serve", "run-batch", "demo"):
+        assert f"    {name}" in done.stdout, name
+    assert set(COMMANDS) == {"submit", "status", "api", "worker", "finalizer", "serve", "run-batch", "demo"}
+
+
+@pytest.mark.parametrize(("command", "option"), [
+    ("submit", "--skip-invalid"), ("status", "--watch"), ("api", "--port"), ("worker", "--tensor-parallel-size"),
+    ("finalizer", "--sweep-seconds"), ("serve", "--model"), ("run-batch", "--output"), ("demo", "--prompts")])
+def test_each_subcommand_is_its_module_s_cli(command, option, capsys):
+    with pytest.raises(SystemExit) as exited:
+        kvfleet([command, "--help"])
+    assert exited.value.code == 0 and option in capsys.readouterr().out
+
+
+def test_status_without_an_id_lists_recent_batches(r, redis_server, capsys):
+    first = submit_lines(r, [completion("a", "x")])
+    second = submit_lines(r, [completion(f"c{i}", "y") for i in range(3)])
+    record_result(r, RedisStorage(r), second, error_line("c0", "invalid_request", "no"))
+    assert kvfleet(["status", "--redis-url", redis_server.url]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["BATCH", "STATUS", "MODEL", "DONE", "FAILED", "AGE"]
+    assert lines[1].split()[:5] == [second, "in_progress", "tiny", "1/3", "1"]  # newest first
+    assert lines[2].split()[:5] == [first, "in_progress", "tiny", "0/1", "0"]
+
+
+def test_status_watch_draws_a_progress_bar_with_an_eta_until_the_batch_ends(r, redis_server, capsys):
+    batch_id = submit_lines(r, [completion(f"c{i}", "x") for i in range(4)])
+
+    def finish_slowly():
+        for i in range(4):
+            time.sleep(0.3)
+            record_result(r, RedisStorage(r), batch_id, success_line(f"c{i}", {}),
+                          ack=None, partition=keys.stream_partition(keys.stream("tiny")))
+        batches.transition(r, batch_id, "completed")
+
+    threading.Thread(target=finish_slowly, daemon=True).start()
+    assert kvfleet(["status", batch_id, "--watch", "--interval", "0.1", "--redis-url", redis_server.url]) == 0
+    captured = capsys.readouterr()
+    assert "4/4" in captured.err and "req/s" in captured.err and "<" in captured.err  # elapsed<remaining
+    assert captured.out.splitlines()[0] == f"{batch_id}  completed  4 completed, 0 failed of 4"
+
+
+def test_status_names_an_unreachable_redis(capsys):
+    assert kvfleet(["status", "--redis-url", "redis://127.0.0.1:1/0"]) == 2
+    assert "cannot reach Redis at redis://127.0.0.1:1/0" in capsys.readouterr().err
