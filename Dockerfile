@@ -16,6 +16,7 @@ COPY kernels ./kernels
 COPY jobs ./jobs
 COPY producers ./producers
 COPY workers ./workers
+COPY kvfleet ./kvfleet
 RUN pip install .
 
 EXPOSE 8000 9100

@@ -17,6 +17,7 @@ from jobs import keys
 
 INT_FIELDS = ("free_blocks", "total_blocks", "running", "waiting", "unstarted", "unstarted_blocks_needed",
               "preemptions", "in_flight", "draining", "max_model_len", "tensor_parallel_size")
+FLOAT_FIELDS = ("tokens_per_s", "heartbeat_seconds", "started_at")
 
 
 def record_heartbeat(r: redis.Redis, name: str, record: dict[str, Any], ttl_seconds: int) -> None:
@@ -54,6 +55,9 @@ def live_workers(r: redis.Redis) -> list[dict[str, Any]]:
         for field in INT_FIELDS:
             if field in record:
                 record[field] = int(record[field])
+        for field in FLOAT_FIELDS:
+            if field in record:
+                record[field] = float(record[field])
         workers.append(record)
     if gone:
         r.zrem(keys.WORKERS, *gone)

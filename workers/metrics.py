@@ -3,6 +3,8 @@ Request metrics carry `lane="online"|"batch"`."""
 
 from __future__ import annotations
 
+from collections import deque
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from engine import EngineStats, RequestOutput
@@ -36,6 +38,7 @@ class WorkerMetrics:
         self.num_free_blocks = gauge("num_free_kv_blocks", "Free KV blocks")
         self.stream_pending = gauge("stream_pending", "Entries delivered to some worker, not yet acked")
         self.stream_lag = gauge("stream_lag", "Entries in the stream not yet delivered to any worker")
+        self.dead_letters = gauge("dead_letters", "Entries in the dead-letter streams of this worker's streams")
         self.prompt_tokens = per_lane(Counter, "prompt_tokens", "Prompt tokens of finished requests")
         self.generation_tokens = per_lane(Counter, "generation_tokens", "Generated tokens of finished requests")
         self.num_preemptions = counter("num_preemptions", "Sequences preempted by recompute")
@@ -52,6 +55,17 @@ class WorkerMetrics:
         self.request_queue_time = per_lane(Histogram, "request_queue_time_seconds",
                                            "Stream enqueue to engine start", buckets=LATENCY_BUCKETS)
         self._seen_preemptions = 0
+        self.num_generation_tokens = 0  # both lanes: the heartbeat's tokens/s
+        self._token_samples: deque[tuple[float, int]] = deque()
+
+    def generation_tokens_per_s(self, now: float, window_seconds: float = 10.0) -> float:
+        """Generated tokens per second over about the last window (tokens count when their
+        request finishes); call it once per heartbeat."""
+        self._token_samples.append((now, self.num_generation_tokens))
+        while len(self._token_samples) > 2 and now - self._token_samples[1][0] >= window_seconds:
+            self._token_samples.popleft()
+        start, tokens = self._token_samples[0]
+        return (self.num_generation_tokens - tokens) / (now - start) if now > start else 0.0
 
     def observe_finished(self, output: RequestOutput, enqueued_at: float | None, wall_offset: float,
                          lane: str = "batch", finish_reasons: list[str] | None = None,
@@ -66,6 +80,7 @@ class WorkerMetrics:
         if num_generated is None:
             num_generated = sum(len(c.token_ids) for c in output.outputs)
         self.generation_tokens[lane].inc(num_generated)
+        self.num_generation_tokens += num_generated
         for reason in finish_reasons:
             self._success.labels(**self._labels, lane=lane, finished_reason=reason).inc()
         if metrics is None:

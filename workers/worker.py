@@ -214,6 +214,8 @@ class Worker:
         backlogs = [stream_ops.stream_backlog(self.r, stream) for stream in self.streams]
         self.metrics.stream_pending.set(sum(pending for pending, _ in backlogs))
         self.metrics.stream_lag.set(sum(lag for _, lag in backlogs))
+        dead_letter_streams = {keys.dead_letters(stream) for stream in self.streams + self.online_streams}
+        self.metrics.dead_letters.set(sum(self.r.xlen(stream) for stream in dead_letter_streams))
 
     def _heartbeat(self) -> None:
         stats = self.engine.stats()
@@ -225,7 +227,9 @@ class Worker:
                   "running": stats.num_running, "waiting": stats.num_waiting, "unstarted": stats.num_unstarted,
                   "unstarted_blocks_needed": stats.num_unstarted_blocks_needed,
                   "preemptions": stats.num_preemptions, "in_flight": len(self.in_flight),
-                  "draining": int(self.stopping), "started_at": self.started_at}
+                  "draining": int(self.stopping), "started_at": self.started_at,
+                  "tokens_per_s": round(self.metrics.generation_tokens_per_s(time.monotonic()), 1),
+                  "heartbeat_seconds": self.options.maintain_seconds}
         heartbeats.record_heartbeat(self.r, self.options.name, record, max(3, int(self.options.lease_seconds)))
 
     def _check_batches(self) -> None:

@@ -46,7 +46,22 @@ def test_every_service_runs_a_real_module_with_real_flags():
 
 
 def test_the_expected_services_exist():
-    assert set(SERVICES) >= {"redis", "minio", "minio-init", "api", "worker", "finalizer", "prometheus"}
+    assert set(SERVICES) >= {"redis", "minio", "minio-init", "api", "worker", "finalizer", "prometheus", "grafana"}
+
+
+def test_grafana_is_provisioned_with_prometheus_and_the_dashboard():
+    grafana = SERVICES["grafana"]
+    mounts = {target: (ROOT / source).resolve() for source, target, *_ in (v.split(":") for v in grafana["volumes"])
+              if source.startswith("./")}
+    assert mounts["/etc/grafana/provisioning"] == ROOT / "deploy" / "grafana" / "provisioning"
+    assert mounts["/var/lib/grafana/dashboards"] == ROOT / "deploy" / "grafana" / "dashboards"
+    [source] = yaml.safe_load((ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text())[
+        "datasources"]
+    assert urlparse(source["url"]).hostname == "prometheus" and "9090:9090" in SERVICES["prometheus"]["ports"]
+    [provider] = yaml.safe_load((ROOT / "deploy/grafana/provisioning/dashboards/kvfleet.yml").read_text())[
+        "providers"]
+    assert provider["options"]["path"] == "/var/lib/grafana/dashboards"
+    assert "prometheus" in grafana["depends_on"] and "3000:3000" in grafana["ports"]
 
 
 def test_redis_keeps_an_aof_on_a_volume():
@@ -116,6 +131,6 @@ def test_the_model_is_mounted_where_the_worker_reads_it():
 @pytest.mark.parametrize("module", ["producers.api", "workers", "workers.finalizer"])
 def test_dockerfile_ships_every_package_a_command_needs(module):
     dockerfile = (ROOT / "Dockerfile").read_text()
-    for package in ("engine", "kernels", "jobs", "producers", "workers"):
+    for package in ("engine", "kernels", "jobs", "producers", "workers", "kvfleet"):
         assert f"COPY {package} ./{package}" in dockerfile
     assert module.split(".")[0] in dockerfile
