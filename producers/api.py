@@ -6,8 +6,8 @@ Routes: POST /v1/completions and /v1/chat/completions (online, through the queue
 producers/online.py), GET /v1/models (what live workers serve), GET /v1/models/{model},
 POST /v1/files, GET /v1/files/{id}, GET /v1/files/{id}/content,
 POST /v1/batches, GET /v1/batches, GET /v1/batches/{id}, POST /v1/batches/{id}/cancel,
-and beyond OpenAI GET /v1/batches/{id}/results/{custom_id}; GET /healthz and
-GET /metrics. With KVFLEET_API_KEY set, every /v1 route needs
+and beyond OpenAI GET /v1/batches/{id}/results/{custom_id}; GET /healthz,
+GET /metrics, and the operator console under /ui (producers/console.py). With KVFLEET_API_KEY set, every /v1 route needs
 `Authorization: Bearer <key>` (compared in constant time). Errors use OpenAI's
 {"error": {...}} shape. Uploads stream to storage in 1 MiB chunks and stop at
 KVFLEET_MAX_UPLOAD_BYTES (413; a Content-Length over it is refused before the body
@@ -40,9 +40,10 @@ from jobs.connection import REDIS_URL_HELP, connect, connect_async
 from jobs.files import FileNotFound, create_file, file_object, new_file_id, read_file
 from jobs.schemas import field_path
 from jobs.storage import RedisStorage, open_storage
+from producers.console import add_console_routes
 from producers.errors import APIError, error_body, error_response
 from producers.ingest import submit
-from producers.online import add_online_routes
+from producers.online import OnlineStats, add_online_routes
 
 DEFAULT_MAX_UPLOAD_BYTES = 200 * 1024 * 1024
 MULTIPART_OVERHEAD_BYTES = 64 * 1024  # room for the form's other fields and boundaries
@@ -317,8 +318,10 @@ def create_app(redis_url: str | None = None) -> FastAPI:
     def metrics():
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    add_online_routes(v1, r, connect_async(redis_url))
+    online_stats = OnlineStats()
+    add_online_routes(v1, r, connect_async(redis_url), online_stats)
     app.include_router(v1)
+    add_console_routes(app, r, online_stats)
     app.openapi = lambda: openai_style_schema(app)
     return app
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -52,7 +53,39 @@ def sse(payload: dict[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-def add_online_routes(router: APIRouter, r: redis.Redis, ar: redis.asyncio.Redis) -> None:
+class OnlineStats:
+    """This API process's online requests over the last `window_seconds`: how many arrived, and
+    their time to first token (enqueue to the first event from the worker). The console shows it."""
+
+    def __init__(self, window_seconds: float = 60.0, clock=time.monotonic) -> None:
+        self.window_seconds, self.clock = window_seconds, clock
+        self.arrivals: deque[float] = deque()
+        self.first_tokens: deque[tuple[float, float]] = deque()  # (when, seconds to the first token)
+
+    def arrived(self) -> None:
+        self.arrivals.append(self.clock())
+
+    def first_token(self, seconds: float) -> None:
+        self.first_tokens.append((self.clock(), seconds))
+
+    def summary(self) -> dict[str, float | int | None]:
+        start = self.clock() - self.window_seconds
+        while self.arrivals and self.arrivals[0] < start:
+            self.arrivals.popleft()
+        while self.first_tokens and self.first_tokens[0][0] < start:
+            self.first_tokens.popleft()
+        ttfts = sorted(seconds for _, seconds in self.first_tokens)
+
+        def quantile(q: float) -> float | None:
+            return ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))] if ttfts else None
+
+        return {"requests_per_s": len(self.arrivals) / self.window_seconds, "requests": len(self.arrivals),
+                "ttft_p50": quantile(0.5), "ttft_p99": quantile(0.99), "window_seconds": self.window_seconds}
+
+
+def add_online_routes(router: APIRouter, r: redis.Redis, ar: redis.asyncio.Redis,
+                      stats: OnlineStats | None = None) -> None:
+    stats = stats or OnlineStats()
     served_cache: dict[str, Any] = {"at": 0.0, "models": {}}
 
     def served_models() -> dict[str, Any]:
@@ -101,12 +134,14 @@ def add_online_routes(router: APIRouter, r: redis.Redis, ar: redis.asyncio.Redis
 
     async def answer(url: str, body: OnlineFields, request: Request):
         model, entry = await run_in_threadpool(enqueue, url, body)
+        stats.arrived()
         is_complete = is_handed_over = False
         try:
             last_id, events = await next_events(entry, "0-0", request)
             if events[0]["type"] == "error":
                 is_complete = True
                 raise event_error(events[0])
+            stats.first_token(time.time() - entry.enqueued_at)
             if body.stream:
                 is_handed_over = True  # the stream takes the request over, with its own cleanup
                 chunks = stream_chunks(entry, model, url, body, last_id, events)

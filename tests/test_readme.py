@@ -8,12 +8,14 @@ import importlib
 import re
 from pathlib import Path
 
+from kvfleet.cli import COMMANDS
 from producers.api import create_app
 from workers.metrics import WorkerMetrics
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-MODULE = re.compile(r"python -m ([a-z_.]+)")
+MODULE = re.compile(r"python -m ([a-z_.]+)|kvfleet ([a-z][a-z-]*)")
 FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*|-[a-z])\b")
+KVFLEET_COMMANDS = {name: module.removesuffix(".__main__") for name, (module, _) in COMMANDS.items()}
 CLIS = {"workers", "workers.serve", "workers.run_batch", "workers.finalizer", "producers.submit", "producers.status", "producers.api"}
 
 
@@ -39,7 +41,8 @@ def flags_by_module(text: str = README) -> dict[str, set[str]]:
     passage's first one, when the flag comes before any)."""
     found: dict[str, set[str]] = {}
     for passage in passages(text):
-        mentions = [(m.start(), m.group(1)) for m in MODULE.finditer(passage)]
+        mentions = [(m.start(), m.group(1) or KVFLEET_COMMANDS.get(m.group(2))) for m in MODULE.finditer(passage)
+                    if m.group(1) or m.group(2) in KVFLEET_COMMANDS]
         if not mentions:
             continue
         for _, name in mentions:

@@ -15,7 +15,7 @@ MODEL = "tiny"
 
 def submit_lines(r, records, **options) -> str:
     lines = [json.dumps(record).encode() for record in records]
-    submission = submit(r, lambda: lines, model=MODEL, **options)
+    submission = submit(r, lambda: lines, **{"model": MODEL, **options})
     assert submission.accepted, submission.report.errors
     return submission.batch_id
 

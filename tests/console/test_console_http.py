@@ -1,0 +1,50 @@
+"""The console over plain HTTP: its key, its headers, file downloads, the refresh fragment,
+a cross-origin cancel refused, and the numbers behind the progress columns."""
+
+from __future__ import annotations
+
+import httpx
+
+from jobs import batches
+from producers.console import RateSampler, eta_seconds
+from tests.console.conftest import API_KEY
+from tests.workers.helpers import completion, submit_lines
+
+
+def test_the_console_is_behind_the_api_key(console_api, r):
+    batch_id = submit_lines(r, [completion("a", "x")])
+    with httpx.Client(base_url=console_api.url) as client:
+        assert client.get("/ui").headers["location"] == "/ui/login"
+        assert client.get(f"/ui/batches/{batch_id}").status_code == 303
+        assert client.post("/ui/login", data={"key": "wrong"}).status_code == 401
+        assert client.get("/ui", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
+        logged_in = client.post("/ui/login", data={"key": API_KEY})
+        cookie = logged_in.headers["set-cookie"].lower()
+        assert logged_in.status_code == 303 and "httponly" in cookie and "samesite=strict" in cookie
+        page = client.get("/ui")
+        assert page.status_code == 200 and batch_id in page.text
+        assert "script-src 'self'" in page.headers["content-security-policy"]
+        fragment = client.get("/ui", headers={"X-Console-Fragment": "1"}).text
+        assert fragment.lstrip().startswith('<div class="scroll"><table id="batches">') and "<header>" not in fragment
+        assert client.post(f"/ui/batches/{batch_id}/cancel", headers={"Origin": "https://evil.example"}).status_code == 403
+        assert batches.batch_object(r, batch_id)["status"] == "in_progress"
+        assert client.post(f"/ui/batches/{batch_id}/cancel").status_code == 303
+        assert batches.batch_object(r, batch_id)["status"] == "cancelling"
+        input_file = batches.batch_object(r, batch_id)["input_file_id"]
+        assert input_file is None  # submitted from a file on disk: nothing to download
+        assert client.get("/ui/files/file-missing").status_code == 404
+        client.post("/ui/logout")
+        assert client.get("/ui").status_code == 303
+
+
+def test_eta_comes_from_the_recent_completion_rate():
+    now = [1000.0]
+    sampler = RateSampler(window_seconds=60, clock=lambda: now[0])
+    batch = {"id": "b", "status": "in_progress", "in_progress_at": 900.0,
+             "request_counts": {"total": 1000, "completed": 100, "failed": 0}}
+    assert sampler.rate(batch) == 1.0  # not watched for long yet: 100 done in 100 s since it started
+    now[0] += 10
+    batch["request_counts"]["completed"] = 150  # then 50 in 10 s
+    assert sampler.rate(batch) == 5.0 and eta_seconds(batch, 5.0) == 170.0
+    batch["status"] = "completed"
+    assert eta_seconds(batch, None) == 0.0
