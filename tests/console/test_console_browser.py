@@ -98,5 +98,9 @@ def test_watch_a_batch_finish_cancel_another_and_user_input_stays_text(console_a
     assert "delivered 4 times" in text_of(browser, "#dead-letters")
     assert browser.execute_script("return window.__pwned") is None
     browser.save_screenshot(str(SCREENSHOTS / "dead-letters.png"))
-    assert {"batches-running.png", "batches.png", "batch.png", "batch-errors.png", "workers.png",
+    browser.set_window_size(390, 844)  # a phone: the page fits its width, wide tables scroll in place
+    browser.get(f"{base}/ui")
+    assert browser.execute_script("return document.documentElement.scrollWidth <= window.innerWidth")
+    browser.save_screenshot(str(SCREENSHOTS / "batches-phone.png"))
+    assert {"batches-phone.png", "batches-running.png", "batches.png", "batch.png", "batch-errors.png", "workers.png",
             "dead-letters.png"} <= {path.name for path in SCREENSHOTS.glob("*.png")}

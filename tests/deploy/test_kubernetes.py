@@ -184,3 +184,10 @@ def test_no_secret_is_in_a_manifest(target):
         for variable in container(deployment).get("env", []):
             if any(word in variable["name"] for word in ("PASSWORD", "SECRET", "API_KEY", "REDIS_URL")):
                 assert "value" not in variable and "secretKeyRef" in variable["valueFrom"], variable["name"]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_the_grafana_dashboard_ships_as_a_configmap_for_grafanas_sidecar(target):
+    dashboard = objects(target, "ConfigMap")["kvfleet-grafana-dashboard"]
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert dashboard["data"]["kvfleet.json"] == (ROOT / "deploy" / "grafana" / "dashboards" / "kvfleet.json").read_text()

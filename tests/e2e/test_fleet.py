@@ -147,9 +147,13 @@ def test_sigterm_drains_and_exits_zero_while_the_other_finishes(fleet, r):
     assert httpx.get(f"{probe}/healthz", timeout=5).status_code == 200  # what a readiness probe asks
     assert httpx.get(f"{probe}/livez", timeout=5).status_code == 200
     fleet.processes["leaver"].send_signal(signal.SIGTERM)
-    time.sleep(0.2)
-    if fleet.processes["leaver"].poll() is None:  # still draining: no longer ready
-        assert httpx.get(f"{probe}/healthz", timeout=5).json()["draining"] is True
+    deadline, readiness = time.monotonic() + 10, None
+    while fleet.processes["leaver"].poll() is None and time.monotonic() < deadline:  # draining: not ready
+        readiness = httpx.get(f"{probe}/healthz", timeout=5)
+        if readiness.json()["draining"]:
+            break
+        time.sleep(0.02)
+    assert readiness is not None and readiness.status_code == 503 and readiness.json()["draining"] is True
     assert fleet.processes["leaver"].wait(timeout=30) == 0, fleet.log("leaver")
     assert not r.exists(keys.worker("leaver"))
     batch = wait_terminal(r, [batch_id], timeout=180, fleet=fleet)[batch_id]
