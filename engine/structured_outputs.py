@@ -80,11 +80,15 @@ class StructuredOutputs:
         self.control_token_ids = torch.tensor([token_id for token_id, text in enumerate(info.decoded_vocab)
                                                if text and any(byte < 0x20 for byte in text)], dtype=torch.int64)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfleet-grammar")
+        self.batch_matcher = xgrammar.BatchGrammarMatcher()  # fills every constrained row in C++ threads
         self.compiled: dict[str, Future] = {}
         self.compile_seconds: dict[str, float] = {}
 
     def check(self, params: StructuredOutputsParams) -> None:
-        """Raise ValueError if the constraint does not convert to a grammar (no tokenizer needed)."""
+        """Raise ValueError if the constraint does not convert to a grammar (no tokenizer needed).
+        A constraint that passed (or is compiling) is not checked again."""
+        if params.cache_key() in self.compiled:
+            return
         grammar = self.xgrammar.Grammar
         problems = [] if params.json is None else list(unsupported_features(_schema_dict(params.json)))
         if problems:
@@ -130,8 +134,8 @@ class StructuredOutputs:
         if not rows:
             return
         bitmask = self.xgrammar.allocate_token_bitmask(len(grammars), self.vocab_size)  # [R, ceil(vocab / 32)]
-        for row in rows:
-            grammars[row].matcher.fill_next_token_bitmask(bitmask, row)
+        self.batch_matcher.batch_fill_next_token_bitmask([grammars[row].matcher for row in rows], bitmask,
+                                                         indices=rows)
         self.xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
         json_rows = [row for row in rows if grammars[row].is_json]
         if json_rows and len(self.control_token_ids):
