@@ -177,7 +177,7 @@ def _enqueue(r: redis.Redis, source: LineSource, batch_id: str, report: Report,
         partition = keys.partition_of(batch_id, chunk_index * keys.PARTITION_LINES, num_partitions)
         # execute_command: redis-py's cluster pipeline has no eval(), but routes EVAL by its keys
         pipe.execute_command("EVAL", _ENQUEUE_CHUNK_LUA, 2, keys.stream(report.model, partition),
-                  keys.partition_counts(batch_id, partition), f"chunk:{chunk_index}", batch_id, *chunk)
+                             keys.partition_counts(batch_id, partition), f"chunk:{chunk_index}", batch_id, *chunk)
         chunk.clear()
 
     for line_number, raw in _lines(source):
