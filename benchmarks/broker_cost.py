@@ -164,12 +164,17 @@ def measure_capacity(url: str, clients: int, seconds: float) -> dict:
             **{k: v for k, v in before.delta(after, num_requests).items() if k not in ("commands", "round_trips_per_request")}}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.broker_cost", description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-requests", type=int, default=2000)
     parser.add_argument("--clients", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--cluster", action="store_true", help="part 1 on a local 3-master Redis Cluster")
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         model_dir = str(write_checkpoint(demo_config(), Path(folder) / "model"))
