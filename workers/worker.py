@@ -34,7 +34,7 @@ from redis.exceptions import (
 )
 
 from engine import LLMEngine, ParallelGroupError
-from jobs import heartbeats, keys
+from jobs import heartbeats
 from jobs.results import error_line
 from workers import batch_lane, stream_ops
 from workers.admission import Admission, default_online_reserve
@@ -43,6 +43,7 @@ from workers.flush import PendingResult, ResultFlusher
 from workers.health import Health
 from workers.metrics import WorkerMetrics
 from workers.online import BATCH_PRIORITY, WORKER_LOST, OnlineLane, OnlineWork
+from workers.served_streams import ServedStreams
 from workers.translate import EngineRequest, to_result_line
 
 log = logging.getLogger("kvfleet.worker")
@@ -98,17 +99,13 @@ class Worker:
         self.engine, self.r, self.options = engine, r, options
         self.health = health or Health()
         self.health.is_loaded = True  # the engine exists
-        num_partitions = keys.num_partitions(r)  # 1 on one Redis; a cluster splits each model's stream
-        self.stream_models = {stream: model for model in options.served_model_names
-                              for stream in keys.streams(model, num_partitions)}
-        self.streams = list(self.stream_models)  # rotated each pull, so every partition gets read
-        self.online_streams = [keys.online_stream(model) for model in options.served_model_names]
+        self.streams = ServedStreams(r, options.served_model_names)
         self.metrics = metrics or WorkerMetrics(options.name, options.served_model_names[0])
         max_num_seqs = engine.config.max_num_seqs
         reserve = options.online_reserve
         self.admission = Admission(max_num_seqs, online_reserve=default_online_reserve(max_num_seqs)
                                    if reserve is None else reserve)
-        self.online = OnlineLane(r, engine, self.online_streams, options.name)
+        self.online = OnlineLane(r, engine, self.streams.online, options.name)
         self.in_flight: dict[str, InFlight] = {}  # engine request id -> work
         self.flusher = ResultFlusher(r, options.max_backoff_seconds)
         self.batch_lane = BatchLane(r, engine, self.flusher, options.max_deliveries, options.max_requeues)
@@ -192,8 +189,7 @@ class Worker:
     def _maintain(self) -> None:
         now = time.monotonic()
         if not self.is_group_ready:
-            for stream in self.streams + self.online_streams:
-                stream_ops.ensure_group(self.r, stream)
+            self.streams.ensure_groups()
             self.is_group_ready = self.health.is_joined = True
         if now - self.last_maintain < self.options.maintain_seconds:
             return
@@ -202,20 +198,17 @@ class Worker:
         # Every pulled entry keeps its lease until it is acked: running, or finished with
         # its result not yet durable (a storage outage may last longer than the lease).
         held = [(work.stream, work.entry_id) for work in self.in_flight.values()] + self.flusher.entries()
-        for stream in self.streams + self.online_streams:
-            stream_ops.touch(self.r, stream, self.options.name, [eid for s, eid in held if s == stream])
+        self.streams.keep_leases(self.options.name, held)
         self._heartbeat()
         self._check_batches()
         self._check_deadlines()
         if now - self.last_trim > TRIM_SECONDS:
             self.last_trim = now
-            for stream in self.streams + self.online_streams:
-                stream_ops.trim_acknowledged(self.r, stream)
-        backlogs = [stream_ops.stream_backlog(self.r, stream) for stream in self.streams]
-        self.metrics.stream_pending.set(sum(pending for pending, _ in backlogs))
-        self.metrics.stream_lag.set(sum(lag for _, lag in backlogs))
-        dead_letter_streams = {keys.dead_letters(stream) for stream in self.streams + self.online_streams}
-        self.metrics.dead_letters.set(sum(self.r.xlen(stream) for stream in dead_letter_streams))
+            self.streams.trim()
+        pending, lag = self.streams.backlog()
+        self.metrics.stream_pending.set(pending)
+        self.metrics.stream_lag.set(lag)
+        self.metrics.dead_letters.set(self.streams.num_dead_letters())
 
     def _heartbeat(self) -> None:
         stats = self.engine.stats()
@@ -269,21 +262,21 @@ class Worker:
         if count <= 0:
             return
         is_idle = not self.engine.has_unfinished() and not self.flusher
-        self.streams.append(self.streams.pop(0))
+        batch_streams = self.streams.rotate()
         # Block on the streams only when idle, woken by online work as well as batch work.
-        entries = stream_ops.pull(self.r, self.options.name, count, lease_ms, self.streams if reclaim else [],
-                                  self.online_streams + self.streams if is_idle else self.streams,
+        entries = stream_ops.pull(self.r, self.options.name, count, lease_ms, batch_streams if reclaim else [],
+                                  self.streams.online + batch_streams if is_idle else batch_streams,
                                   self.options.block_ms if is_idle else None)
         accepted: list[tuple[dict, InFlight]] = []
         for stream, entry_id, fields, deliveries in entries:
-            if stream in self.online_streams:  # woke up idle on an online request
+            if stream in self.streams.online:  # woke up idle on an online request
                 work = self.online.accept(stream, entry_id, fields, deliveries, self.options.max_deliveries)
                 if work is not None:
                     self._start_online(stream, entry_id, work)
                 continue
             if request_id(stream, entry_id) in self.in_flight:
                 continue  # reclaimed our own entry: it is already running
-            model = self.stream_models[stream]
+            model = self.streams.model_of[stream]
             batch_work = self.batch_lane.accept(stream, model, entry_id, fields, deliveries)
             if batch_work is not None:
                 accepted.append((fields, InFlight(stream, entry_id, batch_work.batch_id, batch_work.custom_id,
