@@ -17,6 +17,7 @@ COPY jobs ./jobs
 COPY producers ./producers
 COPY workers ./workers
 COPY kvfleet ./kvfleet
+COPY grammar_support ./grammar_support
 RUN pip install .
 
 EXPOSE 8000 9100

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from engine.sampling_params import StructuredOutputsParams
-from jobs.json_schema_support import unsupported_features
+from grammar_support.json_schema import unsupported_features
 
 ERROR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # xgrammar's "[time] file.cc:123: " prefix
 

@@ -3,7 +3,7 @@
 OpenAI's `response_format` ({"type": "text" | "json_object" | "json_schema"}) and vLLM's
 `structured_outputs` ({"json" | "regex" | "choice" | "grammar" | "json_object": ...}).
 A JSON schema must be a valid schema and use only features the workers' grammar
-compiler enforces (jobs/json_schema_support.py); a regex must compile. EBNF grammars
+compiler enforces (grammar_support/json_schema.py); a regex must compile. EBNF grammars
 are checked by the compiler on the worker: a bad one becomes that request's error line.
 """
 
@@ -25,7 +25,7 @@ from pydantic import (
     model_validator,
 )
 
-from jobs.json_schema_support import unsupported_features
+from grammar_support.json_schema import unsupported_features
 
 MAX_CONSTRAINT_CHARS = 100_000
 

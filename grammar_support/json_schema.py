@@ -7,7 +7,7 @@ API and in `LLM.generate`, instead of surfacing as outputs that fail validation.
 
 What is refused was measured against xgrammar 0.2.9, one witness each: a value
 that jsonschema rejects and the compiled grammar still accepts
-(tests/jobs/test_json_schema_support.py keeps every entry honest). Keywords outside
+(tests/grammar_support/test_json_schema.py keeps every entry honest). Keywords outside
 the JSON Schema vocabulary are annotations (the spec ignores them) and pass.
 """
 

@@ -15,7 +15,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
-from jobs.json_schema_support import IGNORED_KEYWORDS, unsupported_features
+from grammar_support.json_schema import IGNORED_KEYWORDS, unsupported_features
 
 xgrammar = pytest.importorskip("xgrammar")
 from xgrammar.testing import _is_grammar_accept_string as grammar_accepts  # noqa: E402
