@@ -139,13 +139,28 @@ def fail(r: redis.Redis, batch_id: str, code: str, message: str) -> None:
 
 def load_fields(r: redis.Redis, batch_id: str) -> dict[str, Any]:
     """The batch hash's fields, with the counts and usage summed over its partitions."""
-    pipe = r.pipeline(transaction=False)
-    pipe.hgetall(keys.batch(batch_id))
-    for partition in range(keys.num_partitions(r)):
-        pipe.hmget(keys.partition_counts(batch_id, partition), *COUNT_FIELDS)
-    raw, *partitions = pipe.execute()
-    if not raw:
+    [fields] = load_many(r, [batch_id])
+    if fields is None:
         raise BatchNotFound(batch_id)
+    return fields
+
+
+def load_many(r: redis.Redis, batch_ids: list[str]) -> list[dict[str, Any] | None]:
+    """load_fields of each batch (None where it does not exist), in one pipeline."""
+    num_partitions = keys.num_partitions(r)
+    pipe = r.pipeline(transaction=False)
+    for batch_id in batch_ids:
+        pipe.hgetall(keys.batch(batch_id))
+        for partition in range(num_partitions):
+            pipe.hmget(keys.partition_counts(batch_id, partition), *COUNT_FIELDS)
+    replies = pipe.execute()
+    step = 1 + num_partitions
+    return [_fields(replies[i], replies[i + 1:i + step]) for i in range(0, len(replies), step)]
+
+
+def _fields(raw: dict, partitions: list) -> dict[str, Any] | None:
+    if not raw:
+        return None
     fields: dict[str, Any] = {k.decode(): v.decode() for k, v in raw.items()}
     for index, name in enumerate(COUNT_FIELDS):
         fields[name] = sum(int(values[index] or 0) for values in partitions)
@@ -160,7 +175,12 @@ def load_fields(r: redis.Redis, batch_id: str) -> dict[str, Any]:
 
 def batch_object(r: redis.Redis, batch_id: str) -> dict[str, Any]:
     """The batch as OpenAI's API returns it."""
-    f = load_fields(r, batch_id)
+    return as_openai(load_fields(r, batch_id))
+
+
+def as_openai(f: dict[str, Any]) -> dict[str, Any]:
+    """load_fields' fields as OpenAI's batch object."""
+    batch_id = f["id"]
     usage = None
     if f.get("prompt_tokens") or f.get("completion_tokens"):
         prompt, completion = f.get("prompt_tokens", 0), f.get("completion_tokens", 0)

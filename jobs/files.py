@@ -49,6 +49,17 @@ def file_object(r: redis.Redis, file_id: str) -> dict[str, Any]:
             "filename": f["filename"], "purpose": f["purpose"], "status": "processed"}
 
 
+def read_lines(r: redis.Redis, file_id: str) -> Iterator[bytes]:
+    """The file's lines, without their newlines, read chunk by chunk (any size of file)."""
+    buffer = b""
+    for chunk in read_file(r, file_id):
+        buffer += chunk
+        *lines, buffer = buffer.split(b"\n")
+        yield from lines
+    if buffer:
+        yield buffer
+
+
 def read_file(r: redis.Redis, file_id: str) -> Iterator[bytes]:
     raw = r.hmget(keys.file(file_id), "location", "sink")
     if raw[0] is None:

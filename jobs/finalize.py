@@ -41,7 +41,7 @@ from jobs import batches, keys
 from jobs.connection import connect, queue_connection
 from jobs.files import create_file
 from jobs.results import is_error_line
-from jobs.storage import CHUNK, RedisStorage, describe_error, is_permanent_error, open_storage
+from jobs.storage import CHUNK, describe_error, is_permanent_error, open_storage, result_stores
 
 log = logging.getLogger("kvfleet.finalize")
 ACTIVE_JOB_STATUSES = (JobStatus.QUEUED, JobStatus.STARTED, JobStatus.SCHEDULED, JobStatus.DEFERRED)
@@ -148,9 +148,7 @@ def _write_files(r: redis.Redis, batch_id: str, fields: dict) -> None:
     if fields.get("output_file_id") or fields.get("error_file_id"):
         return  # written by an earlier run
     storage = open_storage(fields["sink"], r)
-    sources = [storage.iter_results(batch_id)]
-    if fields["sink"] != "redis":  # error lines a broken sink could not take are kept in Redis
-        sources.append(RedisStorage(r).iter_results(batch_id))
+    sources = [store.iter_results(batch_id) for store in result_stores(fields["sink"], r)]
     # Spool to disk: a batch of a million results must not sit in memory.
     with tempfile.TemporaryFile() as outputs, tempfile.TemporaryFile() as errors:
         for source in sources:
@@ -178,10 +176,9 @@ def counted_but_open(r: redis.Redis) -> list[str]:
     """Open batches whose every request has a result counted, in a status that waits
     for finalize."""
     found = []
-    for batch_id in sorted(b.decode() for b in r.smembers(keys.OPEN_BATCHES)):
-        try:
-            fields = batches.load_fields(r, batch_id)
-        except batches.BatchNotFound:
+    batch_ids = sorted(b.decode() for b in r.smembers(keys.OPEN_BATCHES))
+    for batch_id, fields in zip(batch_ids, batches.load_many(r, batch_ids)):
+        if fields is None:
             r.srem(keys.OPEN_BATCHES, batch_id)  # the hash is gone
             continue
         if fields["status"] in batches.TERMINAL:

@@ -195,3 +195,15 @@ def open_storage(url: str, r: redis.Redis) -> Storage:
     if parsed.scheme == "file":
         return FileStorage(parsed.path)
     return RedisStorage(r)
+
+
+def result_stores(sink: str, r: redis.Redis) -> list[Storage]:
+    """Where a batch's result lines are: its sink, and Redis too for a sink elsewhere (the error
+    lines a broken sink could not take are kept there: workers/flush.py)."""
+    return [open_storage(sink, r)] + ([] if sink == "redis" else [RedisStorage(r)])
+
+
+def find_result(sink: str, r: redis.Redis, batch_id: str, custom_id: str) -> bytes | None:
+    """One request's result line, wherever it was kept."""
+    return next((line for store in result_stores(sink, r) if (line := store.get_result(batch_id, custom_id))
+                 is not None), None)

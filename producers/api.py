@@ -37,9 +37,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jobs import batches, heartbeats, keys
 from jobs.connection import REDIS_URL_HELP, connect, connect_async
-from jobs.files import FileNotFound, create_file, file_object, new_file_id, read_file
+from jobs.files import FileNotFound, create_file, file_object, new_file_id, read_file, read_lines
 from jobs.schemas import field_path
-from jobs.storage import RedisStorage, open_storage
+from jobs.storage import RedisStorage, find_result, open_storage
 from producers.console import add_console_routes
 from producers.errors import APIError, error_body, error_response
 from producers.ingest import submit
@@ -189,11 +189,14 @@ def create_app(redis_url: str | None = None) -> FastAPI:
                            "model")
         return model_object(model, served[model])
 
-    def get_batch(batch_id: str) -> dict[str, Any]:
+    def get_fields(batch_id: str) -> dict[str, Any]:
         try:
-            return batches.batch_object(r, batch_id)
+            return batches.load_fields(r, batch_id)
         except batches.BatchNotFound:
             raise APIError(404, f"No batch found with id '{batch_id}'.", "batch_not_found") from None
+
+    def get_batch(batch_id: str) -> dict[str, Any]:
+        return batches.as_openai(get_fields(batch_id))
 
     @v1.post("/files")
     def upload_file(file: Annotated[UploadFile, File()], purpose: Annotated[Literal["batch"], Form()]):
@@ -247,16 +250,7 @@ def create_app(redis_url: str | None = None) -> FastAPI:
         except ValueError as error:
             raise APIError(400, str(error), "invalid_request", str(error).split(":")[0]) from None
 
-        def source():
-            buffer = b""
-            for chunk in read_file(r, body.input_file_id):
-                buffer += chunk
-                *lines, buffer = buffer.split(b"\n")
-                yield from lines
-            if buffer:
-                yield buffer
-
-        submission = submit(r, source, endpoint=body.endpoint, model=body.model, sink=body.output,
+        submission = submit(r, lambda: read_lines(r, body.input_file_id), endpoint=body.endpoint, model=body.model, sink=body.output,
                             completion_window=body.completion_window, metadata=body.metadata,
                             input_file_id=body.input_file_id)
         if not submission.accepted:  # OpenAI's behaviour: the batch exists, failed, with the line errors
@@ -280,7 +274,7 @@ def create_app(redis_url: str | None = None) -> FastAPI:
             ids = batches.list_batch_ids(r, after, limit + 1)
         except batches.BatchNotFound:
             raise APIError(404, f"No batch found with id '{after}'.", "batch_not_found", "after") from None
-        data = [batches.batch_object(r, batch_id) for batch_id in ids[:limit]]
+        data = [batches.as_openai(fields) for fields in batches.load_many(r, ids[:limit]) if fields is not None]
         return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                 "last_id": data[-1]["id"] if data else None, "has_more": len(ids) > limit}
 
@@ -299,8 +293,7 @@ def create_app(redis_url: str | None = None) -> FastAPI:
 
     @v1.get("/batches/{batch_id}/results/{custom_id}")
     def get_result(batch_id: str, custom_id: str):
-        batch = batches.load_fields(r, get_batch(batch_id)["id"])
-        line = open_storage(batch["sink"], r).get_result(batch_id, custom_id)
+        line = find_result(get_fields(batch_id)["sink"], r, batch_id, custom_id)
         if line is None:
             raise APIError(404, f"No result yet for custom_id '{custom_id}' in batch '{batch_id}'.",
                            "result_not_found")

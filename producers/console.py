@@ -24,9 +24,9 @@ from fastapi.templating import Jinja2Templates
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 
 from jobs import batches, dead_letters, heartbeats
-from jobs.files import FileNotFound, file_object, read_file
+from jobs.files import FileNotFound, file_object, read_file, read_lines
 from jobs.results import is_error_line
-from jobs.storage import RedisStorage, open_storage
+from jobs.storage import find_result, result_stores
 from producers.online import OnlineStats
 
 HERE = Path(__file__).parent
@@ -89,20 +89,15 @@ def first_errors(r: redis.Redis, batch: dict[str, Any], fields: dict[str, Any]) 
     """The batch's first error lines: from its error file once finalized, else from its results."""
     lines: list[dict[str, Any]] = []
     if batch.get("error_file_id"):
-        buffer = b""
-        for chunk in read_file(r, batch["error_file_id"]):
-            buffer += chunk
-            *complete, buffer = buffer.split(b"\n")
-            lines += [json.loads(line) for line in complete if line.strip()]
+        for line in read_lines(r, batch["error_file_id"]):
+            if line.strip():
+                lines.append(json.loads(line))
             if len(lines) >= MAX_ERROR_LINES:
                 break
-        return lines[:MAX_ERROR_LINES]
-    sources = [open_storage(fields["sink"], r).iter_results(batch["id"])]
-    if fields["sink"] != "redis":
-        sources.append(RedisStorage(r).iter_results(batch["id"]))  # errors a broken sink could not take
+        return lines
     scanned = 0
-    for source in sources:
-        for raw in source:
+    for store in result_stores(fields["sink"], r):
+        for raw in store.iter_results(batch["id"]):
             scanned += 1
             line = json.loads(raw)
             if is_error_line(line):
@@ -172,13 +167,11 @@ def add_console_routes(app: FastAPI, r: redis.Redis, online_stats: OnlineStats) 
     @ui.get("/batches")
     def batch_list(request: Request, status: str | None = None, limit: int = 50):
         rows = []
-        for batch_id in batches.list_batch_ids(r, limit=200 if status else min(limit, 200)):
-            try:
-                batch = batches.batch_object(r, batch_id)
-            except batches.BatchNotFound:  # listed while being created
+        batch_ids = batches.list_batch_ids(r, limit=200 if status else min(limit, 200))
+        for fields in batches.load_many(r, batch_ids):
+            if fields is None or (status and fields["status"] != status):  # None: listed while being created
                 continue
-            if status and batch["status"] != status:
-                continue
+            batch = batches.as_openai(fields)
             rate = sampler.rate(batch)
             rows.append({"batch": batch, "rate": rate, "eta": eta_seconds(batch, rate)})
             if len(rows) >= limit:
@@ -190,16 +183,13 @@ def add_console_routes(app: FastAPI, r: redis.Redis, online_stats: OnlineStats) 
     @ui.get("/batches/{batch_id}")
     def batch_page(request: Request, batch_id: str, custom_id: str | None = None):
         try:
-            batch, fields = batches.batch_object(r, batch_id), batches.load_fields(r, batch_id)
+            fields = batches.load_fields(r, batch_id)
         except batches.BatchNotFound:
             return page(request, "missing.html", what=f"batch {batch_id}")
+        batch = batches.as_openai(fields)
         rate = sampler.rate(batch)
-        result = None
-        if custom_id:
-            raw = open_storage(fields["sink"], r).get_result(batch_id, custom_id)
-            if raw is None and fields["sink"] != "redis":
-                raw = RedisStorage(r).get_result(batch_id, custom_id)
-            result = json.dumps(json.loads(raw), indent=2) if raw is not None else None
+        raw = find_result(fields["sink"], r, batch_id, custom_id) if custom_id else None
+        result = json.dumps(json.loads(raw), indent=2) if raw is not None else None
         files = {}
         for name in ("input_file_id", "output_file_id", "error_file_id"):
             try:

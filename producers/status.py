@@ -87,12 +87,9 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, r: redis.Red
     if args.batch_id is None:
         if args.watch:
             parser.error("--watch needs a BATCH_ID")
-        rows = []
-        for batch_id in batches.list_batch_ids(r, limit=args.limit):
-            try:
-                rows.append(batches.batch_object(r, batch_id))
-            except batches.BatchNotFound:  # listed while being created or deleted
-                continue
+        # None: listed while being created or deleted
+        rows = [batches.as_openai(fields) for fields in batches.load_many(r, batches.list_batch_ids(r, limit=args.limit))
+                if fields is not None]
         print(json.dumps(rows) if args.json else table(rows) if rows else "no batches")
         return 0
     try:
