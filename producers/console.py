@@ -28,6 +28,7 @@ from jobs.files import FileNotFound, file_object, read_file, read_lines
 from jobs.results import is_error_line
 from jobs.storage import find_result, result_stores
 from producers.online import OnlineStats
+from producers.status import duration
 
 HERE = Path(__file__).parent
 COOKIE = "kvfleet_console"
@@ -73,16 +74,6 @@ def eta_seconds(batch: dict[str, Any], rate: float | None) -> float | None:
     if batch["status"] in batches.TERMINAL or remaining <= 0:
         return 0.0
     return remaining / rate if rate else None
-
-
-def duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "—"
-    seconds = max(0.0, seconds)
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.1f}{unit}"
-    return f"{seconds:.0f}s"
 
 
 def first_errors(r: redis.Redis, batch: dict[str, Any], fields: dict[str, Any]) -> list[dict[str, Any]]:

@@ -25,10 +25,14 @@ def summary(batch: dict) -> str:
             f"of {counts['total']}")
 
 
-def age(seconds: float) -> str:
+def duration(seconds: float | None) -> str:
+    """Seconds as 12s, 4.5m, 2.0h or 3.1d; "—" when unknown (an ETA without a rate)."""
+    if seconds is None:
+        return "—"
+    seconds = max(0.0, seconds)
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
         if seconds >= size:
-            return f"{seconds / size:.0f}{unit}"
+            return f"{seconds / size:.1f}{unit}"
     return f"{seconds:.0f}s"
 
 
@@ -39,7 +43,7 @@ def table(rows: list[dict], now: float | None = None) -> str:
     lines = [header] + [(b["id"], b["status"], b["model"],
                          f"{b['request_counts']['completed'] + b['request_counts']['failed']}/"
                          f"{b['request_counts']['total']}", str(b["request_counts"]["failed"]),
-                         age(now - b["created_at"])) for b in rows]
+                         duration(now - b["created_at"])) for b in rows]
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in lines)
 
