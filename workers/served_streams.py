@@ -45,10 +45,16 @@ class ServedStreams:
         for stream in self.all:
             stream_ops.trim_acknowledged(self.r, stream)
 
-    def backlog(self) -> tuple[int, int]:
-        """(pending, lag) of the batch streams, summed over models and partitions."""
-        backlogs = [stream_ops.stream_backlog(self.r, stream) for stream in self.batch]
-        return sum(pending for pending, _ in backlogs), sum(lag for _, lag in backlogs)
-
-    def num_dead_letters(self) -> int:
-        return sum(self.r.xlen(stream) for stream in {keys.dead_letters(stream) for stream in self.all})
+    def backlog(self) -> tuple[int, int, int]:
+        """(pending, lag) of the batch streams, summed over models and partitions, and the entries
+        in their dead-letter streams: one pipelined round trip (per node on a cluster)."""
+        pipe = self.r.pipeline(transaction=False)
+        for stream in self.batch:
+            pipe.xinfo_groups(stream)
+        dead_letter_streams = sorted({keys.dead_letters(stream) for stream in self.all})
+        for stream in dead_letter_streams:
+            pipe.xlen(stream)
+        replies = pipe.execute()
+        backlogs = [stream_ops.group_backlog(groups) for groups in replies[:len(self.batch)]]
+        return (sum(pending for pending, _ in backlogs), sum(lag for _, lag in backlogs),
+                sum(replies[len(self.batch):]))

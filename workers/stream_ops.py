@@ -126,7 +126,12 @@ def trim_acknowledged(r: redis.Redis, stream: str) -> None:
 
 def stream_backlog(r: redis.Redis, stream: str) -> tuple[int, int]:
     """(pending, lag) of the consumer group."""
-    for group in r.xinfo_groups(stream):
+    return group_backlog(r.xinfo_groups(stream))
+
+
+def group_backlog(groups: list[dict]) -> tuple[int, int]:
+    """(pending, lag) of kvfleet's group in an XINFO GROUPS reply."""
+    for group in groups:
         if group["name"].decode() == GROUP:
             return int(group["pending"]), int(group.get("lag") or 0)
     return 0, 0

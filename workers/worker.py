@@ -205,10 +205,10 @@ class Worker:
         if now - self.last_trim > TRIM_SECONDS:
             self.last_trim = now
             self.streams.trim()
-        pending, lag = self.streams.backlog()
+        pending, lag, dead_letters = self.streams.backlog()
         self.metrics.stream_pending.set(pending)
         self.metrics.stream_lag.set(lag)
-        self.metrics.dead_letters.set(self.streams.num_dead_letters())
+        self.metrics.dead_letters.set(dead_letters)
 
     def _heartbeat(self) -> None:
         stats = self.engine.stats()
