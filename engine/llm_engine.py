@@ -40,6 +40,18 @@ class _Request:
 
 
 @dataclass(frozen=True)
+class ProcessedRequest:
+    """A request tokenized and validated, ready to queue: what `process_request` returns."""
+
+    request_id: str
+    prompt: str | None  # a text prompt, echoed in the output
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float | None
+    priority: int
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """The engine's numbers at one moment, for admission, metrics and the heartbeat.
 
@@ -153,21 +165,34 @@ class LLMEngine:
             raise ContextLengthExceeded(f"prompt: needs {needed} KV blocks ({num_prompt} prompt tokens + max_tokens "
                              f"{params.max_tokens}, n={params.n}) but num_kv_blocks is {self.num_total_blocks}")
 
+    def process_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                        arrival_time: float | None = None, priority: int = 0) -> ProcessedRequest:
+        """Tokenize and validate a request without queueing it (vLLM's input processing):
+        raises ValueError, naming the field and the limit, if it can never run here."""
+        params = params or SamplingParams()
+        prompt_token_ids = self.tokenize(prompt)
+        self.validate(prompt_token_ids, params)
+        return ProcessedRequest(request_id, prompt if isinstance(prompt, str) else None, prompt_token_ids, params,
+                                arrival_time, priority)
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0) -> None:
         """Queue a request; raises ValueError (and queues nothing) if it can never run.
         A text prompt is echoed in the output. A lower `priority` runs first (vLLM's
         priority scheduling); equal priorities run in arrival order."""
-        params = params or SamplingParams()
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already running")
-        prompt_token_ids = self.tokenize(prompt)
-        self.validate(prompt_token_ids, params)
-        seq = Sequence(request_id, prompt_token_ids, params, arrival_time, priority=priority)
+        self.add_processed_request(self.process_request(request_id, prompt, params, arrival_time, priority))
+
+    def add_processed_request(self, request: ProcessedRequest) -> None:
+        """Queue a request `process_request` validated (a worker validates before it admits)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already running")
+        params = request.params
+        seq = Sequence(request.request_id, request.prompt_token_ids, params, request.arrival_time,
+                       priority=request.priority)
         if params.structured_outputs is not None:
             seq.grammar = self._structured().start(params.structured_outputs)  # compiles in the background
         deltas = DeltaTracker() if params.output_kind is RequestOutputKind.DELTA else None
-        self.requests[request_id] = _Request(prompt if isinstance(prompt, str) else None, [seq], deltas)
+        self.requests[request.request_id] = _Request(request.prompt, [seq], deltas)
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> None:

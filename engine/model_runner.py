@@ -7,9 +7,12 @@ rank runs `run` on the same inputs with its own shard and KV pool."""
 
 from __future__ import annotations
 
+import json
+import os
 import random
 
 import torch
+from transformers import AutoConfig
 
 from engine import parallel
 from engine.attention import AttentionMetadata, ForwardContext, PrefillSpan, select_backend
@@ -73,7 +76,7 @@ class ModelRunner:
             parallel.check_tensor_parallel(hf_config, self.world_size, self.device)
             if rank == 0:
                 init_method = free_init_method()
-                self.shards = start_shards(config, init_method)
+                self.shards = start_shards(config, init_method, run_shard)
             try:
                 parallel.init_group(rank, self.world_size, init_method, self.device)
             except Exception as error:
@@ -276,3 +279,17 @@ class ModelRunner:
 
     def release(self, seq: Sequence) -> None:
         self.generators.pop(seq.seq_id, None)
+
+
+def run_shard(config_json: str, rank: int, init_method: str) -> None:
+    """The main of ranks 1..N-1: load the shard, then run steps until rank 0 says exit.
+    Any failure ends the process with an error, which fails rank 0's next collective."""
+    config = EngineConfig(**json.loads(config_json))
+    if not torch.cuda.is_available():  # the ranks share the host's cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
+    runner = ModelRunner(config, AutoConfig.from_pretrained(config.model), set(), rank=rank,
+                         init_method=init_method)
+    with torch.inference_mode():
+        while (inputs := StepInputs.receive(runner.device)) is not None:
+            runner.run(inputs)
+    parallel.destroy_group()

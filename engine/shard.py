@@ -1,6 +1,7 @@
 """Ranks 1..N-1 of a tensor-parallel engine, and the step inputs rank 0 sends them.
 
-Rank 0 (the engine process) spawns one process per other rank. Each loads its shard
+Rank 0 (the engine process) spawns one process per other rank (their main is
+engine/model_runner.py's `run_shard`). Each loads its shard
 of the weights, sizes its KV pool, and then runs every step: rank 0 broadcasts the
 step's inputs (token ids, context starts and lengths, block tables, block copies, the
 rows to sample), every rank builds positions, slot mappings and attention metadata
@@ -17,8 +18,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import multiprocessing
-import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -70,33 +71,18 @@ def free_init_method() -> str:
         return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
 
 
-def start_shards(config: EngineConfig, init_method: str) -> list[multiprocessing.Process]:
-    """Spawn ranks 1..N-1 (spawn, not fork: a forked child would inherit rank 0's
-    threads and CUDA state). The config travels as JSON."""
+def start_shards(config: EngineConfig, init_method: str,
+                 shard_main: Callable[[str, int, str], None]) -> list[multiprocessing.Process]:
+    """Spawn ranks 1..N-1, each running `shard_main(config_json, rank, init_method)`
+    (engine/model_runner.py's `run_shard`; passed in, so that this module needs no model
+    runner). Spawn, not fork: a forked child would inherit rank 0's threads and CUDA state.
+    The config travels as JSON."""
     context = multiprocessing.get_context("spawn")
     config_json = json.dumps(dataclasses.asdict(config))
     shards = []
     for rank in range(1, config.tensor_parallel_size):
-        process = context.Process(target=run_shard, args=(config_json, rank, init_method), daemon=True,
+        process = context.Process(target=shard_main, args=(config_json, rank, init_method), daemon=True,
                                   name=f"kvfleet-tp-rank-{rank}")
         process.start()
         shards.append(process)
     return shards
-
-
-def run_shard(config_json: str, rank: int, init_method: str) -> None:
-    """The main of ranks 1..N-1: load the shard, then run steps until rank 0 says exit.
-    Any failure ends the process with an error, which fails rank 0's next collective."""
-    from transformers import AutoConfig  # noqa: PLC0415 (in the child only)
-
-    from engine.model_runner import ModelRunner  # noqa: PLC0415 (it imports this module)
-
-    config = EngineConfig(**json.loads(config_json))
-    if not torch.cuda.is_available():  # the ranks share the host's cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
-    runner = ModelRunner(config, AutoConfig.from_pretrained(config.model), set(), rank=rank,
-                         init_method=init_method)
-    with torch.inference_mode():
-        while (inputs := StepInputs.receive(runner.device)) is not None:
-            runner.run(inputs)
-    parallel.destroy_group()
