@@ -37,7 +37,8 @@ from jobs import batches, keys
 from jobs.connection import connect
 from jobs.finalize import run_queued_jobs as run_finalize_jobs
 from jobs.local_redis import RedisClusterServers, RedisServer
-from jobs.results import Usage, record_result, success_line
+from jobs.recording import record_result
+from jobs.results import Usage, success_line
 from jobs.storage import RedisStorage
 from producers.ingest import submit
 from workers import stream_ops
@@ -100,7 +101,7 @@ def measure_real_path(url: str, admins: list[redis.Redis], model_dir: str, num_r
     batch_id = submit(r, lambda: lines(num_requests, "r"), model=MODEL).batch_id
     submitted = Snapshot(admins)
     phases["submit"] = start.delta(submitted, num_requests)
-    while batches.num_counted(r, batch_id) < num_requests or worker.flusher:
+    while batches.num_counted(r, batch_id) < num_requests or worker.batch_lane.flusher:
         worker.run_once()
     worked = Snapshot(admins)
     phases["worker"] = submitted.delta(worked, num_requests)

@@ -40,6 +40,7 @@ WINDOWS = {"24h": 24 * 3600}
 INT_FIELDS = ("created_at", "expires_at", *TIMESTAMP_FIELDS.values(), "total")
 JSON_FIELDS = ("metadata", "errors")
 
+FINALIZE_REQUESTED = "finalize_requested"  # set once, by whoever enqueues the batch's finalize job
 COUNT_FIELDS = ("completed", "failed", "prompt_tokens", "completion_tokens", "cached_tokens")  # per partition
 
 # KEYS: the batch hash. ARGV: new status, its timestamp field, then the legal source statuses.
@@ -132,9 +133,36 @@ def transition(r: redis.Redis, batch_id: str, to_status: str) -> str:
 
 def fail(r: redis.Redis, batch_id: str, code: str, message: str) -> None:
     """End the batch failed, with `errors` saying why (OpenAI's batch errors list)."""
-    r.hset(keys.batch(batch_id), "errors", json.dumps([{"code": code, "message": message, "line": None,
-                                                        "param": None}]))
+    fail_with_errors(r, batch_id, [{"code": code, "message": message, "line": None, "param": None}])
+
+
+def fail_with_errors(r: redis.Redis, batch_id: str, errors: list[dict[str, Any]], total: int | None = None) -> None:
+    """End the batch failed with OpenAI's `errors` list (a file's invalid lines, say), and
+    its request total when it is known."""
+    fields: dict[str, Any] = {"errors": json.dumps(errors)}
+    if total is not None:
+        fields["total"] = total
+    r.hset(keys.batch(batch_id), mapping=fields)
     transition(r, batch_id, "failed")
+
+
+def set_total(r: redis.Redis, batch_id: str, total: int) -> None:
+    """The number of requests in the batch, once its file is validated."""
+    r.hset(keys.batch(batch_id), "total", total)
+
+
+def set_files(r: redis.Redis, batch_id: str, file_ids: dict[str, str]) -> None:
+    """The output_file_id and error_file_id finalize wrote."""
+    r.hset(keys.batch(batch_id), mapping=file_ids)
+
+
+def is_finalize_requested(pipe: redis.client.Pipeline, batch_id: str) -> bool:
+    return bool(pipe.hexists(keys.batch(batch_id), FINALIZE_REQUESTED))
+
+
+def queue_finalize_requested(pipe: redis.client.Pipeline, batch_id: str) -> None:
+    """Flag the batch, in the caller's MULTI: its finalize job is enqueued (by whoever set the flag)."""
+    pipe.hset(keys.batch(batch_id), FINALIZE_REQUESTED, 1)
 
 
 def load_fields(r: redis.Redis, batch_id: str) -> dict[str, Any]:

@@ -73,11 +73,11 @@ def request_finalize(r: redis.Redis, batch_id: str, force: bool = False) -> bool
         while True:
             try:
                 pipe.watch(key)
-                if pipe.hexists(key, "finalize_requested") and not force:
+                if batches.is_finalize_requested(pipe, batch_id) and not force:
                     return False
                 is_expired = time.time() > int(pipe.hget(key, "expires_at") or 0)
                 pipe.multi()
-                pipe.hset(key, "finalize_requested", 1)
+                batches.queue_finalize_requested(pipe, batch_id)
                 # A batch past its window goes from in_progress to expired in finalize_batch;
                 # from cancelling the transition is refused and finalize ends it cancelled.
                 if not is_expired:
@@ -162,7 +162,7 @@ def _write_files(r: redis.Redis, batch_id: str, fields: dict) -> None:
                                       f"{batch_id}_{kind}.jsonl", "batch_output")
                 file_ids[name] = created["id"]
     if file_ids:
-        r.hset(keys.batch(batch_id), mapping=file_ids)
+        batches.set_files(r, batch_id, file_ids)
 
 
 def _job_status(r: redis.Redis, batch_id: str) -> JobStatus | None:

@@ -6,7 +6,7 @@ MULTI. Every script and MULTI in kvfleet touches keys of one tag.
 
 | key                                   | type         | holds                                                    |
 |---------------------------------------|--------------|----------------------------------------------------------|
-| kvfleet:stream:{pN}:{model}           | stream       | requests of partition N, fields STREAM_ENTRY_FIELDS      |
+| kvfleet:stream:{pN}:{model}           | stream       | requests of partition N: jobs/entries.py's BatchEntry    |
 | kvfleet:done:{pN}:{batch}             | set          | custom ids of the batch's partition-N requests with a    |
 |                                       |              | durable result (each counted once)                       |
 | kvfleet:counts:{pN}:{batch}           | hash         | that partition's total, completed, failed and usage      |
@@ -39,14 +39,8 @@ RQ cannot run on a Redis Cluster (its transactions span slots: rq/rq#1942), so w
 cluster the finalize queue lives on a plain Redis named by KVFLEET_QUEUE_URL
 (jobs/connection.py).
 
-A stream entry's fields, as producers/ingest.py writes them and workers read them:
-
-    batch_id      the batch it belongs to
-    custom_id     the request's id within the batch
-    line_number   its line in the input file (1-based), for error messages
-    line          the original JSONL line; workers re-validate it with jobs.schemas.parse_line
-    enqueued_at   wall-clock seconds at XADD, for the queue-time metric
-    requeues      (only on a copy handed back by a worker) how often it was handed back
+A stream entry's fields are jobs/entries.py's `BatchEntry` (batch streams) and
+jobs/online.py's `OnlineEntry` (online streams).
 """
 
 from __future__ import annotations
@@ -64,8 +58,6 @@ FINALIZE_QUEUE = "kvfleet-finalize"
 BATCHES = f"{PREFIX}:batches"
 OPEN_BATCHES = f"{PREFIX}:batches:open"
 WORKERS = f"{PREFIX}:workers:{{workers}}"
-STREAM_ENTRY_FIELDS = ("batch_id", "custom_id", "line_number", "line", "enqueued_at")
-HANDED_BACK_FIELD = "requeues"
 NUM_CLUSTER_PARTITIONS = 16
 PARTITION_LINES = 100  # consecutive lines of a batch that share a partition
 _TAG = re.compile(r"\{([^}]*)\}")

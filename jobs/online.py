@@ -9,7 +9,8 @@
     cancel  the API sets kvfleet:reply:{request_id}:cancel when the client goes away or its
             time is up; the worker checks it after every step and aborts the request.
 
-Reply events, JSON in the entry field "event":
+Reply events are typed (`Delta`, `Done`, `Error`, `Restart`), encoded as JSON in the entry
+field "event" by `encode_event` and read back by `decode_events`, here alone:
 
     {"type": "delta", "choices": [{"index", "text", "logprobs", "finish_reason", "token_ids"?}]}
     {"type": "done", "usage": {...}}                         the last event of a success
@@ -24,11 +25,11 @@ a restart event.
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import redis
 
@@ -85,26 +86,76 @@ def online_backlog(r: redis.Redis, model: str) -> int:
     return int(r.xlen(keys.online_stream(model)))
 
 
-# -- events ------------------------------------------------------------------------
-def delta_event(choices: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"type": "delta", "choices": choices}
+# -- reply events ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class ChoiceDelta:
+    """What one choice produced in one engine step."""
+
+    index: int
+    text: str
+    finish_reason: str | None = None
+    logprobs: dict[str, Any] | None = None  # OpenAI's shape for the endpoint, this step's tokens only
+    token_ids: list[int] | None = None  # only from workers without a tokenizer (vLLM's return_token_ids)
 
 
-def done_event(usage: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "done", "usage": usage}
+@dataclass(frozen=True)
+class Delta:
+    choices: list[ChoiceDelta]
+    is_last: ClassVar[bool] = False
 
 
-def error_event(status: int, code: str, message: str) -> dict[str, Any]:
-    return {"type": "error", "status": status, "code": code, "message": message}
+@dataclass(frozen=True)
+class Done:
+    """The last event of a success."""
+
+    usage: dict[str, Any]  # OpenAI's usage object
+    is_last: ClassVar[bool] = True
 
 
-RESTART_EVENT = {"type": "restart"}
+@dataclass(frozen=True)
+class Error:
+    """The last event of a failure."""
+
+    status: int
+    code: str
+    message: str
+    is_last: ClassVar[bool] = True
 
 
-def publish(pipe, request_id: str, event: dict[str, Any]) -> None:
+@dataclass(frozen=True)
+class Restart:
+    """A non-streaming request runs again (its worker died): drop what came before."""
+
+    is_last: ClassVar[bool] = False
+
+
+ReplyEvent = Delta | Done | Error | Restart
+_EVENT_TYPES: dict[str, type] = {"delta": Delta, "done": Done, "error": Error, "restart": Restart}
+_TYPE_NAMES = {cls: name for name, cls in _EVENT_TYPES.items()}
+
+
+def encode_event(event: ReplyEvent) -> str:
+    """The event as the JSON its reply-stream entry holds."""
+    payload = {"type": _TYPE_NAMES[type(event)], **dataclasses.asdict(event)}
+    if isinstance(event, Delta):  # token_ids only where a worker sends them
+        for choice in payload["choices"]:
+            if choice["token_ids"] is None:
+                del choice["token_ids"]
+    return json.dumps(payload, separators=(",", ":"))
+
+
+def decode_event(text: str | bytes) -> ReplyEvent:
+    payload = json.loads(text)
+    cls = _EVENT_TYPES[payload.pop("type")]
+    if cls is Delta:
+        return Delta([ChoiceDelta(**choice) for choice in payload["choices"]])
+    return cls(**payload)
+
+
+def publish(pipe, request_id: str, event: ReplyEvent) -> None:
     """Queue one event on a pipeline (the worker writes all of a step's events at once)."""
     key = keys.reply(request_id)
-    pipe.xadd(key, {"event": json.dumps(event, separators=(",", ":"))}, maxlen=REPLY_MAXLEN, approximate=True)
+    pipe.xadd(key, {"event": encode_event(event)}, maxlen=REPLY_MAXLEN, approximate=True)
     pipe.expire(key, REPLY_TTL_SECONDS)
 
 
@@ -112,15 +163,11 @@ def cancel(r: redis.Redis, request_id: str) -> None:
     r.set(keys.reply_cancel(request_id), 1, ex=CANCEL_TTL_SECONDS)
 
 
-def decode_events(reply) -> tuple[str | None, list[dict[str, Any]]]:
+def decode_events(reply) -> tuple[str | None, list[ReplyEvent]]:
     """An XREAD reply on one reply stream -> (last entry id, events)."""
     last_id, events = None, []
     for _stream, entries in reply or []:
         for entry_id, fields in entries:
             last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-            events.append(json.loads(fields[b"event"]))
+            events.append(decode_event(fields[b"event"]))
     return last_id, events
-
-
-def deadline_from_now(timeout: float) -> float:
-    return time.time() + timeout

@@ -135,7 +135,7 @@ class ChatBody(SamplingFields):
 class BatchLine(_Strict):
     custom_id: Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]
     method: Literal["POST"]
-    url: Literal["/v1/completions", "/v1/chat/completions"]
+    url: Literal[COMPLETIONS, CHAT_COMPLETIONS]  # ENDPOINTS
     body: dict[str, Any]
 
 

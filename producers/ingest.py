@@ -25,7 +25,9 @@ import numpy as np
 import redis
 
 from jobs import batches, keys
-from jobs.results import error_line, record_result
+from jobs.entries import BATCH_ENTRY_FIELDS, BatchEntry
+from jobs.recording import record_result
+from jobs.results import error_line
 from jobs.schemas import COMPLETIONS, ENDPOINTS, MAX_REPORTED_ERRORS, LineError, custom_id_of, parse_line
 from jobs.storage import open_storage, validate_sink
 
@@ -136,7 +138,7 @@ def submit(r: redis.Redis, source: LineSource, *, batch_id: str | None = None, e
     batches.create_batch(r, batch_id, endpoint=report.endpoint, model=report.model, input_file_id=input_file_id,
                          completion_window=completion_window, sink=sink, metadata=metadata)
     fields = batches.load_fields(r, batch_id)
-    r.hset(keys.batch(batch_id), "total", report.num_lines)
+    batches.set_total(r, batch_id, report.num_lines)
     if fields["status"] == "validating":
         batches.transition(r, batch_id, "in_progress")
     num_enqueued = _enqueue(r, source, batch_id, report, on_progress=on_progress)
@@ -149,14 +151,19 @@ def submit(r: redis.Redis, source: LineSource, *, batch_id: str | None = None, e
     return Submission(batch_id, report, num_enqueued)
 
 
-# KEYS: the partition's stream and counts hash. ARGV: the chunk's marker, the batch id, then
-# custom_id, line_number, line and enqueued_at of each line. Returns how many it enqueued.
+# KEYS: the partition's stream and counts hash. ARGV: the chunk's marker, the number N of
+# fields an entry has, their N names (BATCH_ENTRY_FIELDS), then N values per entry. Returns
+# how many it enqueued.
 _ENQUEUE_CHUNK_LUA = """
 if redis.call('HSETNX', KEYS[2], ARGV[1], 1) == 0 then return 0 end
-local count = 0
-for i = 3, #ARGV, 4 do
-  redis.call('XADD', KEYS[1], '*', 'batch_id', ARGV[2], 'custom_id', ARGV[i], 'line_number', ARGV[i + 1],
-             'line', ARGV[i + 2], 'enqueued_at', ARGV[i + 3])
+local n = tonumber(ARGV[2])
+local entry, count = {}, 0
+for i = 3 + n, #ARGV, n do
+  for j = 0, n - 1 do
+    entry[2 * j + 1] = ARGV[3 + j]
+    entry[2 * j + 2] = ARGV[i + j]
+  end
+  redis.call('XADD', KEYS[1], '*', unpack(entry))
   count = count + 1
 end
 redis.call('HINCRBY', KEYS[2], 'total', count)
@@ -177,14 +184,16 @@ def _enqueue(r: redis.Redis, source: LineSource, batch_id: str, report: Report,
         partition = keys.partition_of(batch_id, chunk_index * keys.PARTITION_LINES, num_partitions)
         # execute_command: redis-py's cluster pipeline has no eval(), but routes EVAL by its keys
         pipe.execute_command("EVAL", _ENQUEUE_CHUNK_LUA, 2, keys.stream(report.model, partition),
-                             keys.partition_counts(batch_id, partition), f"chunk:{chunk_index}", batch_id, *chunk)
+                             keys.partition_counts(batch_id, partition), f"chunk:{chunk_index}",
+                             len(BATCH_ENTRY_FIELDS), *BATCH_ENTRY_FIELDS, *chunk)
         chunk.clear()
 
     for line_number, raw in _lines(source):
         if line_number in report.invalid:
             continue
         index += 1
-        chunk += [custom_id_of(raw, line_number), line_number, raw.strip(), f"{time.time():.3f}"]
+        entry = BatchEntry(batch_id, custom_id_of(raw, line_number), line_number, raw.strip(), time.time())
+        chunk += entry.to_fields().values()
         if index % keys.PARTITION_LINES == 0:
             add_chunk()
             num_pending += keys.PARTITION_LINES

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from jobs import batches, heartbeats, keys
 from jobs.connection import REDIS_URL_HELP, connect
-from jobs.schemas import MAX_REPORTED_ERRORS
+from jobs.schemas import ENDPOINTS, MAX_REPORTED_ERRORS
 from producers.ingest import submit
 from producers.status import watch
 
@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("file")
     parser.add_argument("--redis-url", default=keys.default_redis_url(), help=REDIS_URL_HELP)
     parser.add_argument("--model", help="served model (stream); default: the first line's body.model")
-    parser.add_argument("--endpoint", choices=["/v1/completions", "/v1/chat/completions"],
+    parser.add_argument("--endpoint", choices=ENDPOINTS,
                         help="default: the first line's url")
     parser.add_argument("--output", default=os.environ.get("KVFLEET_DEFAULT_OUTPUT", "redis"),
                         help="redis | s3://bucket/prefix | file:///dir (default: KVFLEET_DEFAULT_OUTPUT or redis)")

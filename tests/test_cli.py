@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from jobs import batches, keys
-from jobs.results import error_line, record_result, success_line
+from jobs.recording import record_result
+from jobs.results import error_line, success_line
 from jobs.storage import RedisStorage
 from kvfleet.cli import COMMANDS
 from kvfleet.cli import main as kvfleet

@@ -65,3 +65,29 @@ def test_pickle_fails_ruff(tmp_path):
     (tmp_path / "probe.py").write_text("from cloudpickle import dumps\n\nprint(dumps(1))\n")
     result = subprocess.run([ruff, "check", "probe.py"], cwd=tmp_path, capture_output=True, text=True)
     assert result.returncode != 0 and "no pickle in kvfleet" in result.stdout
+
+
+def import_cycles(tree: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tests.import_cycles"], cwd=tree, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{ROOT}"}, timeout=120)
+
+
+def test_no_module_of_kvfleet_is_part_of_an_import_cycle(tree):
+    result = import_cycles(tree)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_an_import_cycle_fails_the_check_even_behind_a_deferred_import(tree):
+    (tree / "jobs" / "_probe_a.py").write_text("from jobs import _probe_b\n")
+    (tree / "jobs" / "_probe_b.py").write_text("def later():\n    from jobs import _probe_a  # noqa\n")
+    result = import_cycles(tree)
+    assert result.returncode == 1
+    assert "import cycle: jobs._probe_a <-> jobs._probe_b" in result.stdout
+
+
+def test_tarjan_finds_every_cycle_and_only_cycles():
+    from tests.import_cycles import strongly_connected
+
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": {"e"}, "e": {"d"}, "f": {"a"}}
+    groups = [g for g in strongly_connected(edges) if len(g) > 1]
+    assert sorted(groups) == [["a", "b", "c"], ["d", "e"]]

@@ -50,12 +50,13 @@ class Admission:
         self.smoothing = smoothing
         self.online_reserve = min(online_reserve, max_num_seqs - 1)  # batch work keeps one seat at least
 
-    def observe(self, num_blocks: int, lane: str = "batch") -> None:
-        """Update the lane's estimate with the start-up blocks of a request just seen."""
-        if lane == "online":
-            self.online_blocks_per_request += self.smoothing * (num_blocks - self.online_blocks_per_request)
-        else:
-            self.blocks_per_request += self.smoothing * (num_blocks - self.blocks_per_request)
+    def observe(self, num_blocks: int) -> None:
+        """Update the batch lane's estimate with the start-up blocks of a request just seen."""
+        self.blocks_per_request += self.smoothing * (num_blocks - self.blocks_per_request)
+
+    def observe_online(self, num_blocks: int) -> None:
+        """The same for the online lane's estimate (the blocks its reserve keeps)."""
+        self.online_blocks_per_request += self.smoothing * (num_blocks - self.online_blocks_per_request)
 
     def spare_blocks(self, stats: EngineStats) -> int:
         """Blocks batch work may start with: free ones, less one of growth per running

@@ -1,6 +1,11 @@
-"""The worker's batch lane: stream entries of batches become engine work, or are
-settled at once (an error result, a dead letter, a redelivery of finished work);
-results go to their batch's storage through the flusher (workers/flush.py)."""
+"""The worker's batch lane: entries of its models' batch streams (jobs/entries.py's
+BatchEntry) become engine work, or are settled at once (an error result, a dead letter, a
+redelivery of finished work); results go to their batch's storage through the flusher
+(workers/flush.py), which acks each entry only once its result is durable.
+
+How much it pulls is workers/admission.py's: what the free KV blocks hold, beyond the
+online reserve; what it pulled but cannot start now goes back to the stream at once.
+"""
 
 from __future__ import annotations
 
@@ -10,26 +15,28 @@ from dataclasses import dataclass
 
 import redis
 
-from engine import LLMEngine
+from engine import LLMEngine, RequestOutput
 from jobs import batches, keys
+from jobs.entries import BatchEntry, MalformedEntry
 from jobs.results import error_line
-from jobs.schemas import LineError, parse_line
+from jobs.schemas import MAX_PRIORITY, LineError, parse_line
 from workers import stream_ops
 from workers.flush import PendingResult, ResultFlusher
-from workers.translate import EngineRequest, RequestRejected, error_code, to_engine_request
+from workers.lanes import Lane, LaneConfig, Work, engine_request_id
+from workers.served_streams import ServedStreams
+from workers.translate import RequestRejected, error_code, to_engine_request, to_result_line
 
 MAX_CACHED_BATCHES = 1024
+BATCH_PRIORITY = MAX_PRIORITY + 1  # the engine priority of batch work: below every online priority
 
 
 @dataclass
-class BatchWork:
-    batch_id: str
-    custom_id: str
-    request: EngineRequest
-    enqueued_at: float | None
+class BatchWork(Work):
+    batch_id: str = ""
+    custom_id: str = ""
 
 
-def ended(batch: dict | None) -> tuple[str, str] | None:
+def stop_reason(batch: dict | None) -> tuple[str, str] | None:
     """(code, message) if the batch's requests must not run any more."""
     if batch is None or batch["status"] in batches.STOPPED:
         return "batch_cancelled", "The batch was cancelled before this request finished."
@@ -39,13 +46,67 @@ def ended(batch: dict | None) -> tuple[str, str] | None:
     return None
 
 
-class BatchLane:
-    def __init__(self, r: redis.Redis, engine: LLMEngine, flusher: ResultFlusher, max_deliveries: int,
-                 max_requeues: int) -> None:
-        self.r, self.engine, self.flusher = r, engine, flusher
-        self.max_deliveries, self.max_requeues = max_deliveries, max_requeues
+class BatchLane(Lane):
+    name = "batch"
+
+    def __init__(self, r: redis.Redis, engine: LLMEngine, served: ServedStreams, config: LaneConfig,
+                 flusher: ResultFlusher, max_requeues: int) -> None:
+        super().__init__(r, engine, served.batch, config)
+        self.served, self.flusher, self.max_requeues = served, flusher, max_requeues
         self.batch_cache: OrderedDict[str, dict] = OrderedDict()  # LRU, MAX_CACHED_BATCHES
 
+    # -- the lane protocol ------------------------------------------------------
+    def pull(self, reclaim: bool) -> int:
+        admission = self.config.admission
+        count = admission.count(self.engine.stats())
+        if count <= 0:
+            return 0
+        self.served.rotate()  # every partition gets read
+        entries = self.pull_entries(count, reclaim)
+        accepted = [work for entry in entries if (work := self.accept(*entry)) is not None]
+        needed = [self.engine.num_blocks_needed(len(work.processed.prompt_token_ids)) for work in accepted]
+        for blocks in needed:
+            admission.observe(blocks)
+        num_fit = admission.fit(self.engine.stats(), needed)
+        for work in accepted[num_fit:]:  # cannot start here now: back to the fleet
+            stream_ops.requeue(self.r, work.stream, work.entry_id, work.fields)
+            self.config.metrics.requeues.inc()
+        for work in accepted[:num_fit]:
+            self.start(work)
+        return len(entries)
+
+    def on_output(self, output: RequestOutput) -> None:
+        work = self.in_flight.pop(output.request_id)  # batch outputs arrive finished (FINAL_ONLY)
+        self.config.metrics.observe_finished(output, work.enqueued_at)
+        model = (self.batch(work.batch_id) or {}).get("model") or self.served.model_of[work.stream]
+        line, usage = to_result_line(work.custom_id, work.request, output, model, self.engine.tokenizer)
+        self.add_result(PendingResult(work.stream, work.entry_id, work.batch_id, line, usage))
+
+    def settle(self) -> None:
+        self.flusher.flush()
+
+    def check(self) -> None:
+        """Abort in-flight requests of batches cancelled or past their window."""
+        for batch_id in {work.batch_id for work in self.in_flight.values()}:
+            reason = stop_reason(self.batch(batch_id, refresh=True))
+            if reason is None:
+                continue
+            for work in [w for w in self.in_flight.values() if w.batch_id == batch_id]:
+                self.drop(work)
+                self.add_result(PendingResult(work.stream, work.entry_id, batch_id, error_line(work.custom_id,
+                                                                                               *reason)))
+
+    def is_settling(self) -> bool:
+        return bool(self.flusher)
+
+    def is_backing_off(self) -> bool:
+        return self.flusher.is_waiting()
+
+    def held(self) -> list[tuple[str, str]]:
+        # Finished with its result not yet durable: a storage outage may outlast the lease.
+        return super().held() + self.flusher.entries()
+
+    # -- entries ----------------------------------------------------------------
     def batch(self, batch_id: str, refresh: bool = False) -> dict | None:
         if refresh or batch_id not in self.batch_cache:
             try:
@@ -66,44 +127,48 @@ class BatchLane:
             return
         self.flusher.add(batch["sink"], result)
 
-    def accept(self, stream: str, model: str, entry_id: str, fields: dict, deliveries: int) -> BatchWork | None:
-        """Turn an entry of `model`'s stream into work, or settle it here."""
+    def accept(self, stream: str, entry_id: str, fields: dict, deliveries: int) -> BatchWork | None:
+        """Turn an entry into validated work, or settle it here."""
         try:
-            batch_id = fields[b"batch_id"].decode()
-            custom_id = fields[b"custom_id"].decode()
-            line, line_number = fields[b"line"], int(fields[b"line_number"])
-        except (KeyError, ValueError, UnicodeDecodeError):
+            entry = BatchEntry.from_fields(fields)
+        except MalformedEntry:
             stream_ops.dead_letter(self.r, stream, entry_id, fields, "malformed stream entry")
             return None
-        if deliveries > self.max_deliveries:
-            stream_ops.dead_letter(self.r, stream, entry_id, fields,
-                                   f"delivered {deliveries} times (max_deliveries {self.max_deliveries})")
-            self.add_result(PendingResult(stream, None, batch_id, error_line(
-                custom_id, "max_deliveries_exceeded", f"The request failed {deliveries - 1} times on workers.")))
-            return None
-        requeues = int(fields.get(keys.HANDED_BACK_FIELD.encode(), 0))
-        if requeues > self.max_requeues:
-            self.add_result(PendingResult(stream, entry_id, batch_id, error_line(
-                custom_id, "cannot_fit", f"No worker of model {model!r} had room for this request: it was handed "
-                                         f"back {requeues} times (max_requeues {self.max_requeues}).")))
-            return None
-        batch = self.batch(batch_id)
-        if batch is None:
-            stream_ops.dead_letter(self.r, stream, entry_id, fields, f"no batch {batch_id}")
-            return None
-        if self.r.sismember(keys.partition_done(batch_id, keys.stream_partition(stream)), custom_id):
-            stream_ops.ack(self.r, stream, entry_id)  # a redelivery of finished work
-            return None
-        stopped = ended(self.batch(batch_id, refresh=batch["status"] != "in_progress"))
-        if stopped is not None:
-            self.add_result(PendingResult(stream, entry_id, batch_id, error_line(custom_id, *stopped)))
+        if self._is_settled(stream, entry_id, fields, deliveries, entry):
             return None
         try:
-            request = to_engine_request(parse_line(line, line_number), self.engine.tokenizer)
-            self.engine.validate(request.prompt_token_ids, request.params)
+            request = to_engine_request(parse_line(entry.line, entry.line_number), self.engine.tokenizer)
+            processed = self.engine.process_request(engine_request_id(stream, entry_id), request.prompt_token_ids,
+                                                    request.params, priority=BATCH_PRIORITY)
         except (LineError, RequestRejected, ValueError) as error:
-            line = error_line(custom_id, error_code(error), str(error))
-            self.add_result(PendingResult(stream, entry_id, batch_id, line))
+            line = error_line(entry.custom_id, error_code(error), str(error))
+            self.add_result(PendingResult(stream, entry_id, entry.batch_id, line))
             return None
-        enqueued_at = float(fields[b"enqueued_at"]) if b"enqueued_at" in fields else None
-        return BatchWork(batch_id, custom_id, request, enqueued_at)
+        return BatchWork(stream, entry_id, fields, request, processed, entry.enqueued_at, entry.batch_id,
+                         entry.custom_id)
+
+    def _is_settled(self, stream: str, entry_id: str, fields: dict, deliveries: int, entry: BatchEntry) -> bool:
+        """Settle an entry that must not run: delivered too often, handed back too often, of a
+        deleted, cancelled or expired batch, or finished already (a redelivery)."""
+        if self.dead_letter_after_max_deliveries(stream, entry_id, fields, deliveries):
+            self.add_result(PendingResult(stream, None, entry.batch_id, error_line(
+                entry.custom_id, "max_deliveries_exceeded", f"The request failed {deliveries - 1} times on workers.")))
+            return True
+        if entry.requeues > self.max_requeues:
+            model = self.served.model_of[stream]
+            self.add_result(PendingResult(stream, entry_id, entry.batch_id, error_line(
+                entry.custom_id, "cannot_fit", f"No worker of model {model!r} had room for this request: it was "
+                                               f"handed back {entry.requeues} times (max_requeues {self.max_requeues}).")))
+            return True
+        batch = self.batch(entry.batch_id)
+        if batch is None:
+            stream_ops.dead_letter(self.r, stream, entry_id, fields, f"no batch {entry.batch_id}")
+            return True
+        if self.r.sismember(keys.partition_done(entry.batch_id, keys.stream_partition(stream)), entry.custom_id):
+            stream_ops.ack(self.r, stream, entry_id)  # a redelivery of finished work
+            return True
+        reason = stop_reason(self.batch(entry.batch_id, refresh=batch["status"] != "in_progress"))
+        if reason is not None:
+            self.add_result(PendingResult(stream, entry_id, entry.batch_id, error_line(entry.custom_id, *reason)))
+            return True
+        return False

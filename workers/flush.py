@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from botocore.exceptions import BotoCoreError, ClientError
 
 from jobs import keys
-from jobs.results import Usage, error_line, record_result
+from jobs.recording import record_result
+from jobs.results import Usage, error_line
 from jobs.storage import RedisStorage, Storage, describe_error, is_permanent_error, open_storage
 
 log = logging.getLogger("kvfleet.worker")

@@ -3,6 +3,7 @@ Request metrics carry `lane="online"|"batch"`."""
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -55,6 +56,7 @@ class WorkerMetrics:
         self.request_queue_time = per_lane(Histogram, "request_queue_time_seconds",
                                            "Stream enqueue to engine start", buckets=LATENCY_BUCKETS)
         self._seen_preemptions = 0
+        self.wall_offset = time.time() - time.monotonic()  # the engine's monotonic times -> wall-clock
         self.num_generation_tokens = 0  # both lanes: the heartbeat's tokens/s
         self._token_samples: deque[tuple[float, int]] = deque()
 
@@ -67,12 +69,11 @@ class WorkerMetrics:
         start, tokens = self._token_samples[0]
         return (self.num_generation_tokens - tokens) / (now - start) if now > start else 0.0
 
-    def observe_finished(self, output: RequestOutput, enqueued_at: float | None, wall_offset: float,
-                         lane: str = "batch", finish_reasons: list[str] | None = None,
-                         num_generated: int | None = None) -> None:
-        """wall_offset converts the engine's monotonic times to wall-clock time. A streamed
-        (DELTA) output holds only its last tokens: its lane passes the finish reasons and
-        the number of generated tokens of the whole request."""
+    def observe_finished(self, output: RequestOutput, enqueued_at: float | None, lane: str = "batch",
+                         finish_reasons: list[str] | None = None, num_generated: int | None = None) -> None:
+        """`enqueued_at` is wall-clock time. A streamed (DELTA) output holds only its last
+        tokens: its lane passes the finish reasons and the number of generated tokens of the
+        whole request."""
         metrics = output.metrics
         self.prompt_tokens[lane].inc(len(output.prompt_token_ids))
         if finish_reasons is None:
@@ -92,7 +93,7 @@ class WorkerMetrics:
         if metrics.finished_time is not None:
             self.e2e_request_latency[lane].observe(metrics.finished_time - metrics.arrival_time)
         if enqueued_at is not None and metrics.first_scheduled_time is not None:
-            self.request_queue_time[lane].observe(max(0.0, metrics.first_scheduled_time + wall_offset - enqueued_at))
+            self.request_queue_time[lane].observe(max(0.0, metrics.first_scheduled_time + self.wall_offset - enqueued_at))
 
     def update_engine(self, stats: EngineStats) -> None:
         self.num_requests_running.set(stats.num_running)

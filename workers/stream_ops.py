@@ -10,10 +10,23 @@ from __future__ import annotations
 
 import redis
 from redis.cluster import RedisCluster
+from redis.exceptions import (
+    ClusterDownError,
+    ClusterError,
+    MasterDownError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 
 from jobs import keys
+from jobs.entries import REQUEUES_FIELD
 
 GROUP = keys.CONSUMER_GROUP
+# Redis does not answer. A cluster mid-failover answers CLUSTERDOWN or TRYAGAIN, or has no node
+# for a slot yet: the worker backs off and retries, as for an outage.
+OUTAGE_ERRORS = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, TryAgainError, MasterDownError,
+                 ClusterError, SlotNotCoveredError)
+REQUEUES = REQUEUES_FIELD.encode()
 
 
 def ensure_group(r: redis.Redis, stream: str) -> None:
@@ -43,6 +56,22 @@ def read_new(r: redis.Redis, streams: list[str], consumer: str, count: int, bloc
     if not found and block_ms is not None and streams:
         found = _entries(r.xreadgroup(GROUP, consumer, {streams[0]: ">"}, count=count, block=block_ms))
     return found
+
+
+def wait_for_new(r: redis.Redis, streams: list[str], block_ms: int) -> None:
+    """Block until one of the streams holds an entry its group has not delivered yet, or
+    block_ms passes; consumes nothing (the lanes pull what they take). XREAD from each
+    group's last-delivered id returns at once when such an entry is there already, so one
+    that arrived after the last pull is never slept through. On a cluster one XREAD cannot
+    span slots: it waits on the first stream only (the worker lists online streams first)."""
+    if isinstance(r, RedisCluster):
+        streams = streams[:1]
+    pipe = r.pipeline(transaction=False)
+    for stream in streams:
+        pipe.xinfo_groups(stream)
+    last_delivered = [next((g["last-delivered-id"] for g in groups if g["name"].decode() == GROUP), b"0-0")
+                      for groups in pipe.execute()]
+    r.xread(dict(zip(streams, last_delivered)), count=1, block=block_ms)
 
 
 def _entries(reply) -> list:
@@ -83,12 +112,21 @@ def touch(r: redis.Redis, stream: str, consumer: str, entry_ids: list[str]) -> N
         r.xclaim(stream, GROUP, consumer, min_idle_time=0, message_ids=entry_ids, justid=True)
 
 
-def requeue(r: redis.Redis, stream: str, entry_id: str, fields: dict, count: bool) -> None:
-    """Hand an entry back to the fleet at once: ack it and append a copy, atomically.
-    With `count`, the copy carries one more hand-back (the `requeues` field)."""
+def requeue(r: redis.Redis, stream: str, entry_id: str, fields: dict) -> None:
+    """Hand an entry back to the fleet at once for lack of room here: ack it and append a
+    copy that counts one more hand-back (its `requeues` field), atomically."""
+    _append_copy(r, stream, entry_id, fields, int(fields.get(REQUEUES, 0)) + 1)
+
+
+def release(r: redis.Redis, stream: str, entry_id: str, fields: dict) -> None:
+    """Hand an entry back on shutdown: the same, without counting it (no request is at fault)."""
+    _append_copy(r, stream, entry_id, fields, int(fields.get(REQUEUES, 0)))
+
+
+def _append_copy(r: redis.Redis, stream: str, entry_id: str, fields: dict, requeues: int) -> None:
     copy = dict(fields)
-    field = keys.HANDED_BACK_FIELD.encode()
-    copy[field] = int(fields.get(field, 0)) + int(count)
+    if requeues:
+        copy[REQUEUES] = requeues
     pipe = r.pipeline(transaction=True)
     pipe.xack(stream, GROUP, entry_id)
     pipe.xadd(stream, copy)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from engine import EngineConfig, LLMEngine
-from producers import console
 from producers.api import create_app
+from producers.routes import console
 from tests.online.conftest import WorkerThread
 from tests.services import ThreadedUvicorn
 from tests.workers.helpers import MODEL

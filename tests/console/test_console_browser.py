@@ -11,7 +11,8 @@ from selenium.webdriver.support import expected_conditions
 from selenium.webdriver.support.ui import WebDriverWait
 
 from jobs import batches, keys
-from jobs.results import error_line, record_result
+from jobs.recording import record_result
+from jobs.results import error_line
 from jobs.storage import RedisStorage
 from tests.console.conftest import API_KEY, SCREENSHOTS
 from tests.workers.helpers import completion, submit_lines

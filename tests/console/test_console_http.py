@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 
 from jobs import batches
-from producers.console import RateSampler, eta_seconds
+from producers.live_stats import RateSampler, eta_seconds
 from tests.console.conftest import API_KEY
 from tests.workers.helpers import completion, submit_lines
 

@@ -11,7 +11,8 @@ from rq.serializers import JSONSerializer
 
 from jobs import batches, keys
 from jobs.finalize import Sweeper, counted_but_open, job_id
-from jobs.results import Choice, Usage, completion_body, error_line, record_result, success_line
+from jobs.recording import record_result
+from jobs.results import Choice, Usage, completion_body, error_line, success_line
 from jobs.storage import RedisStorage, open_storage
 from tests.jobs.test_results import make_batch
 from tests.services import S3Server, run_finalize_jobs

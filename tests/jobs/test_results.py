@@ -11,7 +11,8 @@ import pytest
 from jobs import batches, keys
 from jobs.files import read_file
 from jobs.finalize import finalize_queue, request_finalize
-from jobs.results import Choice, Usage, completion_body, error_line, record_result, success_line
+from jobs.recording import record_result
+from jobs.results import Choice, Usage, completion_body, error_line, success_line
 from jobs.storage import open_storage
 from tests.services import run_finalize_jobs
 

@@ -155,9 +155,9 @@ def test_a_disconnect_mid_stream_frees_the_blocks_within_a_second(worker, api):
     with httpx.stream("POST", f"{api.url}/v1/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()
         assert next(lines).startswith("data: {")
-        assert engine.num_free_blocks < engine.num_total_blocks and worker.in_flight
+        assert engine.num_free_blocks < engine.num_total_blocks and worker.num_in_flight
     closed_at = time.monotonic()
-    while worker.in_flight or engine.has_unfinished():
+    while worker.num_in_flight or engine.has_unfinished():
         assert time.monotonic() - closed_at < 1.0, "the request still runs a second after the disconnect"
         time.sleep(0.01)
     assert engine.num_free_blocks == engine.num_total_blocks
@@ -237,7 +237,7 @@ def test_online_requests_run_ahead_of_a_batch_backlog(worker, client, r):
                          "ignore_eos": True}).encode() for i in range(64)]
     submission = submit(r, lambda: lines, model=MODEL)
     deadline = time.monotonic() + 30
-    while not worker.in_flight:  # the worker is busy with the backlog
+    while not worker.num_in_flight:  # the worker is busy with the backlog
         assert time.monotonic() < deadline
         time.sleep(0.01)
     response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
@@ -259,7 +259,7 @@ def test_a_stream_past_its_timeout_ends_with_an_error_event_and_stops_the_worker
             received += 1
     assert received > 0 and "timed out" in raised.value.message
     deadline = time.monotonic() + 3
-    while worker.in_flight or worker.engine.has_unfinished():
+    while worker.num_in_flight or worker.engine.has_unfinished():
         assert time.monotonic() < deadline, "the worker still runs the request after its timeout"
         time.sleep(0.02)
 

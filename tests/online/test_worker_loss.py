@@ -41,30 +41,25 @@ def start_worker(fleet: Fleet, name: str):
     return process
 
 
-def stop_while_blocked_on_the_streams(r, process) -> None:
-    """SIGSTOP the idle worker at a moment its XREADGROUP BLOCK is parked in Redis: the
-    next entry is then delivered to it (and sits in its socket) while it cannot run."""
-    deadline = time.monotonic() + 30
-    while True:
-        process.send_signal(signal.SIGSTOP)
-        if any(c.get("cmd") == "xreadgroup" and "b" in c.get("flags", "") for c in r.client_list()):
-            return
-        process.send_signal(signal.SIGCONT)
-        assert time.monotonic() < deadline, "the worker never blocked on its streams"
-        time.sleep(0.05)
+def deliver_next_entry(r, consumer: str) -> None:
+    """Wait for the next online entry and deliver it to `consumer` (XREADGROUP): the state a
+    worker leaves when it dies between taking an entry and its first step."""
+    stream = keys.online_stream(MODEL)
+    deadline = time.monotonic() + 10
+    while not r.xreadgroup(keys.CONSUMER_GROUP, consumer, {stream: ">"}, count=1):
+        assert time.monotonic() < deadline, "no online entry arrived"
+        time.sleep(0.01)
 
 
 def test_killed_before_the_first_token_the_request_completes_on_another_worker(fleet, client, r, reference):
     first = start_worker(fleet, "first")
-    stop_while_blocked_on_the_streams(r, first)
     chunks: list = []
     streaming = threading.Thread(target=lambda: chunks.extend(client.completions.create(
         model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True)))
+    first.send_signal(signal.SIGSTOP)  # it takes nothing more
+    time.sleep(0.2)  # a command it sent before it stopped has been answered
     streaming.start()
-    deadline = time.monotonic() + 10
-    while not r.xpending(keys.online_stream(MODEL), keys.CONSUMER_GROUP)["pending"]:
-        assert time.monotonic() < deadline, "the request was not delivered to the stopped worker"
-        time.sleep(0.01)
+    deliver_next_entry(r, "first")
     [pending] = r.xpending_range(keys.online_stream(MODEL), keys.CONSUMER_GROUP, "-", "+", 10)
     assert pending["consumer"] == b"first"
     first.kill()  # kill -9: it never ran a step of the request

@@ -9,7 +9,8 @@ import openai
 import pytest
 
 from jobs import batches, keys
-from jobs.results import Choice, Usage, chat_completion_body, record_result, success_line
+from jobs.recording import record_result
+from jobs.results import Choice, Usage, chat_completion_body, success_line
 from jobs.schemas import parse_line
 from jobs.storage import open_storage
 from producers.api import create_app

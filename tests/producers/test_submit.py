@@ -10,6 +10,7 @@ import tracemalloc
 import pytest
 
 from jobs import batches, heartbeats, keys
+from jobs.entries import BATCH_ENTRY_FIELDS, BatchEntry
 from jobs.storage import open_storage
 from producers import ingest
 from producers.submit import main
@@ -44,8 +45,10 @@ def test_valid_file_is_enqueued_and_batch_printed(r, redis_server, tmp_path, cap
     entries = stream_entries(r)
     assert [e["custom_id"] for e in entries] == [f"c{i}" for i in range(5)]
     assert entries[0]["batch_id"] == batch_id and entries[0]["line_number"] == "1"
-    assert tuple(entries[0]) == keys.STREAM_ENTRY_FIELDS  # what jobs/keys.py documents, in order
+    assert tuple(entries[0]) == BATCH_ENTRY_FIELDS  # what jobs/entries.py defines, in order
     assert json.loads(entries[0]["line"]) == chat("c0", max_tokens=5)
+    entry = BatchEntry.from_fields(r.xrange(keys.stream("demo"))[0][1])  # what the batch lane reads
+    assert (entry.batch_id, entry.custom_id, entry.line_number, entry.requeues) == (batch_id, "c0", 1, 0)
 
 
 def test_invalid_lines_are_reported_and_nothing_is_enqueued(r, redis_server, tmp_path, capsys):

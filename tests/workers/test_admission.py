@@ -80,6 +80,6 @@ def test_the_online_lane_pulls_until_a_pulled_request_has_not_started():
 
 def test_the_reserve_follows_the_online_requests_seen():
     admission = Admission(max_num_seqs=8, initial_blocks_per_request=8, smoothing=0.5, online_reserve=1)
-    admission.observe(2, "online")
+    admission.observe_online(2)
     assert (admission.online_blocks_per_request, admission.blocks_per_request) == (5, 8)
     assert admission.spare_blocks(stats(num_running=1, num_free_blocks=20)) == 20 - 1 - 5

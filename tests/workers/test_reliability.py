@@ -28,11 +28,12 @@ def make_worker(engine, r, **options) -> Worker:
 
 
 def count_added(engine, monkeypatch) -> list[str]:
-    """Every request the engine is asked to run, from the engine's own entry point."""
+    """Every request the engine is asked to run, from the engine's own entry point (add_request
+    and the workers' validated requests both pass through it)."""
     added: list[str] = []
-    original = engine.add_request
-    monkeypatch.setattr(engine, "add_request", lambda request_id, *a, **k: (added.append(request_id),
-                                                                              original(request_id, *a, **k)))
+    original = engine.add_processed_request
+    monkeypatch.setattr(engine, "add_processed_request", lambda request: (added.append(request.request_id),
+                                                                            original(request)))
     return added
 
 
@@ -67,7 +68,7 @@ def test_leases_hold_while_results_wait_for_storage_and_nothing_runs_twice(engin
             # Another worker looking for stale entries finds none: the leases are kept.
             stale = r.xautoclaim(keys.stream(MODEL), keys.CONSUMER_GROUP, "thief", min_idle_time=1000, count=100)
             assert stale[1] == [], "a result waiting for storage lost its lease"
-        assert len(worker.flusher) == 10 and batches.batch_object(r, batch_id)["request_counts"]["completed"] == 0
+        assert len(worker.batch_lane.flusher) == 10 and batches.batch_object(r, batch_id)["request_counts"]["completed"] == 0
     finally:
         restarted = S3Server(port=s3_server.port).start()
         s3_server.server = restarted.server

@@ -24,8 +24,8 @@ def worker(engine, r):
     worker = Worker(engine, r, WorkerOptions(name="w-test", served_model_names=[MODEL], lease_seconds=5, block_ms=50,
                                              maintain_seconds=0.05))
     yield worker
-    for entry_id in list(worker.in_flight):
-        engine.abort(entry_id)
+    for lane in worker.lanes:
+        lane.release()
 
 
 def prompts(n: int) -> list[str]:
@@ -119,7 +119,7 @@ def test_cancel_mid_batch_keeps_partial_results_and_runs_nothing_more(worker, r)
     assert len(read_lines(r, batch["output_file_id"])) == counts["completed"]
     errors = read_lines(r, batch["error_file_id"])
     assert {e["error"]["code"] for e in errors} == {"batch_cancelled"} and len(errors) == counts["failed"]
-    assert not worker.in_flight and not worker.engine.has_unfinished()
+    assert not worker.num_in_flight and not worker.engine.has_unfinished()
 
 
 def test_expired_batch_keeps_partial_results(worker, r):
@@ -147,9 +147,9 @@ def test_s3_outage_mid_batch_lands_everything_exactly_once(worker, r, s3_server,
     while time.monotonic() < outage_end:
         worker.run_once()
     during = batches.batch_object(r, batch_id)["request_counts"]["completed"]
-    assert during < 24 and worker.flusher, "results must wait for S3, not be acknowledged"
+    assert during < 24 and worker.batch_lane.flusher, "results must wait for S3, not be acknowledged"
     pending = r.xpending(keys.stream(MODEL), keys.CONSUMER_GROUP)["pending"]
-    assert pending >= len(worker.flusher)  # nothing acked before it is durable
+    assert pending >= len(worker.batch_lane.flusher)  # nothing acked before it is durable
     restarted = S3Server(port=s3_server.port).start()  # moto keeps its buckets in-process
     try:
         batch = run_until(worker, r, [batch_id], timeout=120)[batch_id]
@@ -167,14 +167,14 @@ def test_redis_restart_mid_batch_loses_and_doubles_nothing(worker, r, redis_serv
         worker.run_once()
     time.sleep(1.2)  # let appendfsync everysec persist what was acknowledged
     redis_server.kill()
-    flushes, flush = [], worker.flusher.flush
-    worker.flusher.flush = lambda: (flushes.append(1), flush())
+    flushes, flush = [], worker.batch_lane.flusher.flush
+    worker.batch_lane.flusher.flush = lambda: (flushes.append(1), flush())
     outage_end = time.monotonic() + 2
     while time.monotonic() < outage_end:
         worker.run_once()  # must not raise: it backs off and keeps the engine going
     # Capped exponential back-off (0.1, 0.2, 0.4, 0.8 s ...): a handful of tries, not one per loop.
     assert len(flushes) <= 8, len(flushes)
-    worker.flusher.flush = flush
+    worker.batch_lane.flusher.flush = flush
     redis_server.start()
     batch = run_until(worker, r, [batch_id], timeout=120)[batch_id]
     assert batch["status"] == "completed"

@@ -1,0 +1,68 @@
+"""Recording a result exactly once:
+
+    record_result:  write the line durably  ->  one Lua script on the request's partition:
+                    SADD done set, count it only if new, add usage, XACK the stream entry
+                ->  if that completed the partition, sum the batch's partitions; if that
+                    completed the batch: enqueue finalize, once.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from jobs import batches, keys
+from jobs.finalize import request_finalize
+from jobs.results import Usage, is_error_line
+from jobs.storage import Storage
+
+# KEYS: the partition's done set and counts hash [, the stream]. ARGV: custom id, "completed"
+# or "failed", prompt, completion and cached tokens [, group, entry id]. Returns {added, counted
+# in the partition, the partition's total}.
+_RECORD_LUA = """
+local added = redis.call('SADD', KEYS[1], ARGV[1])
+if added == 1 then
+  redis.call('HINCRBY', KEYS[2], ARGV[2], 1)
+  redis.call('HINCRBY', KEYS[2], 'prompt_tokens', ARGV[3])
+  redis.call('HINCRBY', KEYS[2], 'completion_tokens', ARGV[4])
+  redis.call('HINCRBY', KEYS[2], 'cached_tokens', ARGV[5])
+end
+if #KEYS == 3 then redis.call('XACK', KEYS[3], ARGV[6], ARGV[7]) end
+local f = redis.call('HMGET', KEYS[2], 'completed', 'failed', 'total')
+return {added, (tonumber(f[1]) or 0) + (tonumber(f[2]) or 0), tonumber(f[3]) or 0}
+"""
+
+
+@dataclass
+class Recorded:
+    is_new: bool  # False: this request had a result already (a redelivery); nothing was counted
+    is_batch_done: bool  # every request of the batch has a result counted (checked only when new)
+
+
+def record_result(r: redis.Redis, storage: Storage, batch_id: str, line: dict[str, Any],
+                  usage: Usage | None = None, ack: tuple[str, str, str] | None = None,
+                  partition: int | None = None) -> Recorded:
+    """Store a result durably, then count it once and XACK its entry in one script.
+    `ack` is (stream, group, entry_id). The request is counted in its stream's partition
+    (`partition`, else the ack's stream's, else the batch's first); a request must always be
+    counted in the same one. Finalize is enqueued when this completes the batch."""
+    custom_id = line["custom_id"]
+    storage.put_result(batch_id, custom_id, json.dumps(line, separators=(",", ":")).encode())
+    usage = usage or Usage()
+    if partition is None:
+        partition = keys.stream_partition(ack[0]) if ack else keys.partition_of(batch_id, 0, keys.num_partitions(r))
+    script_keys = [keys.partition_done(batch_id, partition), keys.partition_counts(batch_id, partition),
+                   *([ack[0]] if ack else [])]
+    args = [custom_id, "failed" if is_error_line(line) else "completed", usage.prompt_tokens,
+            usage.completion_tokens, usage.cached_tokens, *(ack[1:] if ack else ())]
+    added, counted, partition_total = r.eval(_RECORD_LUA, len(script_keys), *script_keys, *args)
+    is_batch_done = False
+    if added and counted >= partition_total:  # this partition is done: maybe the whole batch is
+        fields = batches.load_fields(r, batch_id)
+        is_batch_done = fields["completed"] + fields["failed"] >= fields["total"]
+    if is_batch_done:
+        request_finalize(r, batch_id)
+    return Recorded(bool(added), is_batch_done)

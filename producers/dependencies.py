@@ -1,0 +1,105 @@
+"""What every route handler gets through FastAPI dependencies: the app's services (Redis,
+the online stats, the served-model cache, the metrics), the settings read from the
+environment, and the check of the caller's API key.
+
+`create_app` (producers/api.py) builds one `Services` and keeps it in `app.state`; the
+handlers in producers/routes/ are plain module-level functions that declare what they need.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+import redis
+import redis.asyncio
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CollectorRegistry, Counter
+
+from jobs import heartbeats, online
+from producers.errors import APIError
+from producers.live_stats import OnlineStats, RateSampler
+
+DEFAULT_MAX_UPLOAD_BYTES = 200 * 1024 * 1024
+SERVED_CACHE_SECONDS = 1.0
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The API's knobs, from the environment (read per request, so a test may change them)."""
+
+    api_key: str | None
+    max_upload_bytes: int
+    request_timeout: float
+    max_online_queue: int
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        env = os.environ
+        return cls(api_key=env.get("KVFLEET_API_KEY") or None,
+                   max_upload_bytes=int(env.get("KVFLEET_MAX_UPLOAD_BYTES", DEFAULT_MAX_UPLOAD_BYTES)),
+                   request_timeout=float(env.get("KVFLEET_REQUEST_TIMEOUT", online.DEFAULT_REQUEST_TIMEOUT)),
+                   max_online_queue=int(env.get("KVFLEET_MAX_ONLINE_QUEUE", online.DEFAULT_MAX_ONLINE_QUEUE)))
+
+
+class ServedModels:
+    """What live workers serve, looked up at most once a second (every online request asks)."""
+
+    def __init__(self, r: redis.Redis) -> None:
+        self.r = r
+        self.checked_at = 0.0
+        self.models: dict[str, Any] = {}
+
+    def get(self) -> dict[str, Any]:
+        if time.monotonic() - self.checked_at > SERVED_CACHE_SECONDS:
+            self.models, self.checked_at = heartbeats.served_models(self.r), time.monotonic()
+        return self.models
+
+    def forget(self) -> None:
+        """Look again next time (a model asked for may have just started)."""
+        self.checked_at = 0.0
+
+
+@dataclass
+class Services:
+    redis: redis.Redis
+    async_redis: redis.asyncio.Redis
+    served_models: ServedModels
+    online_stats: OnlineStats = field(default_factory=OnlineStats)
+    batch_rates: RateSampler = field(default_factory=RateSampler)  # the console's rates and ETAs
+    metrics_registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        self.http_requests = Counter("kvfleet:api_requests", "API requests by route and status", ["route", "status"],
+                                     registry=self.metrics_registry)
+
+
+def get_services(request: Request) -> Services:
+    return request.app.state.services
+
+
+def get_redis(request: Request) -> redis.Redis:
+    return request.app.state.services.redis
+
+
+ServicesDep = Annotated[Services, Depends(get_services)]
+RedisDep = Annotated[redis.Redis, Depends(get_redis)]
+SettingsDep = Annotated[Settings, Depends(Settings.from_env)]
+BEARER = HTTPBearer(auto_error=False, description="KVFLEET_API_KEY, when the server sets one")
+
+
+def is_api_key(token: str, settings: Settings) -> bool:
+    """Whether `token` is the API key (compared in constant time); any token when none is set."""
+    return settings.api_key is None or secrets.compare_digest(token.encode(), settings.api_key.encode())
+
+
+def require_api_key(settings: SettingsDep,
+                    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)] = None) -> None:
+    """Every /v1 route: `Authorization: Bearer <KVFLEET_API_KEY>` when the server sets a key."""
+    if not is_api_key(credentials.credentials if credentials is not None else "", settings):
+        raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                       "invalid_api_key", kind="authentication_error")

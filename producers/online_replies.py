@@ -1,0 +1,125 @@
+"""Reply events (jobs/online.py) as OpenAI answers: one JSON body put together from the
+events (`Accumulator`), or stream chunks as OpenAI and vLLM send them (`ChunkWriter`)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from jobs.online import ChoiceDelta, Delta, Done, Error, OnlineEntry, ReplyEvent, Restart
+from jobs.results import Choice, Usage, chat_completion_body, completion_body
+from jobs.schemas import CHAT_COMPLETIONS, OnlineFields
+from producers.errors import APIError, error_body
+
+
+def sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+def event_error(event: Error) -> APIError:
+    """A worker's error event as the API error it stands for."""
+    return APIError(event.status, event.message, event.code,
+                    kind="server_error" if event.status >= 500 else "invalid_request_error")
+
+
+def merge_logprobs(so_far: dict | None, new: dict | None) -> dict | None:
+    """Logprobs of consecutive deltas, in OpenAI's shape: lists are concatenated."""
+    if new is None:
+        return so_far
+    if so_far is None:
+        return {key: list(value) for key, value in new.items()}
+    return {key: so_far[key] + value for key, value in new.items()}
+
+
+def response_id(entry: OnlineEntry, url: str) -> str:
+    return f"{'chatcmpl' if url == CHAT_COMPLETIONS else 'cmpl'}-{entry.request_id}"
+
+
+class Accumulator:
+    """A non-streaming response, put together from the events."""
+
+    def __init__(self, body: OnlineFields) -> None:
+        self.num_choices = getattr(body, "n", None) or 1
+        self.reset()
+
+    def reset(self) -> None:
+        self.texts = [""] * self.num_choices
+        self.finish_reasons: list[str | None] = [None] * self.num_choices
+        self.logprobs: list[dict | None] = [None] * self.num_choices
+        self.token_ids: list[list[int] | None] = [None] * self.num_choices
+        self.usage: dict[str, Any] = {}
+
+    def add(self, events: list[ReplyEvent]) -> bool:
+        """True once the request has ended (done, or an error that raises)."""
+        for event in events:
+            if isinstance(event, Restart):
+                self.reset()
+            elif isinstance(event, Error):
+                raise event_error(event)
+            elif isinstance(event, Done):
+                self.usage = event.usage
+                return True
+            else:
+                for choice in event.choices:
+                    self._add_choice(choice)
+        return False
+
+    def _add_choice(self, choice: ChoiceDelta) -> None:
+        i = choice.index
+        self.texts[i] += choice.text
+        self.finish_reasons[i] = choice.finish_reason or self.finish_reasons[i]
+        self.logprobs[i] = merge_logprobs(self.logprobs[i], choice.logprobs)
+        if choice.token_ids is not None:
+            self.token_ids[i] = (self.token_ids[i] or []) + choice.token_ids
+
+    def body(self, entry: OnlineEntry, model: str, url: str) -> dict[str, Any]:
+        choices = [Choice(text, reason or "stop", logprobs, ids) for text, reason, logprobs, ids in
+                   zip(self.texts, self.finish_reasons, self.logprobs, self.token_ids)]
+        usage = Usage(self.usage.get("prompt_tokens", 0), self.usage.get("completion_tokens", 0),
+                      self.usage.get("prompt_tokens_details", {}).get("cached_tokens", 0))
+        build = chat_completion_body if url == CHAT_COMPLETIONS else completion_body
+        response = build(model, choices, usage)
+        response["id"] = response_id(entry, url)
+        return response
+
+
+class ChunkWriter:
+    """Reply events -> OpenAI stream chunks (`chat.completion.chunk` or `text_completion`)."""
+
+    def __init__(self, entry: OnlineEntry, model: str, url: str, include_usage: bool) -> None:
+        self.is_chat = url == CHAT_COMPLETIONS
+        self.include_usage = include_usage
+        self.head = {"id": response_id(entry, url), "object": "chat.completion.chunk" if self.is_chat
+                     else "text_completion", "created": int(entry.enqueued_at), "model": model}
+        self.opened_choices: set[int] = set()  # chat choices whose role chunk went out
+
+    def _chunk(self, choices: list[dict], **extra) -> dict[str, Any]:
+        chunk = {**self.head, "choices": choices, **extra}
+        if self.include_usage and "usage" not in chunk:
+            chunk["usage"] = None  # as OpenAI: every chunk has the field, only the last one fills it
+        return chunk
+
+    def of(self, event: ReplyEvent) -> list[dict[str, Any]]:
+        if isinstance(event, Error):
+            error = event_error(event)
+            return [error_body(error.message, error.kind, error.code)]
+        if isinstance(event, Done):
+            return [self._chunk([], usage=event.usage)] if self.include_usage else []
+        if not isinstance(event, Delta):
+            return []
+        chunks = []
+        for choice in event.choices:
+            extra = {"token_ids": choice.token_ids} if choice.token_ids is not None else {}
+            if not self.is_chat:
+                chunks.append(self._chunk([{"index": choice.index, "text": choice.text, "logprobs": choice.logprobs,
+                                            "finish_reason": choice.finish_reason, **extra}]))
+                continue
+            if choice.index not in self.opened_choices:  # vLLM and OpenAI open each choice with the role
+                self.opened_choices.add(choice.index)
+                chunks.append(self._chunk([{"index": choice.index, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None}]))
+            chunks.append(self._chunk([{"index": choice.index, "delta": {"content": choice.text},
+                                        "logprobs": choice.logprobs, "finish_reason": choice.finish_reason,
+                                        **extra}]))
+        return chunks

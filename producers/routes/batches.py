@@ -1,0 +1,112 @@
+"""The Batches API: POST /v1/batches, GET /v1/batches, GET /v1/batches/{id},
+POST /v1/batches/{id}/cancel, and beyond OpenAI GET /v1/batches/{id}/results/{custom_id}."""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated, Any
+
+from fastapi import Query
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from jobs import batches
+from jobs.files import FileNotFound, file_object, read_lines
+from jobs.schemas import ENDPOINTS
+from jobs.storage import find_result, open_storage
+from producers.dependencies import RedisDep
+from producers.errors import APIError
+from producers.ingest import Submission, submit
+from producers.routes import v1_router
+from producers.routes.files import file_not_found
+
+router = v1_router("batches")
+
+
+class CreateBatch(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    input_file_id: str
+    endpoint: str
+    completion_window: str = "24h"
+    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(None, max_length=16)
+    output: str = Field(default_factory=lambda: os.environ.get("KVFLEET_DEFAULT_OUTPUT", "redis"),
+                        description="kvfleet extension: where results go (redis, s3://..., file:///...)")
+    model: str | None = Field(None, description="kvfleet extension: the served model (stream)")
+
+
+def load_batch_fields(r, batch_id: str) -> dict[str, Any]:
+    try:
+        return batches.load_fields(r, batch_id)
+    except batches.BatchNotFound:
+        raise APIError(404, f"No batch found with id '{batch_id}'.", "batch_not_found") from None
+
+
+def load_batch(r, batch_id: str) -> dict[str, Any]:
+    return batches.as_openai(load_batch_fields(r, batch_id))
+
+
+@router.post("/batches")
+def create_batch(body: CreateBatch, r: RedisDep):
+    try:
+        file_object(r, body.input_file_id)
+    except FileNotFound:
+        raise file_not_found(body.input_file_id, "input_file_id") from None
+    if body.endpoint not in ENDPOINTS:
+        raise APIError(400, f"endpoint: must be one of {', '.join(ENDPOINTS)}", "invalid_endpoint", "endpoint")
+    try:
+        batches.parse_window(body.completion_window)
+        open_storage(body.output, r)
+    except ValueError as error:
+        raise APIError(400, str(error), "invalid_request", str(error).split(":")[0]) from None
+    submission = submit(r, lambda: read_lines(r, body.input_file_id), endpoint=body.endpoint, model=body.model,
+                        sink=body.output, completion_window=body.completion_window, metadata=body.metadata,
+                        input_file_id=body.input_file_id)
+    if not submission.accepted:  # OpenAI's behaviour: the batch exists, failed, with the line errors
+        return failed_batch(r, submission, body)
+    return load_batch(r, submission.batch_id)
+
+
+def failed_batch(r, submission: Submission, body: CreateBatch) -> dict[str, Any]:
+    report, batch_id = submission.report, submission.batch_id
+    batches.create_batch(r, batch_id, endpoint=body.endpoint, model=report.model or "default",
+                         input_file_id=body.input_file_id, completion_window=body.completion_window,
+                         sink=body.output, metadata=body.metadata)
+    errors = [{"code": "invalid_request", "message": e.message, "line": e.line_number or None,
+               "param": e.field} for e in report.errors]
+    batches.fail_with_errors(r, batch_id, errors, total=report.num_lines)
+    return load_batch(r, batch_id)
+
+
+@router.get("/batches")
+def list_batches(r: RedisDep, after: str | None = None, limit: Annotated[int, Query(ge=1, le=100)] = 20):
+    try:
+        ids = batches.list_batch_ids(r, after, limit + 1)
+    except batches.BatchNotFound:
+        raise APIError(404, f"No batch found with id '{after}'.", "batch_not_found", "after") from None
+    data = [batches.as_openai(fields) for fields in batches.load_many(r, ids[:limit]) if fields is not None]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": len(ids) > limit}
+
+
+@router.get("/batches/{batch_id}")
+def retrieve_batch(batch_id: str, r: RedisDep):
+    return load_batch(r, batch_id)
+
+
+@router.post("/batches/{batch_id}/cancel")
+def cancel_batch(batch_id: str, r: RedisDep):
+    load_batch_fields(r, batch_id)
+    try:
+        batches.transition(r, batch_id, "cancelling")
+    except batches.IllegalTransition as error:
+        raise APIError(409, str(error), "batch_not_cancellable") from None
+    return load_batch(r, batch_id)
+
+
+@router.get("/batches/{batch_id}/results/{custom_id}")
+def retrieve_result(batch_id: str, custom_id: str, r: RedisDep):
+    line = find_result(load_batch_fields(r, batch_id)["sink"], r, batch_id, custom_id)
+    if line is None:
+        raise APIError(404, f"No result yet for custom_id '{custom_id}' in batch '{batch_id}'.",
+                       "result_not_found")
+    return Response(line, media_type="application/json")

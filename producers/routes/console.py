@@ -1,0 +1,202 @@
+"""The operator console under /ui: batches, workers, dead letters and the online lane.
+
+Server-rendered (Jinja2, autoescaped: custom ids and metadata are user input), no build
+step; /ui/static/console.js refreshes each page's live section every few seconds and
+asks before a cancel. Behind the API's key: with KVFLEET_API_KEY set, /ui/login trades the
+key for an HttpOnly, SameSite=Strict cookie (a bearer header works too).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import redis
+from fastapi import APIRouter, Depends, Form, Request
+from fastapi.responses import FileResponse, RedirectResponse, Response, StreamingResponse
+from fastapi.templating import Jinja2Templates
+from jinja2 import Environment, FileSystemLoader, select_autoescape
+
+from jobs import batches, dead_letters, heartbeats
+from jobs.files import FileNotFound, file_object, read_file, read_lines
+from jobs.results import is_error_line
+from jobs.storage import find_result, result_stores
+from producers.dependencies import RedisDep, ServicesDep, Settings, SettingsDep, is_api_key
+from producers.live_stats import eta_seconds
+from producers.status import duration
+
+HERE = Path(__file__).resolve().parents[1]
+COOKIE = "kvfleet_console"
+REFRESH_SECONDS = 3
+MAX_ERROR_LINES = 20
+MAX_SCANNED_RESULTS = 5000  # looking for error lines of a batch that is still running
+CANCELLABLE = ("validating", "in_progress")
+STATUSES = ("validating", "in_progress", "finalizing", "completed", "failed", "expired", "cancelling", "cancelled")
+SECURITY_HEADERS = {"Content-Security-Policy": "default-src 'self'; style-src 'self' 'unsafe-inline'; "
+                                               "script-src 'self'; frame-ancestors 'none'",
+                    "X-Content-Type-Options": "nosniff", "Referrer-Policy": "same-origin"}
+
+_environment = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(default=True))
+_environment.filters["duration"] = duration
+_environment.filters["timestamp"] = lambda t: time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "—"
+templates = Jinja2Templates(env=_environment)
+
+
+class LoginRequired(Exception):
+    pass
+
+
+async def to_login(request: Request, _: LoginRequired) -> RedirectResponse:
+    return RedirectResponse("/ui/login", status_code=303)
+
+
+def require_login(request: Request, settings: SettingsDep) -> None:
+    token = request.cookies.get(COOKIE) or request.headers.get("authorization", "").removeprefix("Bearer ")
+    if not is_api_key(token, settings):
+        raise LoginRequired
+
+
+public = APIRouter(prefix="/ui", include_in_schema=False)  # the login page and the script
+router = APIRouter(prefix="/ui", dependencies=[Depends(require_login)], include_in_schema=False)
+
+
+def page(request: Request, settings: Settings, name: str, **context) -> Response:
+    """The whole page, or only its live section when console.js refreshes it."""
+    fragment = request.headers.get("x-console-fragment") == "1"
+    context.update(refresh_seconds=REFRESH_SECONDS, now=time.time(), path=request.url.path,
+                   needs_login=settings.api_key is not None)
+    response = templates.TemplateResponse(request, f"_{name}" if fragment else name, context)
+    response.headers.update(SECURITY_HEADERS)
+    return response
+
+
+@public.get("/login")
+def login_form(request: Request, settings: SettingsDep):
+    return page(request, settings, "login.html", error=None)
+
+
+@public.post("/login")
+def login(request: Request, key: Annotated[str, Form()], settings: SettingsDep):
+    if settings.api_key is None or not is_api_key(key, settings):
+        response = page(request, settings, "login.html", error="That key is not the API key.")
+        response.status_code = 401
+        return response
+    response = RedirectResponse("/ui", status_code=303)
+    response.set_cookie(COOKIE, key, httponly=True, samesite="strict", path="/ui",
+                        secure=request.url.scheme == "https")
+    return response
+
+
+@public.post("/logout")
+def logout():
+    response = RedirectResponse("/ui/login", status_code=303)
+    response.delete_cookie(COOKIE, path="/ui")
+    return response
+
+
+@public.get("/static/console.js")
+def script():
+    return FileResponse(HERE / "static" / "console.js", media_type="text/javascript")
+
+
+@router.get("")
+@router.get("/batches")
+def batch_list(request: Request, r: RedisDep, services: ServicesDep, settings: SettingsDep,
+               status: str | None = None, limit: int = 50):
+    rows = []
+    batch_ids = batches.list_batch_ids(r, limit=200 if status else min(limit, 200))
+    for fields in batches.load_many(r, batch_ids):
+        if fields is None or (status and fields["status"] != status):  # None: listed while being created
+            continue
+        batch = batches.as_openai(fields)
+        rate = services.batch_rates.rate(batch)
+        rows.append({"batch": batch, "rate": rate, "eta": eta_seconds(batch, rate)})
+        if len(rows) >= limit:
+            break
+    return page(request, settings, "batches.html", rows=rows, status=status, statuses=STATUSES)
+
+
+@router.get("/batches/{batch_id}")
+def batch_page(request: Request, batch_id: str, r: RedisDep, services: ServicesDep, settings: SettingsDep,
+               custom_id: str | None = None):
+    try:
+        fields = batches.load_fields(r, batch_id)
+    except batches.BatchNotFound:
+        return page(request, settings, "missing.html", what=f"batch {batch_id}")
+    batch = batches.as_openai(fields)
+    rate = services.batch_rates.rate(batch)
+    raw = find_result(fields["sink"], r, batch_id, custom_id) if custom_id else None
+    result = json.dumps(json.loads(raw), indent=2) if raw is not None else None
+    files = {}
+    for name in ("input_file_id", "output_file_id", "error_file_id"):
+        try:
+            files[name] = file_object(r, batch[name]) if batch.get(name) else None
+        except FileNotFound:
+            files[name] = None
+    return page(request, settings, "batch.html", batch=batch, sink=fields["sink"], rate=rate,
+                eta=eta_seconds(batch, rate), errors=first_errors(r, batch, fields), files=files,
+                custom_id=custom_id, result=result, cancellable=batch["status"] in CANCELLABLE)
+
+
+def first_errors(r: redis.Redis, batch: dict[str, Any], fields: dict[str, Any]) -> list[dict[str, Any]]:
+    """The batch's first error lines: from its error file once finalized, else from its results."""
+    lines: list[dict[str, Any]] = []
+    if batch.get("error_file_id"):
+        for line in read_lines(r, batch["error_file_id"]):
+            if line.strip():
+                lines.append(json.loads(line))
+            if len(lines) >= MAX_ERROR_LINES:
+                break
+        return lines
+    scanned = 0
+    for store in result_stores(fields["sink"], r):
+        for raw in store.iter_results(batch["id"]):
+            scanned += 1
+            line = json.loads(raw)
+            if is_error_line(line):
+                lines.append(line)
+            if len(lines) >= MAX_ERROR_LINES or scanned >= MAX_SCANNED_RESULTS:
+                return lines
+    return lines
+
+
+@router.post("/batches/{batch_id}/cancel")
+def cancel(request: Request, batch_id: str, r: RedisDep):
+    origin = request.headers.get("origin")
+    if origin and origin.rstrip("/") != str(request.base_url).rstrip("/"):
+        return Response("cross-origin request refused", status_code=403)
+    with contextlib.suppress(batches.IllegalTransition, batches.BatchNotFound):
+        batches.transition(r, batch_id, "cancelling")  # if it cannot, the page shows why: its status
+    return RedirectResponse(f"/ui/batches/{batch_id}", status_code=303)
+
+
+@router.get("/files/{file_id}")
+def download(file_id: str, r: RedisDep):
+    try:
+        info, chunks = file_object(r, file_id), read_file(r, file_id)
+    except FileNotFound:
+        return Response("no such file", status_code=404)
+    filename = info["filename"].replace('"', "")
+    return StreamingResponse(chunks, media_type="application/jsonl",
+                             headers={"Content-Disposition": f'attachment; filename="{filename}"'})
+
+
+@router.get("/workers")
+def workers(request: Request, r: RedisDep, services: ServicesDep, settings: SettingsDep):
+    now = time.time()
+    rows = []
+    for worker in heartbeats.live_workers(r):
+        age = now - worker["heartbeat"]
+        total = worker.get("total_blocks") or 0
+        rows.append({"worker": worker, "age": age, "is_stale": age > 3 * worker.get("heartbeat_seconds", 1.0) + 2,
+                     "kv_usage": 1 - worker.get("free_blocks", 0) / total if total else 0.0})
+    return page(request, settings, "workers.html", rows=rows, online=services.online_stats.summary(),
+                models=sorted(heartbeats.served_models(r)))
+
+
+@router.get("/dead-letters")
+def dead(request: Request, r: RedisDep, settings: SettingsDep):
+    return page(request, settings, "dead_letters.html", entries=dead_letters.latest(r, 100))

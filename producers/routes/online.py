@@ -1,0 +1,144 @@
+"""Online `POST /v1/completions` and `POST /v1/chat/completions`, through the queue.
+
+    validate -> the model has a live worker (else 404 model_not_found)
+             -> its online backlog is under KVFLEET_MAX_ONLINE_QUEUE (else 429, Retry-After)
+             -> XADD to kvfleet:online:{model} -> read the reply stream (XREAD BLOCK)
+             -> one JSON response, or server-sent events as OpenAI and vLLM send them
+
+Streaming waits for the first event before it answers, so a request the worker
+refuses (too long, say) is a plain 4xx; after that, a failure is an error event
+followed by `data: [DONE]`. A client that goes away, or a request past
+KVFLEET_REQUEST_TIMEOUT, is cancelled: the worker aborts it after its next step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import redis
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from jobs import keys, online
+from jobs.online import Error, OnlineEntry, ReplyEvent
+from jobs.schemas import CHAT_COMPLETIONS, COMPLETIONS, OnlineChatBody, OnlineCompletionBody, OnlineFields
+from producers.dependencies import Services, ServicesDep, Settings, SettingsDep
+from producers.errors import APIError, error_body
+from producers.online_replies import Accumulator, ChunkWriter, event_error, sse
+from producers.routes import v1_router
+from producers.routes.models import model_not_found
+
+router = v1_router("online")
+READ_BLOCK_MS = 500  # between two looks at the client and the clock
+
+
+class Cancelled(Exception):
+    """The client went away while the request was queued or running."""
+
+
+@router.post("/completions", summary="Create a completion (online; streams with stream=true)")
+async def create_completion(body: OnlineCompletionBody, request: Request, services: ServicesDep,
+                            settings: SettingsDep):
+    return await answer(COMPLETIONS, body, request, services, settings)
+
+
+@router.post("/chat/completions", summary="Create a chat completion (online; streams with stream=true)")
+async def create_chat_completion(body: OnlineChatBody, request: Request, services: ServicesDep,
+                                 settings: SettingsDep):
+    return await answer(CHAT_COMPLETIONS, body, request, services, settings)
+
+
+def enqueue(services: Services, settings: Settings, url: str, body: OnlineFields) -> OnlineEntry:
+    """Checks that need Redis, then XADD; runs in the thread pool (redis-py is blocking)."""
+    r, model = services.redis, body.model
+    if model not in services.served_models.get():
+        services.served_models.forget()  # maybe it just started: look again next time
+        raise model_not_found(model)
+    if online.online_backlog(r, model) >= settings.max_online_queue:
+        raise APIError(429, f"Too many online requests queued for model '{model}' (KVFLEET_MAX_ONLINE_QUEUE "
+                            f"{settings.max_online_queue}); retry shortly.", "too_many_requests",
+                       kind="rate_limit_error")
+    now = time.time()
+    entry = OnlineEntry(online.new_request_id(), url, body.batch_body(), bool(body.stream), body.priority,
+                        now + settings.request_timeout, now)
+    online.enqueue(r, model, entry)
+    return entry
+
+
+async def next_events(services: Services, entry: OnlineEntry, last_id: str,
+                      request: Request | None) -> tuple[str, list[ReplyEvent]]:
+    """Block until the reply stream has events: (last id, events). Raises Cancelled
+    when the client has gone, APIError 504 past the deadline."""
+    while True:
+        remaining_ms = int((entry.deadline - time.time()) * 1000)
+        if remaining_ms <= 0:
+            raise APIError(504, "The request timed out (KVFLEET_REQUEST_TIMEOUT).", "request_timeout",
+                           kind="timeout_error")
+        reply = await services.async_redis.xread({keys.reply(entry.request_id): last_id}, count=256,
+                                                 block=min(READ_BLOCK_MS, remaining_ms))
+        new_id, events = online.decode_events(reply)
+        if events:
+            return new_id, events
+        if request is not None and await request.is_disconnected():
+            raise Cancelled
+
+
+def finish(r: redis.Redis, entry: OnlineEntry, is_complete: bool) -> None:
+    """Tell the worker to stop unless the request ended; drop the reply stream."""
+    if not is_complete:
+        online.cancel(r, entry.request_id)
+    r.delete(keys.reply(entry.request_id))
+
+
+async def answer(url: str, body: OnlineFields, request: Request, services: Services, settings: Settings):
+    entry = await run_in_threadpool(enqueue, services, settings, url, body)
+    services.online_stats.arrived()
+    is_complete = is_handed_over = False
+    try:
+        last_id, events = await next_events(services, entry, "0-0", request)
+        if isinstance(events[0], Error):
+            is_complete = True
+            raise event_error(events[0])
+        services.online_stats.first_token(time.time() - entry.enqueued_at)
+        if body.stream:
+            is_handed_over = True  # the stream takes the request over, with its own cleanup
+            chunks = stream_chunks(services, entry, url, body, last_id, events)
+            return StreamingResponse(chunks, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        response = Accumulator(body)
+        while not response.add(events):
+            last_id, events = await next_events(services, entry, last_id, request)
+        is_complete = True
+        return response.body(entry, body.model, url)
+    except Cancelled:
+        return JSONResponse(error_body("The client closed the request.", "invalid_request_error",
+                                       "client_closed_request"), status_code=499)
+    finally:
+        if not is_handed_over:
+            await run_in_threadpool(finish, services.redis, entry, is_complete)
+
+
+async def stream_chunks(services: Services, entry: OnlineEntry, url: str, body: OnlineFields, last_id: str,
+                        events: list[ReplyEvent]) -> AsyncIterator[bytes]:
+    chunks = ChunkWriter(entry, body.model, url, body.include_usage)
+    is_complete = False
+    try:
+        while True:
+            for event in events:
+                for chunk in chunks.of(event):
+                    yield sse(chunk)
+                if event.is_last:
+                    is_complete = True
+                    yield sse("[DONE]")
+                    return
+            try:
+                last_id, events = await next_events(services, entry, last_id, None)  # Starlette watches the client
+            except APIError as error:  # past the deadline: end the stream, and cancel the request
+                for chunk in chunks.of(Error(error.status, error.code, error.message)):
+                    yield sse(chunk)
+                yield sse("[DONE]")
+                return
+    finally:  # also when the client disconnects and Starlette cancels this generator
+        finish(services.redis, entry, is_complete)  # blocking, and brief: a cancelled task cannot await

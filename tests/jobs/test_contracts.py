@@ -1,0 +1,70 @@
+"""The typed contracts producers and workers share: the batch stream entry (jobs/entries.py)
+and the online reply events (jobs/online.py), through a real Redis."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jobs import keys, online
+from jobs.entries import BATCH_ENTRY_FIELDS, REQUEUES_FIELD, BatchEntry, MalformedEntry
+from jobs.online import ChoiceDelta, Delta, Done, Error, Restart
+
+
+def test_a_batch_entry_survives_a_stream_round_trip(r):
+    entry = BatchEntry("batch_1", "c-7", 7, b'{"prompt": "caf\xc3\xa9"}', 1_700_000_000.25)
+    entry_id = r.xadd(keys.stream("m"), entry.to_fields())
+    [(read_id, fields)] = r.xrange(keys.stream("m"))
+    assert read_id == entry_id and BatchEntry.from_fields(fields) == entry
+    assert tuple(k.decode() for k in fields) == BATCH_ENTRY_FIELDS  # no requeues field on a fresh entry
+
+
+def test_a_handed_back_copy_counts_its_requeues(r):
+    entry = BatchEntry("batch_1", "c", 1, b"{}", None, requeues=3)
+    r.xadd(keys.stream("m"), entry.to_fields())
+    [(_, fields)] = r.xrange(keys.stream("m"))
+    assert fields[REQUEUES_FIELD.encode()] == b"3" and BatchEntry.from_fields(fields) == entry
+
+
+@pytest.mark.parametrize("fields, reason", [
+    ({b"batch_id": b"b", b"custom_id": b"c", b"line": b"{}"}, "'line_number'"),
+    ({b"batch_id": b"b", b"custom_id": b"c", b"line_number": b"x", b"line": b"{}"}, "invalid literal"),
+    ({b"batch_id": b"\xff", b"custom_id": b"c", b"line_number": b"1", b"line": b"{}"}, "UnicodeDecodeError"),
+])
+def test_a_malformed_batch_entry_is_named(fields, reason):
+    with pytest.raises(MalformedEntry, match=reason):
+        BatchEntry.from_fields(fields)
+
+
+EVENTS = [
+    Delta([ChoiceDelta(0, "Hel", None, {"tokens": ["Hel"], "token_logprobs": [-0.5], "top_logprobs": [{}],
+                                        "text_offset": [0]}),
+           ChoiceDelta(1, "lo", "length", None, token_ids=[42, 7])]),
+    Done({"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}),
+    Error(504, "request_timeout", "The request timed out."),
+    Restart(),
+]
+
+
+def test_reply_events_are_read_back_as_written_and_in_order(r):
+    pipe = r.pipeline()
+    for event in EVENTS:
+        online.publish(pipe, "req-1", event)
+    pipe.execute()
+    last_id, events = online.decode_events(r.xread({keys.reply("req-1"): "0-0"}))
+    assert events == EVENTS
+    assert last_id == r.xrevrange(keys.reply("req-1"), count=1)[0][0].decode()
+    assert 0 < r.ttl(keys.reply("req-1")) <= online.REPLY_TTL_SECONDS
+
+
+def test_the_wire_format_of_reply_events():
+    assert [json.loads(online.encode_event(e))["type"] for e in EVENTS] == ["delta", "done", "error", "restart"]
+    delta = json.loads(online.encode_event(EVENTS[0]))
+    assert "token_ids" not in delta["choices"][0] and delta["choices"][1]["token_ids"] == [42, 7]
+    assert [e.is_last for e in EVENTS] == [False, True, True, False]
+
+
+def test_an_unknown_event_type_is_an_error_not_a_guess():
+    with pytest.raises(KeyError):
+        online.decode_event('{"type": "surprise"}')

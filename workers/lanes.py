@@ -1,0 +1,151 @@
+"""The one protocol every lane of a worker follows (batch, online; embeddings next).
+
+A lane owns its streams, the work it pulled from them and the state that work needs.
+The worker loop (workers/worker.py) calls only these methods, in this order:
+
+    pull(reclaim)        take what fits now from the lane's streams (stale entries of dead
+                         workers first, with `reclaim`), turn each entry into a validated
+                         engine request, start it; settle at once what can never run
+    on_output(output)    take one engine step's output of a request this lane started
+    settle()             make finished work durable and acknowledge it: result storage,
+                         reply streams (once per loop, after the step)
+    check()              stop what must not run on: a cancelled or expired batch, a request
+                         past its deadline or whose client left (once per maintain interval)
+    held()               every (stream, entry id) the lane has not acknowledged: the worker
+                         keeps their leases
+    release()            after a failed engine step: drop everything unacknowledged; it
+                         returns to the fleet after the lease, each delivery counted
+    hand_back()          on exit: abort what still runs and put it back on its stream
+
+NOTE: a lane's in-flight request ids are `engine_request_id(stream, entry_id)`; entry ids
+are unique only within a stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import redis
+
+from engine import LLMEngine, ProcessedRequest, RequestOutput
+from workers import stream_ops
+from workers.admission import Admission
+from workers.metrics import WorkerMetrics
+from workers.translate import EngineRequest
+
+log = logging.getLogger("kvfleet.worker")
+
+
+def engine_request_id(stream: str, entry_id: str) -> str:
+    return f"{stream} {entry_id}"
+
+
+@dataclass
+class LaneConfig:
+    """What every lane of one worker shares."""
+
+    consumer: str  # the worker's name in the consumer group
+    lease_ms: int
+    max_deliveries: int
+    admission: Admission
+    metrics: WorkerMetrics
+
+
+@dataclass
+class Work:
+    """A pulled entry running in the engine; each lane extends it with its own state."""
+
+    stream: str
+    entry_id: str
+    fields: dict  # the entry as read, to hand it back unchanged
+    request: EngineRequest
+    processed: ProcessedRequest  # validated by the engine, ready to start
+    enqueued_at: float | None  # wall-clock seconds, for the queue-time metric
+
+    @property
+    def request_id(self) -> str:
+        return self.processed.request_id
+
+
+class Lane:
+    name = "lane"  # the metrics label
+
+    def __init__(self, r: redis.Redis, engine: LLMEngine, streams: list[str], config: LaneConfig) -> None:
+        self.r, self.engine, self.streams, self.config = r, engine, streams, config
+        self.in_flight: dict[str, Work] = {}  # engine request id -> work
+
+    # -- the protocol; each lane implements these -------------------------------
+    def pull(self, reclaim: bool) -> int:
+        """Pull and start what fits now; returns how many entries were read."""
+        raise NotImplementedError
+
+    def on_output(self, output: RequestOutput) -> None:
+        raise NotImplementedError
+
+    def settle(self) -> None:
+        raise NotImplementedError
+
+    def check(self) -> None:
+        raise NotImplementedError
+
+    def is_settling(self) -> bool:
+        """Finished work waits to be made durable."""
+        return False
+
+    def is_backing_off(self) -> bool:
+        """All that waits to be made durable waits for a storage back-off."""
+        return False
+
+    def held(self) -> list[tuple[str, str]]:
+        return [(work.stream, work.entry_id) for work in self.in_flight.values()]
+
+    def release(self) -> None:
+        for work in list(self.in_flight.values()):
+            self.drop(work)
+
+    def hand_back(self) -> None:
+        for work in list(self.in_flight.values()):
+            self.drop(work)
+            try:
+                stream_ops.release(self.r, work.stream, work.entry_id, work.fields)
+            except stream_ops.OUTAGE_ERRORS as error:
+                log.warning("%s: could not hand back %s (%s); it returns after the lease", self.config.consumer,
+                            work.entry_id, error)
+
+    # -- shared by the lanes --------------------------------------------------
+    def owns(self, request_id: str) -> bool:
+        return request_id in self.in_flight
+
+    def is_running(self, stream: str, entry_id: str) -> bool:
+        """A reclaimed entry that this worker runs already (its lease lapsed under a long stall)."""
+        return engine_request_id(stream, entry_id) in self.in_flight
+
+    def start(self, work: Work) -> None:
+        self.engine.add_processed_request(work.processed)
+        self.in_flight[work.request_id] = work
+
+    def drop(self, work: Work) -> None:
+        """Stop running `work` here, and forget it (its entry is settled or handed back by the caller)."""
+        self.engine.abort(work.request_id)
+        del self.in_flight[work.request_id]
+
+    def pull_entries(self, count: int, reclaim: bool, block_ms: int | None = None):
+        """Up to `count` entries of this lane's streams that this worker does not run already."""
+        entries = stream_ops.pull(self.r, self.config.consumer, count, self.config.lease_ms,
+                                  self.streams if reclaim else [], self.streams, block_ms)
+        return [entry for entry in entries if not self.is_running(entry[0], entry[1])]
+
+    def dead_letter_after_max_deliveries(self, stream: str, entry_id: str, fields: dict, deliveries: int) -> bool:
+        """Dead-letter an entry delivered more than max_deliveries times; True if it was."""
+        if deliveries <= self.config.max_deliveries:
+            return False
+        stream_ops.dead_letter(self.r, stream, entry_id, fields,
+                               f"delivered {deliveries} times (max_deliveries {self.config.max_deliveries})")
+        return True
+
+
+def suppress_outages():
+    """Best effort on the way out: Redis may be gone."""
+    return contextlib.suppress(*stream_ops.OUTAGE_ERRORS)

@@ -1,0 +1,185 @@
+"""The worker's online lane: requests pulled before any batch work, run by the engine at
+their own priority (every online priority outranks batch work), answered through their
+reply streams (jobs/online.py) after every engine step.
+
+One round trip per step (`settle`) writes the step's events, acknowledges the finished
+entries and checks which requests were cancelled (the client went away, or its time ran
+out). Events wait in memory through a Redis outage and go out when it answers again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+import redis
+
+from engine import LLMEngine, RequestOutput, RequestOutputKind
+from jobs import keys, online
+from jobs.online import ChoiceDelta, Delta, Done, Error, OnlineEntry, ReplyEvent, Restart
+from jobs.results import Usage
+from jobs.schemas import LineError, Request
+from workers import stream_ops
+from workers.lanes import Lane, LaneConfig, Work, engine_request_id, suppress_outages
+from workers.translate import RequestRejected, error_code, openai_logprobs, to_engine_request
+
+WORKER_LOST = ("worker_lost", "The worker serving this request stopped after streaming began; "
+                              "the output is incomplete. Retry the request.")
+
+
+@dataclass
+class OnlineWork(Work):
+    entry: OnlineEntry | None = None
+    completion_tokens: int = 0
+    finish_reasons: list[str] = field(default_factory=list)
+    text_offsets: dict[int, int] = field(default_factory=dict)  # choice -> characters of its logprob tokens
+    has_output: bool = False  # the first token was produced
+
+
+class OnlineLane(Lane):
+    name = "online"
+
+    def __init__(self, r: redis.Redis, engine: LLMEngine, streams: list[str], config: LaneConfig) -> None:
+        super().__init__(r, engine, streams, config)
+        self.events: list[tuple[str, ReplyEvent]] = []  # (request id, event) to write, in order
+        self.acks: list[tuple[str, str]] = []  # (stream, entry id) to ack after the events
+
+    # -- the lane protocol ------------------------------------------------------
+    def pull(self, reclaim: bool) -> int:
+        """Up to what admission allows, reclaimed entries first (with `reclaim`)."""
+        works = list(self.in_flight.values())
+        count = self.config.admission.online_count(len(works), sum(not w.has_output for w in works))
+        if count <= 0:
+            return 0
+        entries = self.pull_entries(count, reclaim)
+        for entry in entries:
+            work = self.accept(*entry)
+            if work is not None:
+                self.config.admission.observe_online(
+                    self.engine.num_blocks_needed(len(work.processed.prompt_token_ids)))
+                self.start(work)
+        return len(entries)
+
+    def on_output(self, output: RequestOutput) -> None:
+        """Queue the events of one step's output."""
+        work = self.in_flight[output.request_id]
+        choices = [self._choice_delta(work, delta) for delta in output.outputs]
+        if choices:
+            self.events.append((work.entry.request_id, Delta(choices)))
+        if not output.finished:
+            return
+        del self.in_flight[output.request_id]
+        self.config.metrics.observe_finished(output, work.enqueued_at, "online", work.finish_reasons,
+                                             work.completion_tokens)
+        usage = Usage(len(output.prompt_token_ids), work.completion_tokens, output.num_cached_tokens)
+        self.events.append((work.entry.request_id, Done(usage.as_openai())))
+        self.acks.append((work.stream, work.entry_id))
+
+    def settle(self) -> None:
+        """Write the queued events, then the acks, and check the cancel keys of the running
+        requests, in one round trip; abort the cancelled ones. On a Redis error the events
+        stay queued."""
+        running = {work.entry.request_id: work for work in self.in_flight.values()}
+        if not self.events and not self.acks and not running:
+            return
+        pipe = self.r.pipeline(transaction=False)
+        for request_id, event in self.events:
+            online.publish(pipe, request_id, event)
+        for stream, entry_id in self.acks:
+            pipe.xack(stream, keys.CONSUMER_GROUP, entry_id)
+        for request_id in running:
+            pipe.exists(keys.reply_cancel(request_id))
+        results = pipe.execute()
+        self.events, self.acks = [], []
+        flags = results[len(results) - len(running):] if running else []
+        for work, is_cancelled in zip(running.values(), flags):
+            if is_cancelled:
+                self.drop(work)
+                stream_ops.ack(self.r, work.stream, work.entry_id)
+
+    def check(self) -> None:
+        """Abort requests past their KVFLEET_REQUEST_TIMEOUT (the API gave up on them)."""
+        now = time.time()
+        for work in list(self.in_flight.values()):
+            if now > work.entry.deadline:
+                self.drop(work)
+                self.fail(work.stream, work.entry_id, work.entry.request_id,
+                          Error(504, "request_timeout", "The request timed out (KVFLEET_REQUEST_TIMEOUT)."))
+
+    def hand_back(self) -> None:
+        """A streaming request that already sent tokens cannot run again from the start: it
+        ends with the worker_lost error. The rest go back to the stream."""
+        for work in list(self.in_flight.values()):
+            if work.has_output and work.entry.stream:
+                self.drop(work)
+                self.fail(work.stream, work.entry_id, work.entry.request_id, Error(500, *WORKER_LOST))
+        with suppress_outages():
+            self.settle()
+        super().hand_back()
+
+    # -- entries and events -----------------------------------------------------
+    def accept(self, stream: str, entry_id: str, fields: dict, deliveries: int) -> OnlineWork | None:
+        """Turn an entry into validated work, or settle it here (an error event, a dead letter)."""
+        try:
+            entry = OnlineEntry.from_fields(fields)
+        except (KeyError, ValueError, UnicodeDecodeError):
+            stream_ops.dead_letter(self.r, stream, entry_id, fields, "malformed online entry")
+            return None
+        if self.dead_letter_after_max_deliveries(stream, entry_id, fields, deliveries):
+            self.events.append((entry.request_id, Error(500, "max_deliveries_exceeded",
+                                                        f"The request failed {deliveries - 1} times on workers.")))
+            return None
+        if self._is_settled(stream, entry_id, entry):
+            return None
+        try:
+            request = to_engine_request(Request(custom_id=entry.request_id, url=entry.url, body=entry.body),
+                                        self.engine.tokenizer)
+            params = dataclasses.replace(request.params, output_kind=RequestOutputKind.DELTA)
+            processed = self.engine.process_request(engine_request_id(stream, entry_id), request.prompt_token_ids,
+                                                    params, priority=entry.priority)
+        except (LineError, RequestRejected, ValueError) as error:
+            message = error.message if isinstance(error, LineError) else str(error)
+            self.fail(stream, entry_id, entry.request_id, Error(400, error_code(error), message))
+            return None
+        return OnlineWork(stream, entry_id, fields, request, processed, entry.enqueued_at, entry)
+
+    def _is_settled(self, stream: str, entry_id: str, entry: OnlineEntry) -> bool:
+        """Settle an entry that must not run: its client left (ack it), its time is up, or its
+        stream already sent tokens (an error). A non-streaming request that ran before runs
+        again, after a restart event."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.exists(keys.reply_cancel(entry.request_id))
+        pipe.xlen(keys.reply(entry.request_id))
+        is_cancelled, num_events = pipe.execute()
+        if is_cancelled:
+            self.acks.append((stream, entry_id))
+            return True
+        if time.time() > entry.deadline:
+            self.fail(stream, entry_id, entry.request_id, Error(
+                504, "request_timeout", "The request timed out (KVFLEET_REQUEST_TIMEOUT) before a worker started it."))
+            return True
+        if num_events and entry.stream:  # its client has seen tokens: running it again would repeat them
+            self.fail(stream, entry_id, entry.request_id, Error(500, *WORKER_LOST))
+            return True
+        if num_events:
+            self.events.append((entry.request_id, Restart()))
+        return False
+
+    def fail(self, stream: str, entry_id: str, request_id: str, error: Error) -> None:
+        self.events.append((request_id, error))
+        self.acks.append((stream, entry_id))
+
+    def _choice_delta(self, work: OnlineWork, delta) -> ChoiceDelta:
+        work.has_output = work.has_output or bool(delta.token_ids)
+        work.completion_tokens += len(delta.token_ids)
+        if delta.finish_reason is not None:
+            work.finish_reasons.append(delta.finish_reason)
+        tokenizer = self.engine.tokenizer
+        offset = work.text_offsets.get(delta.index, 0)
+        logprobs = openai_logprobs(delta.logprobs, delta.token_ids, work.request.params.logprobs or 0,
+                                   tokenizer, work.request.url, offset)
+        if logprobs is not None and "tokens" in logprobs:  # completions: offsets continue from here
+            work.text_offsets[delta.index] = offset + sum(map(len, logprobs["tokens"]))
+        return ChoiceDelta(delta.index, delta.text, delta.finish_reason, logprobs,
+                           delta.token_ids if tokenizer is None else None)
