@@ -95,3 +95,18 @@ def test_the_worker_help_documents_requeues_and_redis_tls():
     for needle in ("--max-requeues", "cannot_fit", "rediss://", "KVFLEET_REDIS_CA", "KVFLEET_REDIS_CERT",
                    "KVFLEET_REDIS_KEY", "USER:PASSWORD@"):
         assert needle in text, needle
+
+
+def test_every_flag_of_every_module_cli_is_in_the_readme():
+    """The other direction: a flag the code has and the README never names is a flag nobody
+    finds. A flag several CLIs share (the engine flags, --redis-url) is named once, under any
+    of them; a flag of one CLI is named under that CLI."""
+    found = flags_by_module()
+    options = {module: option_strings(module) - {"-h", "--help"} for module in sorted(CLIS)}
+    missing: dict[str, list[str]] = {}
+    for module, flags in options.items():
+        for flag in sorted(flags):
+            owners = [other for other, other_flags in options.items() if flag in other_flags]
+            if not any(flag in found.get(owner, set()) for owner in owners):
+                missing.setdefault(module, []).append(flag)
+    assert not missing, f"flags the README never names, by module: {missing}"
