@@ -13,6 +13,7 @@ racing to finalize a batch cannot both win.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from typing import Any
@@ -21,6 +22,7 @@ import redis
 
 from jobs import keys
 
+BATCH_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,128}")
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 UNSUCCESSFUL = ("failed", "expired", "cancelled")  # terminal, and not every request ran
 STOPPED = ("cancelling", "cancelled", "failed")  # a worker must not start its requests
@@ -75,6 +77,14 @@ def new_batch_id() -> str:
     return f"batch_{uuid.uuid4().hex}"
 
 
+def validate_batch_id(batch_id: str) -> str:
+    """A batch id names Redis keys, storage folders and its finalize job (RQ accepts only
+    letters, digits, '_' and '-'): nothing else may reach them."""
+    if not BATCH_ID_PATTERN.fullmatch(batch_id):
+        raise ValueError(f"batch_id: must be 1 to 128 letters, digits, '_' or '-', got {batch_id!r}")
+    return batch_id
+
+
 def parse_window(window: str) -> int:
     """Seconds of a completion window like "24h", "90m" or "3600s"."""
     if window in WINDOWS:
@@ -92,12 +102,13 @@ def parse_window(window: str) -> int:
 def create_batch(r: redis.Redis, batch_id: str, *, endpoint: str, model: str, input_file_id: str | None,
                  completion_window: str, sink: str, metadata: dict[str, str] | None = None) -> bool:
     """Create the batch in status validating; False if it already exists (idempotent)."""
+    validate_batch_id(batch_id)
     created = time.time()
     now = int(created)
     fields = {"id": batch_id, "status": "validating", "endpoint": endpoint, "model": model,
               "input_file_id": input_file_id or "", "completion_window": completion_window, "sink": sink,
               "created_at": now, "expires_at": now + parse_window(completion_window),
-              "metadata": json.dumps(metadata or {}), "total": 0}
+              "metadata": json.dumps(metadata or {}), "total": 0, "enqueued_at": ""}
     # The indexes first (they live in other slots than the batch): an id listed before its
     # hash exists is skipped by readers, a hash never listed would be lost to the sweep.
     pipe = r.pipeline(transaction=False)
@@ -149,6 +160,12 @@ def fail_with_errors(r: redis.Redis, batch_id: str, errors: list[dict[str, Any]]
 def set_total(r: redis.Redis, batch_id: str, total: int) -> None:
     """The number of requests in the batch, once its file is validated."""
     r.hset(keys.batch(batch_id), "total", total)
+
+
+def mark_enqueued(r: redis.Redis, batch_id: str) -> None:
+    """Every request of the batch is in its streams (or recorded as invalid): until then the
+    sweep may fail a batch whose producer died halfway (jobs/sweeper.py)."""
+    r.hset(keys.batch(batch_id), "enqueued_at", int(time.time()))
 
 
 def set_files(r: redis.Redis, batch_id: str, file_ids: dict[str, str]) -> None:

@@ -6,17 +6,12 @@ flag on the batch lets only the first caller enqueue the RQ job (JSON serializer
 never pickle). An RQ worker runs `finalize_batch`:
 
     rq worker --serializer rq.serializers.JSONSerializer kvfleet-finalize
-    python -m workers.finalizer            # the same, plus the Sweeper below
+    python -m workers.finalizer            # the same, plus the sweep (jobs/sweeper.py)
 
-A batch always ends:
-  * a permanent storage error (NoSuchBucket, AccessDenied, an unwritable folder) ends
-    the batch `failed`, with an error naming the target;
-  * an outage (storage or Redis) fails the job; the Sweeper enqueues it again with
-    back-off (1, 2, 4, ... s, up to its grace period);
-  * the Sweeper also re-enqueues finalize for any open batch whose requests are all
-    counted but which has no finalize job and is still not terminal after the grace
-    period: a job lost with Redis, or a crash between counting and enqueueing.
-finalize_batch is idempotent: the output files are written once.
+A permanent storage error (NoSuchBucket, AccessDenied, an unwritable folder) ends the
+batch `failed`, with an error naming the target; an outage (storage or Redis) fails the
+job, and the sweep enqueues it again with back-off. finalize_batch is idempotent: the
+output files are written once.
 
 NOTE: RQ's own Retry needs RQ's scheduler, which runs as a forked child of the
 worker; a kill -9 of the finalizer leaves that child running, orphaned. The sweep
@@ -45,7 +40,6 @@ from jobs.storage import CHUNK, describe_error, is_permanent_error, open_storage
 
 log = logging.getLogger("kvfleet.finalize")
 ACTIVE_JOB_STATUSES = (JobStatus.QUEUED, JobStatus.STARTED, JobStatus.SCHEDULED, JobStatus.DEFERRED)
-SWEEP_STATUSES = ("in_progress", "finalizing", "cancelling")  # may be waiting for a finalize
 
 
 def finalize_queue(r: redis.Redis) -> Queue:
@@ -165,59 +159,8 @@ def _write_files(r: redis.Redis, batch_id: str, fields: dict) -> None:
         batches.set_files(r, batch_id, file_ids)
 
 
-def _job_status(r: redis.Redis, batch_id: str) -> JobStatus | None:
+def job_status(r: redis.Redis, batch_id: str) -> JobStatus | None:
     try:
         return Job.fetch(job_id(batch_id), connection=queue_connection(r), serializer=JSONSerializer).get_status()
     except NoSuchJobError:
         return None
-
-
-def counted_but_open(r: redis.Redis) -> list[str]:
-    """Open batches whose every request has a result counted, in a status that waits
-    for finalize."""
-    found = []
-    batch_ids = sorted(b.decode() for b in r.smembers(keys.OPEN_BATCHES))
-    for batch_id, fields in zip(batch_ids, batches.load_many(r, batch_ids)):
-        if fields is None:
-            r.srem(keys.OPEN_BATCHES, batch_id)  # the hash is gone
-            continue
-        if fields["status"] in batches.TERMINAL:
-            r.srem(keys.OPEN_BATCHES, batch_id)  # its transition's SREM was lost
-        elif fields["status"] in SWEEP_STATUSES and 0 < fields["total"] <= fields["completed"] + fields["failed"]:
-            found.append(batch_id)
-    return found
-
-
-class Sweeper:
-    """Finds open batches whose requests are all counted and that no finalize job is
-    working on, and enqueues finalize for them again: after a failed job (an outage)
-    with back-off, 1, 2, 4, ... seconds up to the grace period; after a lost job, or
-    none at all, once the grace period has passed. Call `sweep` every few seconds."""
-
-    def __init__(self, r: redis.Redis, grace_seconds: float, clock=time.monotonic) -> None:
-        self.r, self.grace_seconds, self.clock = r, grace_seconds, clock
-        self.waiting_since: dict[str, float] = {}  # batch id -> when it was first seen stuck (or re-enqueued)
-        self.num_retries: dict[str, int] = {}
-
-    def sweep(self) -> list[str]:
-        """The ids finalize was enqueued for."""
-        now, requeued = self.clock(), []
-        stuck = {}
-        for batch_id in counted_but_open(self.r):
-            status = _job_status(self.r, batch_id)
-            if status not in ACTIVE_JOB_STATUSES:
-                stuck[batch_id] = status
-        for gone in set(self.waiting_since) - set(stuck):
-            self.waiting_since.pop(gone)
-            self.num_retries.pop(gone, None)
-        for batch_id, status in stuck.items():
-            retries = self.num_retries.get(batch_id, 0)
-            wait = min(self.grace_seconds, 2.0**retries) if status == JobStatus.FAILED else self.grace_seconds
-            if now - self.waiting_since.setdefault(batch_id, now) < wait:
-                continue
-            log.warning("batch %s: every request is counted but it is still open (finalize job: %s); "
-                        "finalizing it again", batch_id, status or "none")
-            request_finalize(self.r, batch_id, force=True)
-            self.waiting_since[batch_id], self.num_retries[batch_id] = now, retries + 1
-            requeued.append(batch_id)
-        return requeued

@@ -14,12 +14,15 @@ MULTI. Every script and MULTI in kvfleet touches keys of one tag.
 | kvfleet:online:{model}                | stream       | online requests (read first), fields in jobs/online.py   |
 | kvfleet:reply:{request_id}            | stream + TTL | an online request's events, worker -> API                |
 | kvfleet:reply:{request_id}:cancel     | string + TTL | set by the API when the client went away or timed out    |
+| kvfleet:reply:{request_id}:attempts   | hash + TTL   | attempts started, whether tokens went out (until the     |
+|                                       |              | request's deadline: jobs/online.py)                      |
 | kvfleet:batch:{batch}                 | hash         | the batch object's fields, total, timestamps, sink       |
 | kvfleet:batch:{batch}:results         | hash         | custom id -> result line (the redis sink)                |
 | kvfleet:batches                       | sorted set   | batch ids by creation time (listing)                     |
 | kvfleet:batches:open                  | set          | batch ids not yet terminal (the finalizer's sweep)       |
 | kvfleet:file:{file}                   | hash         | a file object: bytes, filename, purpose, location        |
 | kvfleet:file:{file}:content           | string       | the content of a file stored in Redis                    |
+| kvfleet:idempotency:{digest}          | string + TTL | the object id an Idempotency-Key created (24 h)          |
 | kvfleet:worker:{workers}:{name}       | hash + TTL   | heartbeat: served models, KV blocks, running/waiting/... |
 | kvfleet:workers:{workers}             | sorted set   | worker names by last heartbeat (jobs/heartbeats.py)      |
 | rq:queue:kvfleet-finalize             | RQ queue     | finalize_batch jobs (JSON serializer), one per batch     |
@@ -112,6 +115,10 @@ def online_stream(model: str) -> str:
 
 def reply(request_id: str) -> str:
     return f"{PREFIX}:reply:{{{request_id}}}"
+
+
+def reply_attempts(request_id: str) -> str:
+    return f"{PREFIX}:reply:{{{request_id}}}:attempts"
 
 
 def reply_cancel(request_id: str) -> str:

@@ -9,18 +9,22 @@
     cancel  the API sets kvfleet:reply:{request_id}:cancel when the client goes away or its
             time is up; the worker checks it after every step and aborts the request.
 
-Reply events are typed (`Delta`, `Done`, `Error`, `Restart`), encoded as JSON in the entry
-field "event" by `encode_event` and read back by `decode_events`, here alone:
+Reply events are typed (`Delta`, `Done`, `Error`), encoded as JSON in the entry field
+"event" by `encode_event` and read back by `decode_events`, here alone:
 
-    {"type": "delta", "choices": [{"index", "text", "logprobs", "finish_reason", "token_ids"?}]}
-    {"type": "done", "usage": {...}}                         the last event of a success
-    {"type": "error", "status", "code", "message"}           the last event of a failure
-    {"type": "restart"}     a non-streaming request runs again (its worker died): drop what came before
+    {"type": "delta", "attempt", "choices": [{"index", "text", "logprobs", "finish_reason", "token_ids"?}]}
+    {"type": "done", "attempt", "usage": {...}}               the last event of a success
+    {"type": "error", "attempt", "status", "code", "message"}  the last event of a failure
 
-A worker that takes over an entry whose reply stream already holds events (its first
-worker died mid-generation) does not run a streaming request again, whose client has
-seen tokens: it ends the stream with an error. A non-streaming one runs again, after
-a restart event.
+Attempts. Every time a worker starts a request it takes the next attempt number from the
+request's attempt record (kvfleet:reply:{request_id}:attempts, a hash kept until the
+request's deadline, so it outlives the reply stream's TTL), and tags each event with it.
+The record also says whether any attempt has sent a token. So when a worker dies
+mid-generation, whoever takes the entry over knows, however late it comes:
+  * a streaming request whose client has seen tokens is not run again (the client would
+    read them twice): its stream ends with the worker_lost error;
+  * a non-streaming one runs again, and the API keeps only the newest attempt's events:
+    the answer is exactly the rerun's, never two attempts joined.
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ from jobs import keys
 REPLY_MAXLEN = 10_000  # events; one per engine step, so far more than a reader ever lags
 REPLY_TTL_SECONDS = 120  # renewed by every event; the API deletes the stream when it is done
 CANCEL_TTL_SECONDS = 3600
+WORKER_LOST = ("worker_lost", "The worker serving this request stopped after streaming began; "
+                              "the output is incomplete. Retry the request.")
+ATTEMPTS_GRACE_SECONDS = 60  # the attempt record outlives the request's deadline by this much
 DEFAULT_REQUEST_TIMEOUT = 600.0
 DEFAULT_MAX_ONLINE_QUEUE = 256
 
@@ -101,6 +108,7 @@ class ChoiceDelta:
 @dataclass(frozen=True)
 class Delta:
     choices: list[ChoiceDelta]
+    attempt: int = 1
     is_last: ClassVar[bool] = False
 
 
@@ -109,6 +117,7 @@ class Done:
     """The last event of a success."""
 
     usage: dict[str, Any]  # OpenAI's usage object
+    attempt: int = 1
     is_last: ClassVar[bool] = True
 
 
@@ -119,18 +128,12 @@ class Error:
     status: int
     code: str
     message: str
+    attempt: int = 1
     is_last: ClassVar[bool] = True
 
 
-@dataclass(frozen=True)
-class Restart:
-    """A non-streaming request runs again (its worker died): drop what came before."""
-
-    is_last: ClassVar[bool] = False
-
-
-ReplyEvent = Delta | Done | Error | Restart
-_EVENT_TYPES: dict[str, type] = {"delta": Delta, "done": Done, "error": Error, "restart": Restart}
+ReplyEvent = Delta | Done | Error
+_EVENT_TYPES: dict[str, type] = {"delta": Delta, "done": Done, "error": Error}
 _TYPE_NAMES = {cls: name for name, cls in _EVENT_TYPES.items()}
 
 
@@ -148,7 +151,7 @@ def decode_event(text: str | bytes) -> ReplyEvent:
     payload = json.loads(text)
     cls = _EVENT_TYPES[payload.pop("type")]
     if cls is Delta:
-        return Delta([ChoiceDelta(**choice) for choice in payload["choices"]])
+        return Delta([ChoiceDelta(**choice) for choice in payload["choices"]], payload["attempt"])
     return cls(**payload)
 
 
@@ -157,6 +160,30 @@ def publish(pipe, request_id: str, event: ReplyEvent) -> None:
     key = keys.reply(request_id)
     pipe.xadd(key, {"event": encode_event(event)}, maxlen=REPLY_MAXLEN, approximate=True)
     pipe.expire(key, REPLY_TTL_SECONDS)
+
+
+@dataclass(frozen=True)
+class Attempt:
+    number: int  # 1 for the first worker to start the request
+    is_cancelled: bool  # its client went away
+    has_sent_tokens: bool  # an earlier attempt published a token
+
+
+def start_attempt(r: redis.Redis, entry: OnlineEntry) -> Attempt:
+    """A worker starts (or takes over) the request: the next attempt number, in one round trip."""
+    key = keys.reply_attempts(entry.request_id)
+    pipe = r.pipeline(transaction=False)
+    pipe.exists(keys.reply_cancel(entry.request_id))
+    pipe.hincrby(key, "started", 1)
+    pipe.hget(key, "sent")
+    pipe.expireat(key, int(entry.deadline) + ATTEMPTS_GRACE_SECONDS)
+    is_cancelled, number, sent, _ = pipe.execute()
+    return Attempt(int(number), bool(is_cancelled), bool(sent))
+
+
+def queue_tokens_sent(pipe, request_id: str) -> None:
+    """Mark, with the events that carry them, that the request's tokens have gone out."""
+    pipe.hset(keys.reply_attempts(request_id), "sent", 1)
 
 
 def cancel(r: redis.Redis, request_id: str) -> None:

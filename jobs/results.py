@@ -57,5 +57,12 @@ def error_line(custom_id: str, code: str, message: str) -> dict[str, Any]:
             "error": {"code": code, "message": message}}
 
 
+def usage_of(line: dict[str, Any]) -> Usage:
+    """The usage a result line reports (none for an error line)."""
+    usage = ((line.get("response") or {}).get("body") or {}).get("usage") or {}
+    return Usage(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0),
+                 (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+
+
 def is_error_line(line: dict[str, Any]) -> bool:
     return line.get("error") is not None or (line.get("response") or {}).get("status_code", 200) >= 400

@@ -5,7 +5,10 @@ local folder. Chosen per batch by its sink URL:
     s3://bucket/prefix         boto3; endpoint from KVFLEET_S3_ENDPOINT_URL or AWS_ENDPOINT_URL
     file:///absolute/dir       one file per result, written atomically (fsync + rename)
 
-Writing a result is idempotent: a request's result always lands at the same key.
+A request's result always lands at the same key, and the first write wins
+(`put_result` returns False when a line is there already: Redis HSETNX, an exclusive link
+in the folder, S3's If-None-Match). So when two attempts of a request race, the line
+stored is the one written first, and recording counts that line (jobs/recording.py).
 
 Errors come in two kinds (`is_permanent_error`): an outage (connection refused, a
 timeout, a 5xx, throttling) passes and is retried; a permanent error (a 4xx such as
@@ -15,23 +18,26 @@ requests or the batch it hits with a `storage_error`.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from urllib.parse import urlparse
 
 import redis
-from botocore.exceptions import ClientError
+from botocore.exceptions import BotoCoreError, ClientError
 
 from jobs import keys
 
 CHUNK = 1 << 20
+DEFAULT_S3_TIMEOUT_SECONDS = 10.0
 # 4xx codes that S3-compatible stores use for "slow down" or "try again": outages, not verdicts.
 RETRYABLE_S3_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
-                      "TooManyRequests", "RequestLimitExceeded"}
+                      "TooManyRequests", "RequestLimitExceeded", "ConditionalRequestConflict"}
+STORAGE_ERRORS = (BotoCoreError, ClientError, OSError)  # what a storage call raises, outage or verdict
 PERMANENT_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR}
 
 
@@ -61,8 +67,8 @@ class RedisStorage:
     def __init__(self, r: redis.Redis) -> None:
         self.r = r
 
-    def put_result(self, batch_id: str, custom_id: str, line: bytes) -> None:
-        self.r.hset(keys.batch_results(batch_id), custom_id, line)
+    def put_result(self, batch_id: str, custom_id: str, line: bytes) -> bool:
+        return bool(self.r.hsetnx(keys.batch_results(batch_id), custom_id, line))
 
     def iter_results(self, batch_id: str) -> Iterator[bytes]:
         for _, line in self.r.hscan_iter(keys.batch_results(batch_id), count=1000):
@@ -90,7 +96,9 @@ class FileStorage:
         self.root = Path(root)
         self.url = f"file://{self.root}"
 
-    def _write_atomically(self, path: Path, chunks: Iterable[bytes]) -> None:
+    @contextlib.contextmanager
+    def _durable_copy(self, path: Path, chunks: Iterable[bytes]) -> Iterator[str]:
+        """The bytes in a temporary file beside `path`, fsynced; removed afterwards."""
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
         try:
@@ -99,13 +107,22 @@ class FileStorage:
                     handle.write(chunk)
                 handle.flush()
                 os.fsync(handle.fileno())
-            os.replace(tmp, path)
-        except BaseException:
+            yield tmp
+        finally:
             Path(tmp).unlink(missing_ok=True)
-            raise
 
-    def put_result(self, batch_id: str, custom_id: str, line: bytes) -> None:
-        self._write_atomically(self.root / batch_id / "results" / result_name(custom_id), [line])
+    def _write_atomically(self, path: Path, chunks: Iterable[bytes]) -> None:
+        with self._durable_copy(path, chunks) as tmp:
+            os.replace(tmp, path)
+
+    def put_result(self, batch_id: str, custom_id: str, line: bytes) -> bool:
+        path = self.root / batch_id / "results" / result_name(custom_id)
+        with self._durable_copy(path, [line]) as tmp:
+            try:
+                os.link(tmp, path)  # atomic, and only where nothing is
+            except FileExistsError:
+                return False
+        return True
 
     def iter_results(self, batch_id: str) -> Iterator[bytes]:
         folder = self.root / batch_id / "results"
@@ -136,15 +153,31 @@ class S3Storage:
         self.bucket, self.prefix = bucket, prefix.strip("/")
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
         endpoint_url = endpoint_url or os.environ.get("KVFLEET_S3_ENDPOINT_URL") or None
+        # NOTE: a hung call is bounded (read timeout x attempts); leases are renewed meanwhile.
+        read_timeout = float(os.environ.get("KVFLEET_S3_TIMEOUT_SECONDS", DEFAULT_S3_TIMEOUT_SECONDS))
         self.client = boto3.client("s3", endpoint_url=endpoint_url, config=Config(
-            retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=3, read_timeout=30))
+            retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=3, read_timeout=read_timeout))
+        self.is_conditional = True  # first write wins (If-None-Match), unless the store lacks it
 
     def _key(self, *parts: str) -> str:
         return "/".join(p for p in (self.prefix, *parts) if p)
 
-    def put_result(self, batch_id: str, custom_id: str, line: bytes) -> None:
-        self.client.put_object(Bucket=self.bucket, Key=self._key(batch_id, "results", result_name(custom_id)),
-                               Body=line)
+    def put_result(self, batch_id: str, custom_id: str, line: bytes) -> bool:
+        key = self._key(batch_id, "results", result_name(custom_id))
+        if not self.is_conditional:
+            self.client.put_object(Bucket=self.bucket, Key=key, Body=line)
+            return True
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=key, Body=line, IfNoneMatch="*")
+        except ClientError as error:
+            code = error.response.get("Error", {}).get("Code", "")
+            if code == "PreconditionFailed":
+                return False
+            if code != "NotImplemented":
+                raise
+            self.is_conditional = False  # a store without conditional writes: the last write wins there
+            return self.put_result(batch_id, custom_id, line)
+        return True
 
     def iter_results(self, batch_id: str) -> Iterator[bytes]:
         paginator = self.client.get_paginator("list_objects_v2")
@@ -181,11 +214,43 @@ def validate_sink(url: str) -> str:
     parsed = urlparse(url)
     if url == "redis":
         return url
+    if ".." in parsed.path.split("/"):
+        raise ValueError(f"output: a path with '..' is not accepted, got {url!r}")
     if parsed.scheme == "s3" and parsed.netloc:
         return url.rstrip("/")
     if parsed.scheme == "file" and parsed.path.startswith("/") and not parsed.netloc:
         return url.rstrip("/")
     raise ValueError(f"output: expected 'redis', 's3://bucket/prefix' or 'file:///absolute/dir', got {url!r}")
+
+
+def allowed_outputs(environ: Mapping[str, str] = os.environ) -> list[str]:
+    """Where the operator lets results go: KVFLEET_ALLOWED_OUTPUTS, comma-separated
+    destinations or prefixes (`redis`, `s3://bucket/prefix/`, `file:///srv/results/`);
+    unset, only the server's default output (KVFLEET_DEFAULT_OUTPUT, else redis)."""
+    listed = environ.get("KVFLEET_ALLOWED_OUTPUTS")
+    if listed is None:
+        return [validate_sink(environ.get("KVFLEET_DEFAULT_OUTPUT") or "redis")]
+    return [validate_sink(item.strip()) for item in listed.split(",") if item.strip()]
+
+
+def check_output_allowed(url: str, allowed: list[str]) -> str:
+    """The normalized sink if it lies within one of the allowed destinations, else ValueError.
+    A prefix matches whole path segments: s3://b/team does not allow s3://b/team-other."""
+    sink = validate_sink(url)
+    if not any(_is_within(sink, prefix) for prefix in allowed):
+        raise ValueError(f"output: {url!r} is not an allowed destination; the operator allows "
+                         f"{', '.join(allowed) or 'none'} (KVFLEET_ALLOWED_OUTPUTS)")
+    return sink
+
+
+def _is_within(sink: str, prefix: str) -> bool:
+    if "redis" in (sink, prefix):
+        return sink == prefix
+    target, root = urlparse(sink), urlparse(prefix)
+    if (target.scheme, target.netloc) != (root.scheme, root.netloc):
+        return False
+    root_path = root.path.rstrip("/")
+    return not root_path or target.path == root_path or target.path.startswith(root_path + "/")
 
 
 def open_storage(url: str, r: redis.Redis) -> Storage:

@@ -129,7 +129,7 @@ def submit(r: redis.Redis, source: LineSource, *, batch_id: str | None = None, e
     `before_enqueue` sees the validated report first; what it raises stops the submission."""
     sink = validate_sink(sink)
     batches.parse_window(completion_window)
-    batch_id = batch_id or batches.new_batch_id()
+    batch_id = batches.validate_batch_id(batch_id) if batch_id is not None else batches.new_batch_id()
     report = validate(source, endpoint, model)
     if report.num_errors and (not skip_invalid or report.num_errors == report.num_lines or not report.num_lines):
         return Submission(batch_id, report, 0, accepted=False)
@@ -148,6 +148,7 @@ def submit(r: redis.Redis, source: LineSource, *, batch_id: str | None = None, e
             error = next((e for e in report.errors if e.line_number == line_number), None)
             message = f"line {line_number}: {error.field}: {error.message}" if error else f"line {line_number}: invalid"
             record_result(r, storage, batch_id, error_line(custom_id, "invalid_request", message))
+    batches.mark_enqueued(r, batch_id)
     return Submission(batch_id, report, num_enqueued)
 
 

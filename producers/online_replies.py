@@ -1,12 +1,17 @@
 """Reply events (jobs/online.py) as OpenAI answers: one JSON body put together from the
-events (`Accumulator`), or stream chunks as OpenAI and vLLM send them (`ChunkWriter`)."""
+events (`Accumulator`), or stream chunks as OpenAI and vLLM send them (`ChunkWriter`).
+
+Both follow one attempt at a time: an event of an older attempt (a worker that lost the
+request) is dropped; a newer attempt replaces what a non-streaming answer had gathered,
+and ends a stream that already sent tokens with the worker_lost error. Text of two
+attempts is never joined."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from jobs.online import ChoiceDelta, Delta, Done, Error, OnlineEntry, ReplyEvent, Restart
+from jobs.online import WORKER_LOST, ChoiceDelta, Done, Error, OnlineEntry, ReplyEvent
 from jobs.results import Choice, Usage, chat_completion_body, completion_body
 from jobs.schemas import CHAT_COMPLETIONS, OnlineFields
 from producers.errors import APIError, error_body
@@ -41,6 +46,7 @@ class Accumulator:
 
     def __init__(self, body: OnlineFields) -> None:
         self.num_choices = getattr(body, "n", None) or 1
+        self.attempt = 0
         self.reset()
 
     def reset(self) -> None:
@@ -53,16 +59,18 @@ class Accumulator:
     def add(self, events: list[ReplyEvent]) -> bool:
         """True once the request has ended (done, or an error that raises)."""
         for event in events:
-            if isinstance(event, Restart):
-                self.reset()
-            elif isinstance(event, Error):
+            if event.attempt < self.attempt:
+                continue  # a worker that lost the request
+            if event.attempt > self.attempt:
+                self.attempt = event.attempt
+                self.reset()  # it runs again from the start: keep only the new attempt
+            if isinstance(event, Error):
                 raise event_error(event)
-            elif isinstance(event, Done):
+            if isinstance(event, Done):
                 self.usage = event.usage
                 return True
-            else:
-                for choice in event.choices:
-                    self._add_choice(choice)
+            for choice in event.choices:
+                self._add_choice(choice)
         return False
 
     def _add_choice(self, choice: ChoiceDelta) -> None:
@@ -93,6 +101,10 @@ class ChunkWriter:
         self.head = {"id": response_id(entry, url), "object": "chat.completion.chunk" if self.is_chat
                      else "text_completion", "created": int(entry.enqueued_at), "model": model}
         self.opened_choices: set[int] = set()  # chat choices whose role chunk went out
+        self.attempt = 0
+        self.has_sent_tokens = False
+        self.is_ended = False  # the last event went out: a done, an error, or worker_lost
+        self.is_complete = False  # the request itself ended (nothing left to cancel)
 
     def _chunk(self, choices: list[dict], **extra) -> dict[str, Any]:
         chunk = {**self.head, "choices": choices, **extra}
@@ -101,25 +113,36 @@ class ChunkWriter:
         return chunk
 
     def of(self, event: ReplyEvent) -> list[dict[str, Any]]:
+        """The chunks of one event; `is_ended` once the stream must end."""
+        if event.attempt < self.attempt:
+            return []  # a worker that lost the request
+        if event.attempt > self.attempt and self.has_sent_tokens:  # tokens were sent: never join another run
+            self.is_ended = True
+            return [error_body(WORKER_LOST[1], "server_error", WORKER_LOST[0])]
+        self.attempt = event.attempt
+        if event.is_last:
+            self.is_ended = self.is_complete = True
         if isinstance(event, Error):
             error = event_error(event)
             return [error_body(error.message, error.kind, error.code)]
         if isinstance(event, Done):
             return [self._chunk([], usage=event.usage)] if self.include_usage else []
-        if not isinstance(event, Delta):
-            return []
         chunks = []
         for choice in event.choices:
-            extra = {"token_ids": choice.token_ids} if choice.token_ids is not None else {}
-            if not self.is_chat:
-                chunks.append(self._chunk([{"index": choice.index, "text": choice.text, "logprobs": choice.logprobs,
-                                            "finish_reason": choice.finish_reason, **extra}]))
-                continue
-            if choice.index not in self.opened_choices:  # vLLM and OpenAI open each choice with the role
-                self.opened_choices.add(choice.index)
-                chunks.append(self._chunk([{"index": choice.index, "delta": {"role": "assistant", "content": ""},
-                                            "logprobs": None, "finish_reason": None}]))
-            chunks.append(self._chunk([{"index": choice.index, "delta": {"content": choice.text},
-                                        "logprobs": choice.logprobs, "finish_reason": choice.finish_reason,
-                                        **extra}]))
+            self.has_sent_tokens = self.has_sent_tokens or bool(choice.text or choice.token_ids)
+            chunks += self._choice_chunks(choice)
+        return chunks
+
+    def _choice_chunks(self, choice: ChoiceDelta) -> list[dict[str, Any]]:
+        extra = {"token_ids": choice.token_ids} if choice.token_ids is not None else {}
+        if not self.is_chat:
+            return [self._chunk([{"index": choice.index, "text": choice.text, "logprobs": choice.logprobs,
+                                  "finish_reason": choice.finish_reason, **extra}])]
+        chunks = []
+        if choice.index not in self.opened_choices:  # vLLM and OpenAI open each choice with the role
+            self.opened_choices.add(choice.index)
+            chunks.append(self._chunk([{"index": choice.index, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}]))
+        chunks.append(self._chunk([{"index": choice.index, "delta": {"content": choice.text},
+                                    "logprobs": choice.logprobs, "finish_reason": choice.finish_reason, **extra}]))
         return chunks

@@ -26,6 +26,7 @@ from tqdm import tqdm
 from jobs import batches, heartbeats, keys
 from jobs.connection import REDIS_URL_HELP, connect
 from jobs.schemas import ENDPOINTS, MAX_REPORTED_ERRORS
+from jobs.storage import allowed_outputs, check_output_allowed, validate_sink
 from producers.ingest import submit
 from producers.status import watch
 
@@ -67,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="redis | s3://bucket/prefix | file:///dir (default: KVFLEET_DEFAULT_OUTPUT or redis)")
     parser.add_argument("--completion-window", default="24h")
     parser.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--batch-id")
+    parser.add_argument("--batch-id", type=batch_id_argument,
+                        help="letters, digits, '_' and '-'; re-running with the same id enqueues nothing twice")
     parser.add_argument("--skip-invalid", action="store_true")
     parser.add_argument("--require-worker", action="store_true",
                         help="fail (exit 2) instead of warning when no live worker serves the model")
@@ -76,11 +78,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def batch_id_argument(text: str) -> str:
+    try:
+        return batches.validate_batch_id(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not os.path.isfile(args.file):
         print(f"{args.file}: no such file", file=sys.stderr)
         return 2
+    try:
+        allowed = allowed_outputs()
+        validate_sink(args.output)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    try:
+        check_output_allowed(args.output, allowed)
+    except ValueError as error:  # the same message the API answers with a 400
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     r = connect(args.redis_url)
     show_bar = sys.stderr.isatty()
     progress = tqdm(desc="enqueue", unit="line", disable=not show_bar, file=sys.stderr)

@@ -1,13 +1,14 @@
 """Run the RQ worker that assembles finished batches' output files, and the sweep
-that makes sure every counted batch gets finalized.
+that makes sure every batch ends (jobs/sweeper.py).
 
     python -m workers.finalizer [--redis-url URL] [--burst] [--sweep-seconds 2] [--grace-seconds 30]
+        [--enqueue-grace-seconds 600]
 
 The same as `rq worker --serializer rq.serializers.JSONSerializer kvfleet-finalize`
-(jobs are JSON, never pickle), plus a thread that sweeps for batches whose requests
-are all counted but that are still open, and enqueues finalize for them again: with
-back-off after a failed finalize (an outage), after the grace period when the job was
-lost (jobs/finalize.py, Sweeper). Several finalizers may run: RQ hands each job to
+(jobs are JSON, never pickle), plus a thread that sweeps every open batch: it ends the
+ones past their window or cancelled that no worker settles, fails the ones whose enqueue
+never finished, and enqueues finalize again for counted batches whose job failed or was
+lost (jobs/sweeper.py). Several finalizers may run: RQ hands each job to
 one, and a finalize that runs twice writes the files once.
 """
 
@@ -25,7 +26,9 @@ from rq.serializers import JSONSerializer
 
 from jobs import keys
 from jobs.connection import REDIS_URL_HELP, connect
-from jobs.finalize import Sweeper, finalize_queue
+from jobs.finalize import finalize_queue
+from jobs.storage import STORAGE_ERRORS
+from jobs.sweeper import DEFAULT_ENQUEUE_GRACE_SECONDS, Sweeper
 
 log = logging.getLogger("kvfleet.finalizer")
 
@@ -36,16 +39,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--burst", action="store_true", help="exit when the queue is empty (no sweep)")
     parser.add_argument("--sweep-seconds", type=float, default=2.0, help="how often to look for stuck batches")
     parser.add_argument("--grace-seconds", type=float, default=30.0,
-                        help="how long a counted batch may stay open before finalize is enqueued again")
+                        help="how long a counted batch may stay open before finalize is enqueued again, and "
+                             "how long workers serving an expired or cancelled batch get to settle it")
+    parser.add_argument("--enqueue-grace-seconds", type=float, default=DEFAULT_ENQUEUE_GRACE_SECONDS,
+                        help="how long a batch's enqueue may stay unfinished before the batch fails")
     return parser
 
 
-def run_sweeps(r: redis.Redis, every: float, grace: float, stop: threading.Event) -> None:
-    sweeper = Sweeper(r, grace)
+def run_sweeps(r: redis.Redis, every: float, sweeper: Sweeper, stop: threading.Event) -> None:
     while not stop.wait(every):
         try:
             sweeper.sweep()
-        except redis.RedisError as error:  # an outage: the next sweep tries again
+        except (redis.RedisError, *STORAGE_ERRORS) as error:  # an outage: the next sweep tries again
             log.warning("sweep failed: %s", error)
 
 
@@ -56,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     r = connect(args.redis_url)
     stop = threading.Event()
     if not args.burst:
-        threading.Thread(target=run_sweeps, args=(r, args.sweep_seconds, args.grace_seconds, stop), daemon=True,
+        sweeper = Sweeper(r, args.grace_seconds, enqueue_grace_seconds=args.enqueue_grace_seconds)
+        threading.Thread(target=run_sweeps, args=(r, args.sweep_seconds, sweeper, stop), daemon=True,
                          name="sweep").start()
     queue = finalize_queue(r)  # on a plain Redis of its own with a cluster (KVFLEET_QUEUE_URL)
     worker = Worker([queue], connection=queue.connection, serializer=JSONSerializer)

@@ -19,15 +19,19 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from botocore.exceptions import BotoCoreError, ClientError
-
 from jobs import keys
 from jobs.recording import record_result
 from jobs.results import Usage, error_line
-from jobs.storage import RedisStorage, Storage, describe_error, is_permanent_error, open_storage
+from jobs.storage import (
+    STORAGE_ERRORS,
+    RedisStorage,
+    Storage,
+    describe_error,
+    is_permanent_error,
+    open_storage,
+)
 
 log = logging.getLogger("kvfleet.worker")
-STORAGE_ERRORS = (BotoCoreError, ClientError, OSError)
 MAX_PERMANENT_TRIES = 3
 BROKEN_SECONDS = 30.0
 
@@ -52,8 +56,8 @@ class Target:
 
 
 class ResultFlusher:
-    def __init__(self, r, max_backoff_seconds: float = 5.0) -> None:
-        self.r = r
+    def __init__(self, r, consumer: str, max_backoff_seconds: float = 5.0) -> None:
+        self.r, self.consumer = r, consumer  # results are counted only while this consumer owns their entry
         self.max_backoff_seconds = max_backoff_seconds
         self.targets: dict[str, Target] = {}  # sink URL -> its queue, in order
         self.storages: dict[str, Storage] = {}
@@ -67,6 +71,11 @@ class ResultFlusher:
     def entries(self) -> list[tuple[str, str]]:
         """(stream, entry_id) of every result waiting to be acked: their leases are kept."""
         return [(res.stream, res.entry_id) for t in self.targets.values() for res in t.queue if res.entry_id]
+
+    def discard(self, stream: str, entry_id: str) -> None:
+        """Forget the result of an entry another worker took over: it is never written."""
+        for target in self.targets.values():
+            target.queue = deque(res for res in target.queue if (res.stream, res.entry_id) != (stream, entry_id))
 
     def is_waiting(self) -> bool:
         """Every queued result waits for its target's back-off."""
@@ -94,7 +103,11 @@ class ResultFlusher:
         ack = (result.stream, keys.CONSUMER_GROUP, result.entry_id) if result.entry_id else None
         try:
             storage = self.storages.get(sink) or self.storages.setdefault(sink, open_storage(sink, self.r))
-            record_result(self.r, storage, result.batch_id, result.line, result.usage, ack=ack)
+            recorded = record_result(self.r, storage, result.batch_id, result.line, result.usage, ack=ack,
+                                     owner=self.consumer)
+            if not recorded.is_owner:
+                log.warning("%s: %s was taken over by another worker; its result here is not counted",
+                            self.consumer, result.entry_id)
         except STORAGE_ERRORS as error:
             if not is_permanent_error(error):
                 target.backoff = min(self.max_backoff_seconds, max(0.1, target.backoff * 2))
@@ -119,4 +132,4 @@ class ResultFlusher:
         """Count the request failed with a storage_error line kept in Redis, and ack it."""
         ack = (result.stream, keys.CONSUMER_GROUP, result.entry_id) if result.entry_id else None
         line = error_line(result.line["custom_id"], "storage_error", message)
-        record_result(self.r, RedisStorage(self.r), result.batch_id, line, ack=ack)
+        record_result(self.r, RedisStorage(self.r), result.batch_id, line, ack=ack, owner=self.consumer)

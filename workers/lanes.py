@@ -12,7 +12,8 @@ The worker loop (workers/worker.py) calls only these methods, in this order:
     check()              stop what must not run on: a cancelled or expired batch, a request
                          past its deadline or whose client left (once per maintain interval)
     held()               every (stream, entry id) the lane has not acknowledged: the worker
-                         keeps their leases
+                         keeps their leases (workers/leases.py)
+    lose(stream, id)     another worker took that entry over: abort it, never settle it
     release()            after a failed engine step: drop everything unacknowledged; it
                          returns to the fleet after the lease, each delivery counted
     hand_back()          on exit: abort what still runs and put it back on its stream
@@ -103,6 +104,12 @@ class Lane:
 
     def release(self) -> None:
         for work in list(self.in_flight.values()):
+            self.drop(work)
+
+    def lose(self, stream: str, entry_id: str) -> None:
+        """Another worker took the entry over: stop it here at once, and never settle it."""
+        work = self.in_flight.get(engine_request_id(stream, entry_id))
+        if work is not None:
             self.drop(work)
 
     def hand_back(self) -> None:

@@ -17,20 +17,18 @@ import redis
 
 from engine import LLMEngine, RequestOutput, RequestOutputKind
 from jobs import keys, online
-from jobs.online import ChoiceDelta, Delta, Done, Error, OnlineEntry, ReplyEvent, Restart
+from jobs.online import WORKER_LOST, Attempt, ChoiceDelta, Delta, Done, Error, OnlineEntry, ReplyEvent
 from jobs.results import Usage
 from jobs.schemas import LineError, Request
 from workers import stream_ops
 from workers.lanes import Lane, LaneConfig, Work, engine_request_id, suppress_outages
 from workers.translate import RequestRejected, error_code, openai_logprobs, to_engine_request
 
-WORKER_LOST = ("worker_lost", "The worker serving this request stopped after streaming began; "
-                              "the output is incomplete. Retry the request.")
-
 
 @dataclass
 class OnlineWork(Work):
     entry: OnlineEntry | None = None
+    attempt: int = 1  # tags its reply events (jobs/online.py)
     completion_tokens: int = 0
     finish_reasons: list[str] = field(default_factory=list)
     text_offsets: dict[int, int] = field(default_factory=dict)  # choice -> characters of its logprob tokens
@@ -44,6 +42,7 @@ class OnlineLane(Lane):
         super().__init__(r, engine, streams, config)
         self.events: list[tuple[str, ReplyEvent]] = []  # (request id, event) to write, in order
         self.acks: list[tuple[str, str]] = []  # (stream, entry id) to ack after the events
+        self.first_tokens: list[str] = []  # request ids whose first token goes out with these events
 
     # -- the lane protocol ------------------------------------------------------
     def pull(self, reclaim: bool) -> int:
@@ -64,16 +63,19 @@ class OnlineLane(Lane):
     def on_output(self, output: RequestOutput) -> None:
         """Queue the events of one step's output."""
         work = self.in_flight[output.request_id]
+        had_output = work.has_output
         choices = [self._choice_delta(work, delta) for delta in output.outputs]
+        if work.has_output and not had_output:
+            self.first_tokens.append(work.entry.request_id)
         if choices:
-            self.events.append((work.entry.request_id, Delta(choices)))
+            self.events.append((work.entry.request_id, Delta(choices, work.attempt)))
         if not output.finished:
             return
         del self.in_flight[output.request_id]
         self.config.metrics.observe_finished(output, work.enqueued_at, "online", work.finish_reasons,
                                              work.completion_tokens)
         usage = Usage(len(output.prompt_token_ids), work.completion_tokens, output.num_cached_tokens)
-        self.events.append((work.entry.request_id, Done(usage.as_openai())))
+        self.events.append((work.entry.request_id, Done(usage.as_openai(), work.attempt)))
         self.acks.append((work.stream, work.entry_id))
 
     def settle(self) -> None:
@@ -84,6 +86,8 @@ class OnlineLane(Lane):
         if not self.events and not self.acks and not running:
             return
         pipe = self.r.pipeline(transaction=False)
+        for request_id in self.first_tokens:  # before the tokens: a successor must never rerun them unseen
+            online.queue_tokens_sent(pipe, request_id)
         for request_id, event in self.events:
             online.publish(pipe, request_id, event)
         for stream, entry_id in self.acks:
@@ -91,7 +95,7 @@ class OnlineLane(Lane):
         for request_id in running:
             pipe.exists(keys.reply_cancel(request_id))
         results = pipe.execute()
-        self.events, self.acks = [], []
+        self.events, self.acks, self.first_tokens = [], [], []
         flags = results[len(results) - len(running):] if running else []
         for work, is_cancelled in zip(running.values(), flags):
             if is_cancelled:
@@ -104,8 +108,8 @@ class OnlineLane(Lane):
         for work in list(self.in_flight.values()):
             if now > work.entry.deadline:
                 self.drop(work)
-                self.fail(work.stream, work.entry_id, work.entry.request_id,
-                          Error(504, "request_timeout", "The request timed out (KVFLEET_REQUEST_TIMEOUT)."))
+                self.fail(work.stream, work.entry_id, work.entry.request_id, Error(
+                    504, "request_timeout", "The request timed out (KVFLEET_REQUEST_TIMEOUT).", work.attempt))
 
     def hand_back(self) -> None:
         """A streaming request that already sent tokens cannot run again from the start: it
@@ -113,10 +117,17 @@ class OnlineLane(Lane):
         for work in list(self.in_flight.values()):
             if work.has_output and work.entry.stream:
                 self.drop(work)
-                self.fail(work.stream, work.entry_id, work.entry.request_id, Error(500, *WORKER_LOST))
+                self.fail(work.stream, work.entry_id, work.entry.request_id, Error(500, *WORKER_LOST, work.attempt))
         with suppress_outages():
             self.settle()
         super().hand_back()
+
+    def lose(self, stream: str, entry_id: str) -> None:
+        work = self.in_flight.get(engine_request_id(stream, entry_id))
+        super().lose(stream, entry_id)
+        self.acks = [ack for ack in self.acks if ack != (stream, entry_id)]
+        if work is not None:  # its new owner answers now
+            self.events = [(rid, event) for rid, event in self.events if rid != work.entry.request_id]
 
     # -- entries and events -----------------------------------------------------
     def accept(self, stream: str, entry_id: str, fields: dict, deliveries: int) -> OnlineWork | None:
@@ -126,11 +137,17 @@ class OnlineLane(Lane):
         except (KeyError, ValueError, UnicodeDecodeError):
             stream_ops.dead_letter(self.r, stream, entry_id, fields, "malformed online entry")
             return None
-        if self.dead_letter_after_max_deliveries(stream, entry_id, fields, deliveries):
-            self.events.append((entry.request_id, Error(500, "max_deliveries_exceeded",
-                                                        f"The request failed {deliveries - 1} times on workers.")))
+        attempt = online.start_attempt(self.r, entry)
+        if attempt.is_cancelled:  # its client went away: nothing to answer
+            self.acks.append((stream, entry_id))
             return None
-        if self._is_settled(stream, entry_id, entry):
+        if self.dead_letter_after_max_deliveries(stream, entry_id, fields, deliveries):
+            self.events.append((entry.request_id, Error(500, "max_deliveries_exceeded", f"The request failed "
+                                                        f"{deliveries - 1} times on workers.", attempt.number)))
+            return None
+        refusal = refusal_of(entry, attempt)
+        if refusal is not None:
+            self.fail(stream, entry_id, entry.request_id, refusal)
             return None
         try:
             request = to_engine_request(Request(custom_id=entry.request_id, url=entry.url, body=entry.body),
@@ -140,31 +157,9 @@ class OnlineLane(Lane):
                                                     params, priority=entry.priority)
         except (LineError, RequestRejected, ValueError) as error:
             message = error.message if isinstance(error, LineError) else str(error)
-            self.fail(stream, entry_id, entry.request_id, Error(400, error_code(error), message))
+            self.fail(stream, entry_id, entry.request_id, Error(400, error_code(error), message, attempt.number))
             return None
-        return OnlineWork(stream, entry_id, fields, request, processed, entry.enqueued_at, entry)
-
-    def _is_settled(self, stream: str, entry_id: str, entry: OnlineEntry) -> bool:
-        """Settle an entry that must not run: its client left (ack it), its time is up, or its
-        stream already sent tokens (an error). A non-streaming request that ran before runs
-        again, after a restart event."""
-        pipe = self.r.pipeline(transaction=False)
-        pipe.exists(keys.reply_cancel(entry.request_id))
-        pipe.xlen(keys.reply(entry.request_id))
-        is_cancelled, num_events = pipe.execute()
-        if is_cancelled:
-            self.acks.append((stream, entry_id))
-            return True
-        if time.time() > entry.deadline:
-            self.fail(stream, entry_id, entry.request_id, Error(
-                504, "request_timeout", "The request timed out (KVFLEET_REQUEST_TIMEOUT) before a worker started it."))
-            return True
-        if num_events and entry.stream:  # its client has seen tokens: running it again would repeat them
-            self.fail(stream, entry_id, entry.request_id, Error(500, *WORKER_LOST))
-            return True
-        if num_events:
-            self.events.append((entry.request_id, Restart()))
-        return False
+        return OnlineWork(stream, entry_id, fields, request, processed, entry.enqueued_at, entry, attempt.number)
 
     def fail(self, stream: str, entry_id: str, request_id: str, error: Error) -> None:
         self.events.append((request_id, error))
@@ -183,3 +178,15 @@ class OnlineLane(Lane):
             work.text_offsets[delta.index] = offset + sum(map(len, logprobs["tokens"]))
         return ChoiceDelta(delta.index, delta.text, delta.finish_reason, logprobs,
                            delta.token_ids if tokenizer is None else None)
+
+
+def refusal_of(entry: OnlineEntry, attempt: Attempt) -> Error | None:
+    """Why this attempt must not run: the request's time is up, or it streams and an earlier
+    attempt already sent tokens (running it again would repeat them to the client). A
+    non-streaming request runs again: the API keeps only the newest attempt's events."""
+    if time.time() > entry.deadline:
+        return Error(504, "request_timeout", "The request timed out (KVFLEET_REQUEST_TIMEOUT) before a worker "
+                                             "started it.", attempt.number)
+    if entry.stream and attempt.has_sent_tokens:
+        return Error(500, *WORKER_LOST, attempt.number)
+    return None

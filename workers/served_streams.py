@@ -3,7 +3,7 @@
 Each served model has its batch stream (split into partitions on a Redis Cluster:
 jobs/keys.py) and its online stream. The worker reads them through stream_ops.pull; this
 keeps their list, rotates the partitions so every one gets read, and does what the loop
-does for all of them once per maintain interval: consumer groups, leases, trimming, and
+does for all of them once per maintain interval: consumer groups, trimming, and
 the backlog numbers the metrics show.
 """
 
@@ -35,11 +35,6 @@ class ServedStreams:
     def ensure_groups(self) -> None:
         for stream in self.all:
             stream_ops.ensure_group(self.r, stream)
-
-    def keep_leases(self, consumer: str, held: list[tuple[str, str]]) -> None:
-        """Reset the idle time of the (stream, entry id) pairs this worker still holds."""
-        for stream in self.all:
-            stream_ops.touch(self.r, stream, consumer, [entry_id for s, entry_id in held if s == stream])
 
     def trim(self) -> None:
         for stream in self.all:

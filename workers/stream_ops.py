@@ -2,8 +2,8 @@
 
 NOTE: an entry stays in the consumer group's pending list (PEL) from delivery
 until its result is durable and it is XACKed. A live worker resets the idle time
-of its in-flight entries (XCLAIM JUSTID, which does not count a delivery), so only
-entries of dead or stuck workers ever go idle past the lease and get reclaimed.
+of its in-flight entries from a thread (workers/leases.py), so only entries of dead or
+stuck workers ever go idle past the lease and get reclaimed.
 """
 
 from __future__ import annotations
@@ -104,12 +104,6 @@ def reclaim_stale(r: redis.Redis, stream: str, consumer: str, lease_ms: int, cou
                                consumername=consumer)
     deliveries = {p["message_id"].decode(): p["times_delivered"] for p in pending}
     return [(eid, fields, deliveries.get(eid, 1)) for eid, fields in claimed]
-
-
-def touch(r: redis.Redis, stream: str, consumer: str, entry_ids: list[str]) -> None:
-    """Reset the idle time of entries this worker is still running."""
-    if entry_ids:
-        r.xclaim(stream, GROUP, consumer, min_idle_time=0, message_ids=entry_ids, justid=True)
 
 
 def requeue(r: redis.Redis, stream: str, entry_id: str, fields: dict) -> None:

@@ -1,8 +1,10 @@
 """The worker loop, shaped like rq's `work()`:
 
     while not stopping:
-        maintain()   heartbeat, keep the lanes' leases, lane.check() (cancel/expire), reclaim, trim
-                     (every ~second)
+        leases       entries another worker took over are aborted; at the end of the turn, what
+                     every lane holds goes to the lease keeper (workers/leases.py), whose thread
+                     renews it
+        maintain()   heartbeat, lane.check() (cancel/expire), reclaim, trim (every ~second)
         admit()      lane.pull() for each lane, online first (workers/online_lane.py), then batch
                      (workers/batch_lane.py): what fits the free KV blocks (workers/admission.py);
                      when idle, block until any served stream has new work
@@ -13,7 +15,8 @@
 The loop knows lanes only through their protocol (workers/lanes.py). Redis outages back
 off (capped, exponential) and retry; storage targets back off each on their own
 (workers/flush.py); a result is never acknowledged before it is durable, and every
-pulled entry keeps its lease until it is acked. SIGTERM (or SIGINT) drains: stop
+pulled entry keeps its lease until it is acked, renewed from a thread whatever the loop
+is waiting on. SIGTERM (or SIGINT) drains: stop
 pulling, finish in-flight work within drain_seconds, hand the rest back to the stream,
 exit 0. A second signal is a cold shutdown: hand back at once and exit 1. Whatever ends
 the loop, unfinished work is handed back.
@@ -24,6 +27,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
+import weakref
 from dataclasses import dataclass
 
 import redis
@@ -36,6 +40,7 @@ from workers.batch_lane import BatchLane
 from workers.flush import ResultFlusher
 from workers.health import Health
 from workers.lanes import Lane, LaneConfig, suppress_outages
+from workers.leases import LeaseKeeper
 from workers.metrics import WorkerMetrics
 from workers.online_lane import OnlineLane
 from workers.served_streams import ServedStreams
@@ -79,9 +84,12 @@ class Worker:
         config = LaneConfig(options.name, int(options.lease_seconds * 1000), options.max_deliveries, admission,
                             self.metrics)
         self.online_lane = OnlineLane(r, engine, self.streams.online, config)
-        self.batch_lane = BatchLane(r, engine, self.streams, config, ResultFlusher(r, options.max_backoff_seconds),
+        self.batch_lane = BatchLane(r, engine, self.streams, config, ResultFlusher(r, options.name, options.max_backoff_seconds),
                                     options.max_requeues)
         self.lanes: list[Lane] = [self.online_lane, self.batch_lane]  # pulled in this order
+        # Renewed from a thread, so no engine step or storage put outlasts a lease; it stops with the worker.
+        self.leases = LeaseKeeper(r, options.name, min(options.maintain_seconds, options.lease_seconds / 4))
+        weakref.finalize(self, self.leases.stop)
         self.stopping = False
         self.backoff = 0.0
         self.retry_at = 0.0
@@ -136,6 +144,7 @@ class Worker:
 
     def run_once(self) -> None:
         self.health.last_loop_at = time.monotonic()
+        self._abort_lost()
         if time.monotonic() >= self.retry_at:
             try:
                 self._maintain()
@@ -157,6 +166,7 @@ class Worker:
                     lane.settle()
             except OUTAGE_ERRORS as error:
                 self._back_off(f"recording a result failed: {error}")
+        self.leases.hold([entry for lane in self.lanes for entry in lane.held()])  # what this turn pulled too
         is_settling = self.is_settling()
         is_waiting = time.monotonic() < self.retry_at or any(lane.is_backing_off() for lane in self.lanes)
         if not self.engine.has_unfinished() and (is_settling or is_waiting):
@@ -168,6 +178,13 @@ class Worker:
         log.warning("%s: %s; retrying in %.1fs", self.options.name, reason, self.backoff)
 
     # -- maintenance -------------------------------------------------------------
+    def _abort_lost(self) -> None:
+        """Abort here what another worker took over (the lease keeper found it owned by them)."""
+        self.leases.start_once()
+        for stream, entry_id in self.leases.take_lost():
+            for lane in self.lanes:
+                lane.lose(stream, entry_id)
+
     def _maintain(self) -> None:
         now = time.monotonic()
         if not self.is_group_ready:
@@ -177,9 +194,6 @@ class Worker:
             return
         self.last_maintain = now
         self.is_reclaim_due = True
-        # Every pulled entry keeps its lease until it is acked: running, or finished with
-        # its result not yet durable.
-        self.streams.keep_leases(self.options.name, [entry for lane in self.lanes for entry in lane.held()])
         self._heartbeat()
         for lane in self.lanes:
             lane.check()
@@ -239,5 +253,6 @@ class Worker:
         online request that already streamed tokens ends with an error instead)."""
         for lane in self.lanes:
             lane.hand_back()
+        self.leases.stop()
         with suppress_outages():
             heartbeats.remove_worker(self.r, self.options.name)

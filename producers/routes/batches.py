@@ -10,15 +10,16 @@ from fastapi import Query
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from jobs import batches
+from jobs import batches, heartbeats
 from jobs.files import FileNotFound, file_object, read_lines
 from jobs.schemas import ENDPOINTS
-from jobs.storage import find_result, open_storage
+from jobs.storage import allowed_outputs, check_output_allowed, find_result
 from producers.dependencies import RedisDep
 from producers.errors import APIError
+from producers.idempotency import create_once
 from producers.ingest import Submission, submit
 from producers.routes import v1_router
-from producers.routes.files import file_not_found
+from producers.routes.files import IdempotencyKey, file_not_found
 
 router = v1_router("batches")
 
@@ -46,7 +47,12 @@ def load_batch(r, batch_id: str) -> dict[str, Any]:
 
 
 @router.post("/batches")
-def create_batch(body: CreateBatch, r: RedisDep):
+def create_batch(body: CreateBatch, r: RedisDep, idempotency_key: IdempotencyKey = None):
+    return create_once(r, "/v1/batches", idempotency_key, lambda: submit_batch(r, body),
+                       lambda batch_id: load_batch(r, batch_id))
+
+
+def submit_batch(r, body: CreateBatch) -> dict[str, Any]:
     try:
         file_object(r, body.input_file_id)
     except FileNotFound:
@@ -55,7 +61,7 @@ def create_batch(body: CreateBatch, r: RedisDep):
         raise APIError(400, f"endpoint: must be one of {', '.join(ENDPOINTS)}", "invalid_endpoint", "endpoint")
     try:
         batches.parse_window(body.completion_window)
-        open_storage(body.output, r)
+        check_output_allowed(body.output, allowed_outputs())
     except ValueError as error:
         raise APIError(400, str(error), "invalid_request", str(error).split(":")[0]) from None
     submission = submit(r, lambda: read_lines(r, body.input_file_id), endpoint=body.endpoint, model=body.model,
@@ -63,7 +69,11 @@ def create_batch(body: CreateBatch, r: RedisDep):
                         input_file_id=body.input_file_id)
     if not submission.accepted:  # OpenAI's behaviour: the batch exists, failed, with the line errors
         return failed_batch(r, submission, body)
-    return load_batch(r, submission.batch_id)
+    batch = load_batch(r, submission.batch_id)
+    if batch["model"] not in heartbeats.served_models(r):  # kvfleet extension: it would wait silently
+        batch["warnings"] = [f"No live worker serves model {batch['model']!r}: the batch waits for one, and "
+                             f"expires at the end of its completion window."]
+    return batch
 
 
 def failed_batch(r, submission: Submission, body: CreateBatch) -> dict[str, Any]:

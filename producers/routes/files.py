@@ -8,17 +8,20 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from fastapi import File, Form, UploadFile
+from fastapi import File, Form, Header, UploadFile
 from fastapi.responses import StreamingResponse
 
 from jobs import keys
 from jobs.files import FileNotFound, create_file, file_object, new_file_id, read_file
 from jobs.storage import RedisStorage
-from producers.dependencies import RedisDep, SettingsDep
+from producers.dependencies import RedisDep, Settings, SettingsDep
 from producers.errors import APIError
+from producers.idempotency import create_once
 from producers.routes import v1_router
 
 router = v1_router("files")
+IdempotencyKey = Annotated[str | None, Header(max_length=255, description="kvfleet extension, as Stripe's: a "
+                           "retry with the same key within 24 h returns the first try's object")]
 
 
 def file_too_large(limit: int) -> APIError:
@@ -31,7 +34,12 @@ def file_not_found(file_id: str, param: str | None = None) -> APIError:
 
 @router.post("/files")
 def upload_file(file: Annotated[UploadFile, File()], purpose: Annotated[Literal["batch"], Form()], r: RedisDep,
-                settings: SettingsDep):
+                settings: SettingsDep, idempotency_key: IdempotencyKey = None):
+    return create_once(r, "/v1/files", idempotency_key, lambda: store_upload(r, file, purpose, settings),
+                       lambda file_id: file_object(r, file_id))
+
+
+def store_upload(r, file: UploadFile, purpose: str, settings: Settings) -> dict:
     limit = settings.max_upload_bytes
 
     def chunks():

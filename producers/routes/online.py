@@ -123,22 +123,20 @@ async def answer(url: str, body: OnlineFields, request: Request, services: Servi
 async def stream_chunks(services: Services, entry: OnlineEntry, url: str, body: OnlineFields, last_id: str,
                         events: list[ReplyEvent]) -> AsyncIterator[bytes]:
     chunks = ChunkWriter(entry, body.model, url, body.include_usage)
-    is_complete = False
     try:
         while True:
             for event in events:
                 for chunk in chunks.of(event):
                     yield sse(chunk)
-                if event.is_last:
-                    is_complete = True
+                if chunks.is_ended:
                     yield sse("[DONE]")
                     return
             try:
                 last_id, events = await next_events(services, entry, last_id, None)  # Starlette watches the client
             except APIError as error:  # past the deadline: end the stream, and cancel the request
-                for chunk in chunks.of(Error(error.status, error.code, error.message)):
-                    yield sse(chunk)
+                timeout = event_error(Error(error.status, error.code, error.message))
+                yield sse(error_body(timeout.message, timeout.kind, timeout.code))
                 yield sse("[DONE]")
                 return
     finally:  # also when the client disconnects and Starlette cancels this generator
-        finish(services.redis, entry, is_complete)  # blocking, and brief: a cancelled task cannot await
+        finish(services.redis, entry, chunks.is_complete)  # blocking, and brief: a cancelled task cannot await

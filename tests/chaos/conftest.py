@@ -39,8 +39,10 @@ def bucket(s3_server) -> str:
 
 @pytest.fixture
 def fleet(tiny_llama, chaos_redis, s3_proxy, tmp_path):
-    """Workers and the finalizer reach S3 only through the proxy."""
-    fleet = Fleet(tiny_llama, chaos_redis.url, tmp_path, env={"KVFLEET_S3_ENDPOINT_URL": s3_proxy.url})
+    """Workers and the finalizer reach S3 only through the proxy; a hung S3 call gives up after 3 s
+    (3 tries: 9 s, well past a 2 s lease)."""
+    fleet = Fleet(tiny_llama, chaos_redis.url, tmp_path, env={"KVFLEET_S3_ENDPOINT_URL": s3_proxy.url,
+                                                              "KVFLEET_S3_TIMEOUT_SECONDS": "3"})
     yield fleet
     fleet.stop()
 

@@ -1,5 +1,6 @@
-"""A TCP proxy the test can pause: while paused, open connections are cut and new ones
-are accepted and closed at once, so clients see the service as unreachable."""
+"""A TCP proxy the test can pause or hang. Paused, open connections are cut and new ones
+are accepted and closed at once, so clients see the service as unreachable. Hung, every
+byte is swallowed and nothing answers: a client waits until its own timeout."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ class PausableProxy:
         self.port = free_port()
         self.listener = socket.create_server(("127.0.0.1", self.port))
         self.is_paused = threading.Event()
+        self.is_hung = threading.Event()
         self.lock = threading.Lock()
         self.sockets: set[socket.socket] = set()
         self.is_running = True
@@ -35,6 +37,10 @@ class PausableProxy:
 
     def resume(self) -> None:
         self.is_paused.clear()
+        self.is_hung.clear()
+
+    def hang(self) -> None:
+        self.is_hung.set()
 
     def close(self) -> None:
         self.is_running = False
@@ -63,7 +69,8 @@ class PausableProxy:
     def _pump(self, source: socket.socket, sink: socket.socket) -> None:
         try:
             while data := source.recv(65536):
-                sink.sendall(data)
+                if not self.is_hung.is_set():
+                    sink.sendall(data)
         except OSError:
             pass
         finally:

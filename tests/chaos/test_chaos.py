@@ -100,6 +100,28 @@ def test_s3_unreachable_longer_than_the_lease_mid_batch_and_at_finalize(fleet, r
     assert objects[batch_id]["status"] == "completed"
 
 
+def test_a_lease_outlasted_by_a_hung_s3_put_is_kept_and_nothing_runs_twice(fleet, r, s3_proxy, bucket):
+    lease = 2
+    fleet.start_finalizer("--sweep-seconds", "1", "--grace-seconds", "3")
+    for name in ("w0", "w1"):
+        fleet.start_worker(name, lease_seconds=lease, max_num_seqs=8)
+    fleet.wait_ready("w0", "w1")
+    records = requests(40, seed=6)
+    batch_id = submit_lines(r, records, sink=f"s3://{bucket}/out")
+    wait_for(lambda: counted(r, batch_id) >= 5, 120, "5 results", fleet)
+    s3_proxy.hang()  # puts hang without an answer: each worker's loop waits inside boto3 for ~9 s
+    hang_end = time.monotonic() + 4 * lease
+    while time.monotonic() < hang_end:
+        for entry in r.xpending_range(keys.stream(MODEL), keys.CONSUMER_GROUP, "-", "+", 1000):
+            assert entry["time_since_delivered"] < lease * 1000, entry  # renewed from the lease thread
+        time.sleep(0.2)
+    s3_proxy.resume()
+    wait_terminal(r, [batch_id], timeout=180, fleet=fleet)
+    objects = check_history(r, {batch_id: {record["custom_id"] for record in records}})
+    assert objects[batch_id]["status"] == "completed"
+    assert successes(fleet, ("w0", "w1")) == 40, "a request ran twice"  # the engines' own counters
+
+
 def test_a_permanently_broken_sink_fails_alone_while_the_other_batch_completes(fleet, r, bucket):
     fleet.start_finalizer("--sweep-seconds", "1", "--grace-seconds", "3")
     for name in ("w0", "w1"):
@@ -120,3 +142,16 @@ def test_a_permanently_broken_sink_fails_alone_while_the_other_batch_completes(f
     assert batches.num_counted(r, broken) == 40
     lines = r.hvals(keys.batch_results(broken))  # the storage_error lines, kept in Redis
     assert len(lines) == 40 and all(b"storage_error" in line and b"kvfleet-no-such-bucket" in line for line in lines)
+
+
+def test_a_batch_for_a_model_nobody_serves_ends_expired_on_time(fleet, r):
+    fleet.start_finalizer("--sweep-seconds", "1", "--grace-seconds", "3")
+    records = requests(20, seed=7)
+    batch_id = submit_lines(r, records, model="nobody-serves-this", completion_window="30s")
+    expires_at = batches.batch_object(r, batch_id)["expires_at"]
+    wait_terminal(r, [batch_id], timeout=60, fleet=fleet)
+    ended = time.time()
+    objects = check_history(r, {batch_id: {record["custom_id"] for record in records}}, allow_failed=True)
+    batch = objects[batch_id]
+    assert batch["status"] == "expired" and expires_at <= batch["expired_at"] and ended - expires_at < 8
+    assert batch["request_counts"] == {"total": 20, "completed": 0, "failed": 20}

@@ -4,12 +4,13 @@ and the online reply events (jobs/online.py), through a real Redis."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
 from jobs import keys, online
 from jobs.entries import BATCH_ENTRY_FIELDS, REQUEUES_FIELD, BatchEntry, MalformedEntry
-from jobs.online import ChoiceDelta, Delta, Done, Error, Restart
+from jobs.online import ChoiceDelta, Delta, Done, Error
 
 
 def test_a_batch_entry_survives_a_stream_round_trip(r):
@@ -40,10 +41,9 @@ def test_a_malformed_batch_entry_is_named(fields, reason):
 EVENTS = [
     Delta([ChoiceDelta(0, "Hel", None, {"tokens": ["Hel"], "token_logprobs": [-0.5], "top_logprobs": [{}],
                                         "text_offset": [0]}),
-           ChoiceDelta(1, "lo", "length", None, token_ids=[42, 7])]),
-    Done({"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}),
-    Error(504, "request_timeout", "The request timed out."),
-    Restart(),
+           ChoiceDelta(1, "lo", "length", None, token_ids=[42, 7])], attempt=1),
+    Done({"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}, attempt=2),
+    Error(504, "request_timeout", "The request timed out.", attempt=3),
 ]
 
 
@@ -59,12 +59,29 @@ def test_reply_events_are_read_back_as_written_and_in_order(r):
 
 
 def test_the_wire_format_of_reply_events():
-    assert [json.loads(online.encode_event(e))["type"] for e in EVENTS] == ["delta", "done", "error", "restart"]
+    assert [json.loads(online.encode_event(e))["type"] for e in EVENTS] == ["delta", "done", "error"]
+    assert [json.loads(online.encode_event(e))["attempt"] for e in EVENTS] == [1, 2, 3]
     delta = json.loads(online.encode_event(EVENTS[0]))
     assert "token_ids" not in delta["choices"][0] and delta["choices"][1]["token_ids"] == [42, 7]
-    assert [e.is_last for e in EVENTS] == [False, True, True, False]
+    assert [e.is_last for e in EVENTS] == [False, True, True]
 
 
 def test_an_unknown_event_type_is_an_error_not_a_guess():
     with pytest.raises(KeyError):
         online.decode_event('{"type": "surprise"}')
+
+
+def test_the_attempt_record_outlives_the_reply_stream_and_counts_every_start(r):
+    entry = online.OnlineEntry("req-2", "/v1/completions", {}, True, 0, deadline=time.time() + 600,
+                               enqueued_at=time.time())
+    first = online.start_attempt(r, entry)
+    assert (first.number, first.is_cancelled, first.has_sent_tokens) == (1, False, False)
+    pipe = r.pipeline()
+    online.queue_tokens_sent(pipe, "req-2")
+    online.publish(pipe, "req-2", Delta([ChoiceDelta(0, "a")], attempt=1))
+    pipe.execute()
+    r.delete(keys.reply("req-2"))  # the reply stream's TTL lapsed while no worker ran it
+    online.cancel(r, "req-2")
+    second = online.start_attempt(r, entry)
+    assert (second.number, second.is_cancelled, second.has_sent_tokens) == (2, True, True)
+    assert 600 < r.ttl(keys.reply_attempts("req-2")) <= 600 + online.ATTEMPTS_GRACE_SECONDS

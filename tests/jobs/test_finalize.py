@@ -10,10 +10,11 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from jobs import batches, keys
-from jobs.finalize import Sweeper, counted_but_open, job_id
+from jobs.finalize import job_id
 from jobs.recording import record_result
 from jobs.results import Choice, Usage, completion_body, error_line, success_line
 from jobs.storage import RedisStorage, open_storage
+from jobs.sweeper import Sweeper, counted_but_open
 from tests.jobs.test_results import make_batch
 from tests.services import S3Server, run_finalize_jobs
 from tests.workers.helpers import read_lines

@@ -72,7 +72,13 @@ def test_killed_before_the_first_token_the_request_completes_on_another_worker(f
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
-def test_killed_after_the_first_token_the_stream_ends_with_an_error_event(fleet, client, r):
+def online_request_id(r) -> str:
+    [(_, fields)] = r.xrange(keys.online_stream(MODEL))
+    return fields[b"request_id"].decode()
+
+
+@pytest.mark.parametrize("reply_ttl_lapses", [False, True])
+def test_killed_after_the_first_token_the_stream_ends_with_an_error_event(fleet, client, r, reply_ttl_lapses):
     first = start_worker(fleet, "first")
     stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1500, temperature=0, stream=True,
                                        extra_body={"ignore_eos": True})
@@ -80,6 +86,8 @@ def test_killed_after_the_first_token_the_stream_ends_with_an_error_event(fleet,
     assert received[0].choices[0].finish_reason is None
     first.kill()
     first.wait(timeout=10)
+    if reply_ttl_lapses:  # its replacement comes after the reply stream expired: the attempt record remains
+        r.delete(keys.reply(online_request_id(r)))
     start_worker(fleet, "second")
     with pytest.raises(openai.APIError) as raised:
         for chunk in stream:
@@ -91,3 +99,29 @@ def test_killed_after_the_first_token_the_stream_ends_with_an_error_event(fleet,
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert fleet.metric("second", "kvfleet:generation_tokens_total") == 0
+
+
+def test_killed_after_tokens_a_non_streaming_request_reruns_and_answers_exactly_the_rerun(fleet, client, r,
+                                                                                         reference):
+    first = start_worker(fleet, "first")
+    answers: list = []
+    waiting = threading.Thread(target=lambda: answers.append(client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=600, temperature=0, extra_body={"ignore_eos": True})))
+    waiting.start()
+    deadline = time.monotonic() + 30
+    while not r.keys("kvfleet:reply:*") or not r.xlen(keys.reply(online_request_id(r))):  # tokens went out
+        assert time.monotonic() < deadline, "the first worker sent no token"
+        time.sleep(0.01)
+    first.kill()
+    first.wait(timeout=10)
+    request_id = online_request_id(r)
+    assert r.hget(keys.reply_attempts(request_id), "sent") == b"1"
+    r.delete(keys.reply(request_id))  # the reply TTL lapses before a replacement comes
+    start_worker(fleet, "second")
+    waiting.join(timeout=120)
+    assert not waiting.is_alive() and answers
+    expected = reference.generate([PROMPT], SamplingParams(temperature=0, max_tokens=600, ignore_eos=True),
+                                  use_tqdm=False)[0]
+    assert answers[0].choices[0].text == expected.text  # the rerun's text alone, not the first run's too
+    assert answers[0].usage.completion_tokens == 600
+    assert r.hget(keys.reply_attempts(request_id), "started") == b"2"

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from jobs import batches, keys
+from jobs import batches, heartbeats, keys
 from jobs.recording import record_result
 from jobs.results import Choice, Usage, chat_completion_body, success_line
 from jobs.schemas import parse_line
@@ -177,3 +177,57 @@ def test_models_lists_what_live_workers_serve_in_openais_shape(r, api):
     assert error.value.body["code"] == "model_not_found"
     r.delete(keys.worker("w1"))  # w1's heartbeat expired
     assert [m.id for m in client.models.list().data] == ["llama"]
+
+
+def test_a_batch_output_outside_the_allow_list_is_a_400(api, r, tmp_path, monkeypatch):
+    client = client_for(api)
+    uploaded = client.files.create(file=("requests.jsonl", chat_lines(1)), purpose="batch")
+    monkeypatch.delenv("KVFLEET_ALLOWED_OUTPUTS", raising=False)
+    for output in ("file:///etc", "s3://someone-elses-bucket/x"):
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h", extra_body={"output": output})
+        error = raised.value.body
+        assert error["param"] == "output" and "is not an allowed destination" in error["message"]
+    monkeypatch.setenv("KVFLEET_ALLOWED_OUTPUTS", f"file://{tmp_path}/results/")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h", extra_body={"output": f"file://{tmp_path}/results/t1"})
+    assert batches.load_fields(r, batch.id)["sink"] == f"file://{tmp_path}/results/t1"
+    assert len(r.zrange(keys.BATCHES, 0, -1)) == 1  # the refused ones created nothing
+
+
+def test_a_retried_create_with_the_same_idempotency_key_makes_nothing_twice(api, r):
+    client = client_for(api)
+    first_file = client.files.create(file=("a.jsonl", chat_lines(2)), purpose="batch",
+                                     extra_headers={"Idempotency-Key": "upload-1"})
+    again = client.files.create(file=("a.jsonl", chat_lines(2)), purpose="batch",
+                                extra_headers={"Idempotency-Key": "upload-1"})
+    assert again.id == first_file.id and len(r.keys("kvfleet:file:{*}")) == 1
+    create = dict(input_file_id=first_file.id, endpoint="/v1/chat/completions", completion_window="24h")
+    first = client.batches.create(**create, extra_headers={"Idempotency-Key": "nightly-7"})
+    retried = client.batches.create(**create, extra_headers={"Idempotency-Key": "nightly-7"})
+    other = client.batches.create(**create, extra_headers={"Idempotency-Key": "nightly-8"})
+    assert retried.id == first.id != other.id
+    assert r.xlen(keys.stream("demo")) == 4  # two batches of two requests, not three
+    assert 0 < r.ttl(next(iter(r.keys("kvfleet:idempotency:*")))) <= 24 * 3600
+
+
+def test_a_failed_create_forgets_its_idempotency_key(api, r):
+    client = client_for(api)
+    with pytest.raises(openai.NotFoundError):
+        client.batches.create(input_file_id="file-missing", endpoint="/v1/chat/completions",
+                              completion_window="24h", extra_headers={"Idempotency-Key": "k"})
+    uploaded = client.files.create(file=("a.jsonl", chat_lines(1)), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h", extra_headers={"Idempotency-Key": "k"})
+    assert batch.status == "in_progress"
+
+
+def test_a_batch_for_a_model_no_worker_serves_says_so(api, r):
+    client = client_for(api)
+    uploaded = client.files.create(file=("a.jsonl", chat_lines(1)), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert "No live worker serves model 'demo'" in batch.model_extra["warnings"][0]
+    heartbeats.record_heartbeat(r, "w1", {"models": ["demo"], "root": "demo", "max_model_len": 64}, 30)
+    served = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert "warnings" not in served.model_extra

@@ -199,3 +199,36 @@ def test_require_worker_makes_it_an_error_and_enqueues_nothing(r, redis_server, 
     beat(r, "w1", ["demo"])
     assert run(redis_server, path, "--require-worker") == 0
     assert "warning" not in capsys.readouterr().err and len(stream_entries(r)) == 2
+
+
+def test_results_go_only_where_the_operator_allows(r, redis_server, tmp_path, capsys, monkeypatch):
+    path = write_lines(tmp_path / "in.jsonl", [chat("a")])
+    monkeypatch.delenv("KVFLEET_ALLOWED_OUTPUTS", raising=False)
+    monkeypatch.delenv("KVFLEET_DEFAULT_OUTPUT", raising=False)
+    assert run(redis_server, path, "--output", f"file://{tmp_path}/out") == 1  # default: only the default output
+    assert f"output: 'file://{tmp_path}/out' is not an allowed destination; the operator allows redis " \
+           "(KVFLEET_ALLOWED_OUTPUTS)" in capsys.readouterr().err
+    assert not r.keys("kvfleet:batch:*")  # nothing was created
+    monkeypatch.setenv("KVFLEET_ALLOWED_OUTPUTS", f"redis, file://{tmp_path}/allowed/")
+    assert run(redis_server, path, "--output", f"file://{tmp_path}/allowed-not") == 1
+    assert run(redis_server, path, "--output", f"file://{tmp_path}/allowed/../escape") == 2  # never a '..'
+    assert "a path with '..' is not accepted" in capsys.readouterr().err
+    assert run(redis_server, path, "--output", f"file://{tmp_path}/allowed/team-a") == 0
+    batch_id = capsys.readouterr().out.splitlines()[0]
+    assert batches.load_fields(r, batch_id)["sink"] == f"file://{tmp_path}/allowed/team-a"
+
+
+@pytest.mark.parametrize("batch_id", ["../../x", "a/b", "has space", "x" * 129, "", "dot.ted"])
+def test_a_batch_id_outside_the_pattern_is_refused_before_anything_is_written(r, redis_server, tmp_path, capsys,
+                                                                             batch_id):
+    path = write_lines(tmp_path / "in.jsonl", [chat("a")])
+    with pytest.raises(SystemExit) as exited:
+        run(redis_server, path, "--batch-id", batch_id)
+    assert exited.value.code == 2
+    assert "batch_id: must be 1 to 128 letters, digits, '_' or '-'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="batch_id: must be"):
+        ingest.submit(r, lambda: [json.dumps(chat("a")).encode()], batch_id=batch_id)
+    with pytest.raises(ValueError, match="batch_id: must be"):
+        batches.create_batch(r, batch_id, endpoint="/v1/completions", model="m", input_file_id=None,
+                             completion_window="24h", sink="redis")
+    assert not r.keys("kvfleet:*")

@@ -1,0 +1,166 @@
+"""Every batch ends: the finalizer's sweep (workers/finalizer.py runs `Sweeper.sweep` every
+few seconds) walks every open batch and ends those that cannot end by themselves.
+
+  * Past its completion window, or cancelling: each request without a result gets an
+    error line (`batch_expired`, `batch_cancelled`), then finalize ends the batch `expired`
+    (OpenAI's semantics: the partial results, and an error file of what did not run) or
+    `cancelled`. Workers do the same for what they run; the sweep acts at once when no
+    live worker serves the batch's model, else after the grace period, and both record
+    idempotently.
+  * Enqueue never finished (its producer died halfway): after `enqueue_grace_seconds` the
+    batch fails with `enqueue_incomplete`. (Re-running `producers.submit` with the same
+    --batch-id before then resumes the enqueue instead.)
+  * Every request counted but no finalize job working on it: finalize is enqueued again,
+    with back-off after a failed job (1, 2, 4, ... s, up to the grace period), after the
+    grace period for a job lost with Redis or a crash between counting and enqueueing.
+
+Finding the requests without a result reads the batch's entries in its model's streams,
+which hold every request not yet acknowledged.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import redis
+from rq.job import JobStatus
+
+from jobs import batches, heartbeats, keys
+from jobs.entries import BatchEntry, MalformedEntry
+from jobs.finalize import ACTIVE_JOB_STATUSES, job_status, request_finalize
+from jobs.recording import record_result
+from jobs.results import error_line
+from jobs.storage import open_storage
+
+log = logging.getLogger("kvfleet.finalize")
+WAITING_FOR_FINALIZE = ("in_progress", "finalizing", "cancelling")
+DEFAULT_ENQUEUE_GRACE_SECONDS = 600.0
+SCAN_COUNT = 1000
+STOP_REASONS = {
+    "expired": ("batch_expired", "This request could not be executed before the completion window expired."),
+    "cancelling": ("batch_cancelled", "The batch was cancelled before this request finished."),
+}
+
+
+def open_batches(r: redis.Redis) -> list[dict[str, Any]]:
+    """The fields of every batch not yet terminal; drops the index entries of the others."""
+    batch_ids = sorted(b.decode() for b in r.smembers(keys.OPEN_BATCHES))
+    found = []
+    for batch_id, fields in zip(batch_ids, batches.load_many(r, batch_ids)):
+        if fields is None or fields["status"] in batches.TERMINAL:
+            r.srem(keys.OPEN_BATCHES, batch_id)  # the hash is gone, or its transition's SREM was lost
+        else:
+            found.append(fields)
+    return found
+
+
+def counted_but_open(r: redis.Redis) -> list[str]:
+    """Open batches whose every request has a result counted, in a status that waits
+    for finalize."""
+    return [fields["id"] for fields in open_batches(r) if fields["status"] in WAITING_FOR_FINALIZE
+            and 0 < fields["total"] <= fields["completed"] + fields["failed"]]
+
+
+def stop_reason(fields: dict[str, Any], now: float) -> tuple[str, str] | None:
+    """(code, message) for the requests of a batch that must not run any more."""
+    if fields["status"] == "cancelling":
+        return STOP_REASONS["cancelling"]
+    if fields["status"] == "in_progress" and now > fields["expires_at"]:
+        return STOP_REASONS["expired"]
+    return None
+
+
+def unfinished_entries(r: redis.Redis, fields: dict[str, Any]) -> Iterator[tuple[str, str, str]]:
+    """(stream, entry id, custom id) of the batch's entries whose request has no result counted."""
+    done = batches.counted_ids(r, fields["id"])
+    for stream in keys.streams(fields["model"], keys.num_partitions(r)):
+        start = "-"
+        while entries := r.xrange(stream, min=start, count=SCAN_COUNT):
+            for entry_id, entry_fields in entries:
+                try:
+                    entry = BatchEntry.from_fields(entry_fields)
+                except MalformedEntry:
+                    continue
+                if entry.batch_id == fields["id"] and entry.custom_id not in done:
+                    done.add(entry.custom_id)  # a handed-back copy of it may follow
+                    yield stream, entry_id.decode(), entry.custom_id
+            start = f"({entries[-1][0].decode()}"
+
+
+def end_batch(r: redis.Redis, fields: dict[str, Any], code: str, message: str) -> int:
+    """Settle every request of the batch that has no result with an error line, then make sure
+    finalize runs (it ends the batch expired or cancelled); how many it settled."""
+    storage = open_storage(fields["sink"], r)
+    num_settled = 0
+    for stream, entry_id, custom_id in unfinished_entries(r, fields):
+        record_result(r, storage, fields["id"], error_line(custom_id, code, message),
+                      ack=(stream, keys.CONSUMER_GROUP, entry_id))
+        num_settled += 1
+    request_finalize(r, fields["id"])  # no-op when the last result above enqueued it already
+    return num_settled
+
+
+class Sweeper:
+    """Call `sweep` every few seconds (workers/finalizer.py does)."""
+
+    def __init__(self, r: redis.Redis, grace_seconds: float, clock=time.monotonic,
+                 enqueue_grace_seconds: float = DEFAULT_ENQUEUE_GRACE_SECONDS, wall_clock=time.time) -> None:
+        self.r, self.grace_seconds, self.clock, self.wall_clock = r, grace_seconds, clock, wall_clock
+        self.enqueue_grace_seconds = enqueue_grace_seconds
+        self.waiting_since: dict[str, float] = {}  # batch id -> when it was first seen stuck (or re-enqueued)
+        self.num_retries: dict[str, int] = {}
+        self.stopped_since: dict[str, float] = {}  # batch id -> when it was first seen expired or cancelling
+
+    def sweep(self) -> list[str]:
+        """The ids finalize was enqueued for again (batches ended here are logged)."""
+        self.end_stopped_batches()
+        return self.finalize_counted_batches()
+
+    def end_stopped_batches(self) -> list[str]:
+        """End the batches past their window or cancelling, and fail those whose enqueue never
+        finished; returns the ids acted on."""
+        now, acted = self.wall_clock(), []
+        served = set(heartbeats.served_models(self.r))
+        for fields in open_batches(self.r):
+            batch_id = fields["id"]
+            if fields.get("enqueued_at") == "" and now - fields["created_at"] > self.enqueue_grace_seconds:
+                log.warning("batch %s: its enqueue never finished; failing it", batch_id)
+                batches.fail(self.r, batch_id, "enqueue_incomplete", "The batch's requests were not all "
+                             "enqueued: its producer stopped halfway. Submit it again.")
+                acted.append(batch_id)
+                continue
+            reason = stop_reason(fields, now)
+            if reason is None or fields.get("finalize_requested"):
+                continue
+            since = self.stopped_since.setdefault(batch_id, now)
+            if fields["model"] in served and now - since < self.grace_seconds:
+                continue  # its workers settle it themselves
+            num_settled = end_batch(self.r, fields, *reason)
+            log.info("batch %s: %s; settled %d requests without a result", batch_id, reason[0], num_settled)
+            acted.append(batch_id)
+        return acted
+
+    def finalize_counted_batches(self) -> list[str]:
+        now, requeued = self.clock(), []
+        stuck = {}
+        for batch_id in counted_but_open(self.r):
+            status = job_status(self.r, batch_id)
+            if status not in ACTIVE_JOB_STATUSES:
+                stuck[batch_id] = status
+        for gone in set(self.waiting_since) - set(stuck):
+            self.waiting_since.pop(gone)
+            self.num_retries.pop(gone, None)
+        for batch_id, status in stuck.items():
+            retries = self.num_retries.get(batch_id, 0)
+            wait = min(self.grace_seconds, 2.0**retries) if status == JobStatus.FAILED else self.grace_seconds
+            if now - self.waiting_since.setdefault(batch_id, now) < wait:
+                continue
+            log.warning("batch %s: every request is counted but it is still open (finalize job: %s); "
+                        "finalizing it again", batch_id, status or "none")
+            request_finalize(self.r, batch_id, force=True)
+            self.waiting_since[batch_id], self.num_retries[batch_id] = now, retries + 1
+            requeued.append(batch_id)
+        return requeued

@@ -1,0 +1,58 @@
+"""Reply events of several attempts (a worker died, another took the request over) become
+one answer: never the text of two attempts joined."""
+
+from __future__ import annotations
+
+import pytest
+
+from jobs.online import ChoiceDelta, Delta, Done, Error, OnlineEntry
+from jobs.schemas import COMPLETIONS, OnlineCompletionBody
+from producers.errors import APIError
+from producers.online_replies import Accumulator, ChunkWriter
+
+ENTRY = OnlineEntry("r1", COMPLETIONS, {}, True, 0, deadline=2e9, enqueued_at=1.7e9)
+USAGE = {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+
+
+def delta(text: str, attempt: int, finish_reason: str | None = None) -> Delta:
+    return Delta([ChoiceDelta(0, text, finish_reason)], attempt)
+
+
+def body(stream: bool) -> OnlineCompletionBody:
+    return OnlineCompletionBody(model="m", prompt="p", stream=stream)
+
+
+def test_a_non_streaming_answer_is_exactly_the_newest_attempt():
+    answer = Accumulator(body(stream=False))
+    assert not answer.add([delta("Once upon", 1), delta(" a", 1)])
+    # The first worker died; the second runs it again. A straggler of the first is dropped.
+    assert not answer.add([delta("Once", 2), delta(" upon", 1), delta(" upon a time", 2)])
+    assert answer.add([delta("", 2, "length"), Done(USAGE, 2)])
+    result = answer.body(ENTRY, "m", COMPLETIONS)
+    assert result["choices"][0]["text"] == "Once upon a time"
+    assert result["choices"][0]["finish_reason"] == "length" and result["usage"]["completion_tokens"] == 3
+
+
+def test_an_error_of_the_current_attempt_raises_and_one_of_an_old_attempt_does_not():
+    answer = Accumulator(body(stream=False))
+    answer.add([delta("a", 2)])
+    assert not answer.add([Error(500, "worker_lost", "old", 1)])
+    with pytest.raises(APIError) as raised:
+        answer.add([Error(400, "invalid_request", "bad", 2)])
+    assert (raised.value.status, raised.value.code) == (400, "invalid_request")
+
+
+def test_a_stream_that_sent_tokens_ends_with_worker_lost_when_another_attempt_appears():
+    chunks = ChunkWriter(ENTRY, "m", COMPLETIONS, include_usage=False)
+    assert [c["choices"][0]["text"] for c in chunks.of(delta("Once", 1))] == ["Once"]
+    [error] = chunks.of(delta("Once", 2))
+    assert error["error"]["code"] == "worker_lost" and chunks.is_ended and not chunks.is_complete
+
+
+def test_a_stream_follows_a_new_attempt_when_nothing_was_sent_yet():
+    chunks = ChunkWriter(ENTRY, "m", COMPLETIONS, include_usage=True)
+    assert chunks.of(delta("", 1)) and not chunks.has_sent_tokens  # an empty first delta shows no text
+    assert [c["choices"][0]["text"] for c in chunks.of(delta("Hi", 2))] == ["Hi"]
+    assert chunks.of(delta("stale", 1)) == []
+    [last] = chunks.of(Done(USAGE, 2))
+    assert last["usage"] == USAGE and chunks.is_ended and chunks.is_complete

@@ -1,0 +1,104 @@
+"""The worker's leases, kept from a thread of their own.
+
+A pulled entry stays in its consumer group's pending list (PEL) under this worker's name
+until it is acked. Entries idle longer than the lease are taken over by other workers
+(XAUTOCLAIM), so a live worker must keep resetting the idle time of everything it holds,
+whatever its loop is doing: an engine step or a storage put can take longer than the
+lease. `LeaseKeeper` renews them every `interval_seconds` from a daemon thread that never
+waits on the loop: the loop only hands it the list of what it holds (`hold`).
+
+NOTE: renewal checks ownership. An entry that another worker has taken over (this one
+stalled past the lease after all) is not taken back: XCLAIM with min-idle 0 would steal
+it and both would run it. It is reported lost instead (`take_lost`), and the worker
+aborts it at once and never writes its result.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import defaultdict
+
+import redis
+
+from jobs import keys
+
+log = logging.getLogger("kvfleet.worker")
+
+# KEYS: the stream. ARGV: group, consumer, then entry ids. Resets the idle time of the ids
+# this consumer still owns (XCLAIM JUSTID, which counts no delivery); returns the others.
+_RENEW_LUA = """
+local lost = {}
+for i = 3, #ARGV do
+  local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if #pending == 1 and pending[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+  else
+    table.insert(lost, ARGV[i])
+  end
+end
+return lost
+"""
+
+
+def renew(r: redis.Redis, consumer: str, held: list[tuple[str, str]]) -> set[tuple[str, str]]:
+    """Renew the leases of the (stream, entry id) pairs this consumer owns, in one round trip;
+    returns the pairs it no longer owns (taken over, or acked by another worker)."""
+    by_stream: dict[str, list[str]] = defaultdict(list)
+    for stream, entry_id in held:
+        by_stream[stream].append(entry_id)
+    if not by_stream:
+        return set()
+    pipe = r.pipeline(transaction=False)
+    for stream, entry_ids in by_stream.items():
+        # execute_command: redis-py's cluster pipeline has no eval(), but routes EVAL by its keys
+        pipe.execute_command("EVAL", _RENEW_LUA, 1, stream, keys.CONSUMER_GROUP, consumer, *entry_ids)
+    lost = set()
+    for stream, reply in zip(by_stream, pipe.execute()):
+        lost |= {(stream, entry_id.decode() if isinstance(entry_id, bytes) else entry_id) for entry_id in reply}
+    return lost
+
+
+class LeaseKeeper:
+    def __init__(self, r: redis.Redis, consumer: str, interval_seconds: float) -> None:
+        self.r, self.consumer, self.interval_seconds = r, consumer, interval_seconds
+        self._lock = threading.Lock()
+        self._held: list[tuple[str, str]] = []
+        self._lost: set[tuple[str, str]] = set()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"kvfleet-leases-{consumer}")
+
+    def start_once(self) -> None:
+        if not self._thread.is_alive() and not self._stopped.is_set():
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def hold(self, entries: list[tuple[str, str]]) -> None:
+        """What the worker holds now: renewed until the next call."""
+        with self._lock:
+            self._held = entries
+
+    def take_lost(self) -> set[tuple[str, str]]:
+        """The entries found owned by someone else since the last call."""
+        with self._lock:
+            lost, self._lost = self._lost, set()
+        return lost
+
+    def renew_now(self) -> None:
+        with self._lock:
+            held = self._held
+        lost = renew(self.r, self.consumer, held)
+        if lost:
+            log.warning("%s: %d entries were taken over by other workers; aborting them here", self.consumer,
+                        len(lost))
+            with self._lock:
+                self._lost |= lost
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.interval_seconds):
+            try:
+                self.renew_now()
+            except redis.RedisError as error:  # an outage: the loop backs off; try again next interval
+                log.warning("%s: renewing leases failed: %s", self.consumer, error)
