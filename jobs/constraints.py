@@ -16,6 +16,7 @@ import jsonschema
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Discriminator,
     Field,
@@ -28,10 +29,28 @@ from pydantic import (
 from grammar_support.json_schema import unsupported_features
 
 MAX_CONSTRAINT_CHARS = 100_000
+MAX_SCHEMA_DEPTH = 64  # nested objects and arrays; a property of a property is two levels
+MAX_SCHEMA_NODES = 10_000  # objects, arrays and values
 
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+def check_schema_size(schema: Any) -> Any:
+    """Bounds that keep every later check (and the grammar compiler) from recursing without end:
+    measured without recursion, before anything walks the schema."""
+    stack, num_nodes = [(schema, 1)], 0
+    while stack:
+        node, depth = stack.pop()
+        num_nodes += 1
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
+        if num_nodes > MAX_SCHEMA_NODES:
+            raise ValueError(f"the schema has more than {MAX_SCHEMA_NODES} nodes")
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        stack.extend((child, depth + 1) for child in children)
+    return schema
 
 
 def check_json_schema(schema: dict[str, Any]) -> dict[str, Any]:
@@ -57,7 +76,7 @@ def check_regex(pattern: str) -> str:
     return pattern
 
 
-JsonSchema = Annotated[dict[str, Any], AfterValidator(check_json_schema)]
+JsonSchema = Annotated[dict[str, Any], BeforeValidator(check_schema_size), AfterValidator(check_json_schema)]
 Regex = Annotated[str, Field(min_length=1, max_length=MAX_CONSTRAINT_CHARS, json_schema_extra={"format": "regex"}),
                   AfterValidator(check_regex)]
 
@@ -121,7 +140,9 @@ CONSTRAINT_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 def _constraint_key(value) -> str | None:
     if isinstance(value, dict):
         return next(iter(value), None)
-    return next((key for key in CONSTRAINT_KEYS if key in value.as_params()), None)
+    if isinstance(value, _OneConstraint):
+        return next((key for key in CONSTRAINT_KEYS if key in value.as_params()), None)
+    return None  # not an object: pydantic names the field
 
 
 StructuredOutputsFields = Annotated[
@@ -141,6 +162,8 @@ class ConstraintFields(StrictModel):
     @classmethod
     def _check_structured_outputs(cls, value):
         """One message for the rule the union states (each member's errors would be noise)."""
+        if value is not None and not isinstance(value, (dict, _OneConstraint)):
+            raise ValueError(f"must be an object with exactly one of {', '.join(CONSTRAINT_KEYS)}")
         if isinstance(value, dict) and len(value) != 1:
             raise ValueError(f"give exactly one of {', '.join(CONSTRAINT_KEYS)}, got {sorted(value) or 'none'}")
         if isinstance(value, dict) and next(iter(value)) not in CONSTRAINT_KEYS:

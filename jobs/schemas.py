@@ -208,6 +208,8 @@ def parse_line(text: str | bytes, line_number: int) -> Request:
         record = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise LineError(line_number, "line", f"not valid JSON ({error})") from None
+    except RecursionError:
+        raise LineError(line_number, "line", "nests too deeply to parse") from None
     if not isinstance(record, dict):
         raise LineError(line_number, "line", "must be a JSON object")
     try:
@@ -231,6 +233,6 @@ def custom_id_of(raw: str | bytes, line_number: int) -> str:
     otherwise; else "line-<n>", as for short-form lines without one."""
     try:
         custom_id = json.loads(raw).get("custom_id")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         custom_id = None
     return custom_id if isinstance(custom_id, str) and custom_id else f"line-{line_number}"

@@ -125,23 +125,31 @@ class Sweeper:
         now, acted = self.wall_clock(), []
         served = set(heartbeats.served_models(self.r))
         for fields in open_batches(self.r):
-            batch_id = fields["id"]
-            if fields.get("enqueued_at") == "" and now - fields["created_at"] > self.enqueue_grace_seconds:
-                log.warning("batch %s: its enqueue never finished; failing it", batch_id)
-                batches.fail(self.r, batch_id, "enqueue_incomplete", "The batch's requests were not all "
-                             "enqueued: its producer stopped halfway. Submit it again.")
-                acted.append(batch_id)
-                continue
-            reason = stop_reason(fields, now)
-            if reason is None or fields.get("finalize_requested"):
-                continue
-            since = self.stopped_since.setdefault(batch_id, now)
-            if fields["model"] in served and now - since < self.grace_seconds:
-                continue  # its workers settle it themselves
-            num_settled = end_batch(self.r, fields, *reason)
-            log.info("batch %s: %s; settled %d requests without a result", batch_id, reason[0], num_settled)
-            acted.append(batch_id)
+            try:
+                if self._end_if_stopped(fields, now, served):
+                    acted.append(fields["id"])
+            except (redis.ConnectionError, redis.TimeoutError):
+                raise  # an outage: the next sweep tries again
+            except Exception:  # noqa: BLE001 (one broken batch, a sink that is gone, must not stop the sweep)
+                log.exception("batch %s: could not end it; trying again at the next sweep", fields["id"])
         return acted
+
+    def _end_if_stopped(self, fields: dict[str, Any], now: float, served: set[str]) -> bool:
+        batch_id = fields["id"]
+        if fields.get("enqueued_at") == "" and now - fields["created_at"] > self.enqueue_grace_seconds:
+            log.warning("batch %s: its enqueue never finished; failing it", batch_id)
+            batches.fail(self.r, batch_id, "enqueue_incomplete", "The batch's requests were not all "
+                         "enqueued: its producer stopped halfway. Submit it again.")
+            return True
+        reason = stop_reason(fields, now)
+        if reason is None or fields.get("finalize_requested"):
+            return False
+        since = self.stopped_since.setdefault(batch_id, now)
+        if fields["model"] in served and now - since < self.grace_seconds:
+            return False  # its workers settle it themselves
+        num_settled = end_batch(self.r, fields, *reason)
+        log.info("batch %s: %s; settled %d requests without a result", batch_id, reason[0], num_settled)
+        return True
 
     def finalize_counted_batches(self) -> list[str]:
         now, requeued = self.clock(), []

@@ -84,8 +84,16 @@ async def validation_error(_: Request, error: RequestValidationError) -> JSONRes
                         status_code=400)
 
 
+async def too_deep(_: Request, __: RecursionError) -> JSONResponse:
+    """A value nested beyond what a validator can walk (the JSON parser's own failure is a 400
+    already): the client's input, never a 500."""
+    return JSONResponse(error_body("The request body nests too deeply.", "invalid_request_error", "invalid_request"),
+                        status_code=400)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(RecursionError, too_deep)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(RequestValidationError, validation_error)
 

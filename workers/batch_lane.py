@@ -63,7 +63,7 @@ class BatchLane(Lane):
             return 0
         self.served.rotate()  # every partition gets read
         entries = self.pull_entries(count, reclaim)
-        accepted = [work for entry in entries if (work := self.accept(*entry)) is not None]
+        accepted = [work for entry in entries if (work := self.accept_or_dead_letter(*entry)) is not None]
         needed = [self.engine.num_blocks_needed(len(work.processed.prompt_token_ids)) for work in accepted]
         for blocks in needed:
             admission.observe(blocks)

@@ -52,6 +52,8 @@ def run_sweeps(r: redis.Redis, every: float, sweeper: Sweeper, stop: threading.E
             sweeper.sweep()
         except (redis.RedisError, *STORAGE_ERRORS) as error:  # an outage: the next sweep tries again
             log.warning("sweep failed: %s", error)
+        except Exception:  # noqa: BLE001 (the sweep thread must outlive any one surprise)
+            log.exception("sweep failed")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,6 +30,7 @@ from jobs.storage import (
     is_permanent_error,
     open_storage,
 )
+from workers.stream_ops import OUTAGE_ERRORS
 
 log = logging.getLogger("kvfleet.worker")
 MAX_PERMANENT_TRIES = 3
@@ -108,6 +109,8 @@ class ResultFlusher:
             if not recorded.is_owner:
                 log.warning("%s: %s was taken over by another worker; its result here is not counted",
                             self.consumer, result.entry_id)
+        except OUTAGE_ERRORS:
+            raise  # Redis holds every target's bookkeeping: the loop backs off
         except STORAGE_ERRORS as error:
             if not is_permanent_error(error):
                 target.backoff = min(self.max_backoff_seconds, max(0.1, target.backoff * 2))
@@ -124,6 +127,9 @@ class ResultFlusher:
             log.error("storage %s: %s; failing its requests with storage_error for %.0fs", sink,
                       describe_error(error), BROKEN_SECONDS)
             self._fail(sink, result, target.broken_reason)
+        except Exception:  # noqa: BLE001 (one result's data must not take the worker down)
+            log.exception("%s: recording %s of batch %s failed; leaving it unacked (it returns after the lease "
+                          "and is dead-lettered after max_deliveries)", self.consumer, result.entry_id, result.batch_id)
         target.queue.popleft()
         target.backoff = target.num_permanent_errors = 0
         return True

@@ -144,6 +144,22 @@ class Lane:
                                   self.streams if reclaim else [], self.streams, block_ms)
         return [entry for entry in entries if not self.is_running(entry[0], entry[1])]
 
+    def accept(self, stream: str, entry_id: str, fields: dict, deliveries: int) -> Work | None:
+        raise NotImplementedError
+
+    def accept_or_dead_letter(self, stream: str, entry_id: str, fields: dict, deliveries: int) -> Work | None:
+        """`accept`, but an entry whose data breaks it (a bug, a corrupted batch) is dead-lettered
+        with the error: the worker never dies on one entry's data."""
+        try:
+            return self.accept(stream, entry_id, fields, deliveries)
+        except (*stream_ops.OUTAGE_ERRORS, redis.ResponseError):
+            raise  # Redis itself: the loop backs off
+        except Exception as error:  # noqa: BLE001
+            log.exception("%s: entry %s of %s broke the %s lane; dead-lettering it", self.config.consumer,
+                          entry_id, stream, self.name)
+            stream_ops.dead_letter(self.r, stream, entry_id, fields, f"the worker could not take it: {error!r}")
+            return None
+
     def dead_letter_after_max_deliveries(self, stream: str, entry_id: str, fields: dict, deliveries: int) -> bool:
         """Dead-letter an entry delivered more than max_deliveries times; True if it was."""
         if deliveries <= self.config.max_deliveries:

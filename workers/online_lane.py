@@ -53,7 +53,7 @@ class OnlineLane(Lane):
             return 0
         entries = self.pull_entries(count, reclaim)
         for entry in entries:
-            work = self.accept(*entry)
+            work = self.accept_or_dead_letter(*entry)
             if work is not None:
                 self.config.admission.observe_online(
                     self.engine.num_blocks_needed(len(work.processed.prompt_token_ids)))

@@ -231,3 +231,25 @@ def test_a_batch_for_a_model_no_worker_serves_says_so(api, r):
     heartbeats.record_heartbeat(r, "w1", {"models": ["demo"], "root": "demo", "max_model_len": 64}, 30)
     served = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
     assert "warnings" not in served.model_extra
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_malformed_online_bodies_are_400s_never_500s(api, path):
+    base = {"model": "demo", "prompt": "x"} if path == "/v1/completions" else {
+        "model": "demo", "messages": [{"role": "user", "content": "x"}]}
+    deep = {"type": "object"}
+    for _ in range(150):
+        deep = {"type": "object", "properties": {"a": deep}}
+    bodies = [{**base, "structured_outputs": [None, None]}, {**base, "structured_outputs": "json"},
+              {**base, "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": deep}}}]
+    for body in bodies:
+        answer = httpx.post(f"{api.url}{path}", json=body, timeout=30)
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["error"]["type"] == "invalid_request_error"
+    messages = [answer.json()["error"]["message"] for answer in
+                (httpx.post(f"{api.url}{path}", json=body, timeout=30) for body in bodies)]
+    assert "structured_outputs: must be an object with exactly one of json" in messages[0]
+    assert "the schema nests deeper than 64 levels" in messages[2]
+    too_deep = httpx.post(f"{api.url}{path}", content=b"[" * 100_000 + b"]" * 100_000,
+                          headers={"Content-Type": "application/json"}, timeout=30)
+    assert too_deep.status_code == 400 and too_deep.json()["error"]["type"] == "invalid_request_error"

@@ -232,3 +232,15 @@ def test_a_batch_id_outside_the_pattern_is_refused_before_anything_is_written(r,
         batches.create_batch(r, batch_id, endpoint="/v1/completions", model="m", input_file_id=None,
                              completion_window="24h", sink="redis")
     assert not r.keys("kvfleet:*")
+
+
+def test_a_schema_nested_too_deep_is_a_named_line_error(r, redis_server, tmp_path, capsys):
+    schema = {"type": "object"}
+    for _ in range(150):
+        schema = {"type": "object", "properties": {"a": schema}}
+    deep = chat("a", response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}})
+    path = write_lines(tmp_path / "in.jsonl", [deep, "[" * 50_000 + "]" * 50_000])
+    assert run(redis_server, path) == 1
+    err = capsys.readouterr().err
+    assert f"{path}:1: body.response_format.json_schema.schema: the schema nests deeper than 64 levels" in err
+    assert f"{path}:2: line: nests too deeply to parse" in err

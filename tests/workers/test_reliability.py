@@ -109,3 +109,18 @@ def test_the_batch_cache_is_bounded(engine, r, monkeypatch):
     batch_ids = [submit_lines(r, [completion(f"c{i}", f"batch {i}", max_tokens=2)]) for i in range(4)]
     run_until(worker, r, batch_ids, timeout=60)
     assert len(worker.batch_lane.batch_cache) <= 2
+
+
+def test_a_worker_never_dies_on_one_entry_s_data(engine, r):
+    worker = make_worker(engine, r)
+    broken_entry = submit_lines(r, [completion("x0", "one")])
+    r.hdel(keys.batch(broken_entry), "expires_at")  # a corrupted batch: its entries break the batch lane
+    broken_sink = submit_lines(r, [completion("y0", "two")])
+    healthy = submit_lines(r, [completion(f"h{i}", f"healthy {i}") for i in range(3)])
+    r.hset(keys.batch(broken_sink), "sink", "ftp://nowhere")  # and one whose results cannot be recorded
+    done = run_until(worker, r, [healthy], timeout=60)
+    assert done[healthy]["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+    [dead] = [fields for _, fields in r.xrange(keys.dead_letters(keys.stream(MODEL)))]
+    assert dead[b"custom_id"] == b"x0" and b"the worker could not take it: KeyError('expires_at')" in dead[b"error"]
+    assert batches.num_counted(r, broken_sink) == 0  # its result was never acked: it returns after the lease
+    assert r.xpending(keys.stream(MODEL), keys.CONSUMER_GROUP)["pending"] == 1
