@@ -28,7 +28,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import redis
-from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
 from jobs import keys
 
@@ -43,6 +43,8 @@ PERMANENT_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno
 
 def is_permanent_error(error: BaseException) -> bool:
     """True for storage errors that retrying will not fix; False for outages."""
+    if isinstance(error, NoCredentialsError):
+        return True  # no credentials: nothing a retry fixes
     if isinstance(error, ClientError):
         status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
         code = error.response.get("Error", {}).get("Code", "")
@@ -66,6 +68,9 @@ class RedisStorage:
 
     def __init__(self, r: redis.Redis) -> None:
         self.r = r
+
+    def check_writable(self) -> None:
+        """Results go to the data Redis itself."""
 
     def put_result(self, batch_id: str, custom_id: str, line: bytes) -> bool:
         return bool(self.r.hsetnx(keys.batch_results(batch_id), custom_id, line))
@@ -95,6 +100,12 @@ class FileStorage:
     def __init__(self, root: str) -> None:
         self.root = Path(root)
         self.url = f"file://{self.root}"
+
+    def check_writable(self) -> None:
+        """Raise OSError unless the folder exists (or can be made) and this process may write there."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=self.root, prefix=".check-"):
+            pass
 
     @contextlib.contextmanager
     def _durable_copy(self, path: Path, chunks: Iterable[bytes]) -> Iterator[str]:
@@ -158,6 +169,10 @@ class S3Storage:
         self.client = boto3.client("s3", endpoint_url=endpoint_url, config=Config(
             retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=3, read_timeout=read_timeout))
         self.is_conditional = True  # first write wins (If-None-Match), unless the store lacks it
+
+    def check_writable(self) -> None:
+        """Raise ClientError when the bucket is missing or these credentials may not use it."""
+        self.client.head_bucket(Bucket=self.bucket)
 
     def _key(self, *parts: str) -> str:
         return "/".join(p for p in (self.prefix, *parts) if p)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -28,6 +29,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from jobs import keys
 from jobs.connection import REDIS_URL_HELP, connect, connect_async
+from jobs.preflight import StartupError, check_startup
 from producers.dependencies import ServedModels, Services, Settings
 from producers.errors import error_response, install_error_handlers, openai_style_schema
 from producers.routes import batches, console, files, health, models, online
@@ -80,9 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        check_startup(connect(args.redis_url))
+    except StartupError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     uvicorn.run(create_app(args.redis_url), host=args.host, port=args.port, log_level="info")
     return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

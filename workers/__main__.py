@@ -20,6 +20,7 @@ from engine import LLMEngine
 from engine.arg_utils import add_engine_args, engine_config_from_args
 from jobs import keys
 from jobs.connection import REDIS_URL_HELP, connect
+from jobs.preflight import StartupError, check_startup
 from workers.health import DEFAULT_STALL_SECONDS, Health, serve
 from workers.metrics import WorkerMetrics
 from workers.worker import Worker, WorkerOptions
@@ -64,6 +65,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--online-reserve must be >= 0")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     names = served_model_names(args)
+    r = connect(args.redis_url)
+    try:
+        check_startup(r)  # before the model loads: a configuration error is one line, at once
+    except StartupError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     metrics, health = WorkerMetrics(args.name, names[0]), Health(args.stall_seconds)
     if args.metrics_port:  # before the model loads: /livez answers while it does, /healthz says not ready
         serve(args.metrics_port, metrics.registry, health)
@@ -76,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                             max_deliveries=args.max_deliveries, max_requeues=args.max_requeues,
                             drain_seconds=args.drain_seconds, online_reserve=args.online_reserve,
                             maintain_seconds=args.heartbeat_seconds)
-    worker = Worker(engine, connect(args.redis_url), options, metrics, health)
+    worker = Worker(engine, r, options, metrics, health)
     worker.install_signal_handlers()
     logging.getLogger("kvfleet.worker").info("%s: serving %s from %s with %d KV blocks", args.name,
                                              ", ".join(map(repr, names)), args.redis_url, engine.num_total_blocks)

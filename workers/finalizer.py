@@ -27,6 +27,7 @@ from rq.serializers import JSONSerializer
 from jobs import keys
 from jobs.connection import REDIS_URL_HELP, connect
 from jobs.finalize import finalize_queue
+from jobs.preflight import StartupError, check_startup
 from jobs.storage import STORAGE_ERRORS
 from jobs.sweeper import DEFAULT_ENQUEUE_GRACE_SECONDS, Sweeper
 
@@ -61,6 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ["KVFLEET_REDIS_URL"] = args.redis_url  # what finalize jobs connect to (jobs/finalize.py)
     r = connect(args.redis_url)
+    try:
+        check_startup(r)
+    except StartupError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     if not args.burst:
         sweeper = Sweeper(r, args.grace_seconds, enqueue_grace_seconds=args.enqueue_grace_seconds)

@@ -6,13 +6,17 @@ requests stream through the cluster."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import httpx
 import openai
+import pytest
 import redis
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
@@ -141,3 +145,15 @@ def test_the_readme_acl_with_cluster_slots_is_enough_on_a_cluster(cluster, redis
     batch_id = submit_lines(client, [completion(f"c{i}", f"text {i}") for i in range(150)])
     assert batches.batch_object(client, batch_id)["request_counts"]["total"] == 150
     assert sum(client.xlen(stream) for stream in batch_streams(batch_id, 150)) == 150
+
+
+@pytest.mark.parametrize("module", ["workers", "workers.finalizer", "producers.api"])
+def test_a_cluster_without_a_queue_redis_is_refused_at_start_up(cluster, redis_cluster, tiny_llama, module):
+    env = {k: v for k, v in os.environ.items() if k != "KVFLEET_QUEUE_URL"}
+    argv = ["--model", tiny_llama] if module == "workers" else []
+    done = subprocess.run([sys.executable, "-m", module, *argv, "--redis-url", redis_cluster.url], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: with a Redis Cluster, set KVFLEET_QUEUE_URL to a plain Redis (redis:// or rediss://) for the "
+        "finalize queue: RQ cannot run on a cluster")
