@@ -13,6 +13,8 @@ import redis
 from jobs import keys
 from jobs.storage import Storage, open_storage
 
+LIST_PAGE = 500
+
 
 class FileNotFound(KeyError):
     pass
@@ -34,10 +36,54 @@ def create_file(r: redis.Redis, storage: Storage, chunks: Iterable[bytes], filen
             yield chunk
 
     location = storage.put_file(file_id, counted())
-    r.hset(keys.file(file_id), mapping={"id": file_id, "bytes": size, "created_at": int(time.time()),
+    created = time.time()
+    r.hset(keys.file(file_id), mapping={"id": file_id, "bytes": size, "created_at": int(created),
                                          "filename": filename, "purpose": purpose, "location": location,
                                          "sink": storage.url})
+    r.zadd(keys.FILES, {file_id: created})  # after the hash: a listed id always has one
     return file_object(r, file_id)
+
+
+def list_files(r: redis.Redis, purpose: str | None = None, after: str | None = None, limit: int = 10_000,
+               order: str = "desc") -> tuple[list[dict[str, Any]], bool]:
+    """OpenAI's file list: (objects, has_more), newest first unless `order` is "asc"; `after` is
+    the id where the previous page ended."""
+    is_desc = order == "desc"
+    start = 0
+    if after:
+        rank = r.zrevrank(keys.FILES, after) if is_desc else r.zrank(keys.FILES, after)
+        if rank is None:
+            raise FileNotFound(after)
+        start = rank + 1
+    found: list[dict[str, Any]] = []
+    page = LIST_PAGE
+    while len(found) <= limit:
+        ids = (r.zrevrange if is_desc else r.zrange)(keys.FILES, start, start + page - 1)
+        if not ids:
+            break
+        start += len(ids)
+        for file_id in ids:
+            try:
+                info = file_object(r, file_id.decode())
+            except FileNotFound:
+                continue  # deleted meanwhile
+            if purpose is None or info["purpose"] == purpose:
+                found.append(info)
+    return found[:limit], len(found) > limit
+
+
+def delete_file(r: redis.Redis, file_id: str) -> dict[str, Any]:
+    """Remove the file's content from the storage that holds it (Redis, the folder, the bucket),
+    then its object; OpenAI's deletion object."""
+    raw = r.hmget(keys.file(file_id), "location", "sink")
+    if raw[0] is None:
+        raise FileNotFound(file_id)
+    open_storage(raw[1].decode(), r).delete_file(raw[0].decode())
+    pipe = r.pipeline(transaction=False)
+    pipe.delete(keys.file(file_id))
+    pipe.zrem(keys.FILES, file_id)
+    pipe.execute()
+    return {"id": file_id, "object": "file", "deleted": True}
 
 
 def file_object(r: redis.Redis, file_id: str) -> dict[str, Any]:

@@ -21,6 +21,7 @@ MULTI. Every script and MULTI in kvfleet touches keys of one tag.
 | kvfleet:batches                       | sorted set   | batch ids by creation time (listing)                     |
 | kvfleet:batches:open                  | set          | batch ids not yet terminal (the finalizer's sweep)       |
 | kvfleet:file:{file}                   | hash         | a file object: bytes, filename, purpose, location        |
+| kvfleet:files                         | sorted set   | file ids by creation time (listing)                      |
 | kvfleet:file:{file}:content           | string       | the content of a file stored in Redis                    |
 | kvfleet:idempotency:{digest}          | string + TTL | the object id an Idempotency-Key created (24 h)          |
 | kvfleet:worker:{workers}:{name}       | hash + TTL   | heartbeat: served models, KV blocks, running/waiting/... |
@@ -59,6 +60,7 @@ PREFIX = "kvfleet"
 CONSUMER_GROUP = "workers"
 FINALIZE_QUEUE = "kvfleet-finalize"
 BATCHES = f"{PREFIX}:batches"
+FILES = f"{PREFIX}:files"
 OPEN_BATCHES = f"{PREFIX}:batches:open"
 WORKERS = f"{PREFIX}:workers:{{workers}}"
 NUM_CLUSTER_PARTITIONS = 16

@@ -89,6 +89,9 @@ class RedisStorage:
             self.r.append(key, chunk)
         return f"redis:{key}"
 
+    def delete_file(self, location: str) -> None:
+        self.r.delete(location.removeprefix("redis:"))
+
     def read_file(self, location: str) -> Iterator[bytes]:
         key = location.removeprefix("redis:")
         size = self.r.strlen(key)
@@ -149,6 +152,9 @@ class FileStorage:
         path = self.root / "files" / file_id
         self._write_atomically(path, chunks)
         return f"file://{path}"
+
+    def delete_file(self, location: str) -> None:
+        Path(location.removeprefix("file://")).unlink(missing_ok=True)
 
     def read_file(self, location: str) -> Iterator[bytes]:
         with open(location.removeprefix("file://"), "rb") as handle:
@@ -215,6 +221,9 @@ class S3Storage:
             spool.seek(0)
             self.client.upload_fileobj(spool, self.bucket, key)
         return f"s3://{self.bucket}/{key}"
+
+    def delete_file(self, location: str) -> None:
+        self.client.delete_object(Bucket=self.bucket, Key=location.removeprefix(f"s3://{self.bucket}/"))
 
     def read_file(self, location: str) -> Iterator[bytes]:
         key = location.removeprefix(f"s3://{self.bucket}/")

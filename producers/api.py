@@ -26,6 +26,9 @@ import sys
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
+from starlette.datastructures import Headers
+from starlette.middleware.body_limit import RequestBodyLimitMiddleware
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jobs import keys
 from jobs.connection import REDIS_URL_HELP, connect, connect_async
@@ -52,23 +55,39 @@ def create_app(redis_url: str | None = None) -> FastAPI:
     if cors_origins:  # off by default: browsers on other origins may not call the API
         app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
-    app.middleware("http")(count_and_limit_uploads)
+    app.add_middleware(UploadLimit)
+    app.middleware("http")(count_requests)
     app.openapi = lambda: openai_style_schema(app)
     return app
 
 
-async def count_and_limit_uploads(request: Request, call_next):
-    """Count every request by route and status; refuse an upload whose declared size is over
-    the limit before its body is read."""
-    http_requests = request.app.state.services.http_requests
-    limit = Settings.from_env().max_upload_bytes
-    declared = request.headers.get("content-length", "")
-    if request.url.path == "/v1/files" and declared.isdigit() and int(declared) > limit + MULTIPART_OVERHEAD_BYTES:
-        http_requests.labels("/v1/files", "413").inc()
-        return error_response(file_too_large(limit))
+class UploadLimit:
+    """POST /v1/files stops at KVFLEET_MAX_UPLOAD_BYTES while the body streams in (a chunked
+    upload too), before the multipart parser spools it to disk, and a declared Content-Length
+    over it is refused before the body is read: Starlette's body limit, at a size read per
+    request. The 413 is answered in OpenAI's shape (producers/errors.py)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != "/v1/files":
+            await self.app(scope, receive, send)
+            return
+        limit = Settings.from_env().max_upload_bytes
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > limit + MULTIPART_OVERHEAD_BYTES:  # Starlette's own answer is plain text
+            await error_response(file_too_large(limit))(scope, receive, send)
+            return
+        await RequestBodyLimitMiddleware(self.app, limit + MULTIPART_OVERHEAD_BYTES)(scope, receive, send)
+
+
+async def count_requests(request: Request, call_next):
+    """Every request by route and status."""
     response = await call_next(request)
     route = request.scope.get("route")
-    http_requests.labels(getattr(route, "path", "unmatched"), str(response.status_code)).inc()
+    request.app.state.services.http_requests.labels(getattr(route, "path", "unmatched"),
+                                                    str(response.status_code)).inc()
     return response
 
 

@@ -69,8 +69,11 @@ async def http_error(request: Request, error: StarletteHTTPException) -> JSONRes
         headers["Allow"] = ", ".join(sorted({method for route in request.app.routes if isinstance(route, APIRoute)
                                              and route.path_regex.match(request.url.path)
                                              for method in route.methods}))
-    code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "http_error")
-    return JSONResponse(error_body(str(error.detail), "invalid_request_error", code), status_code=error.status_code,
+    code = {404: "not_found", 405: "method_not_allowed", 413: "file_too_large"}.get(error.status_code, "http_error")
+    message, param = str(error.detail), None
+    if error.status_code == 413:  # Starlette's body limit on uploads (producers/api.py)
+        message, param = "The upload is larger than KVFLEET_MAX_UPLOAD_BYTES allows.", "file"
+    return JSONResponse(error_body(message, "invalid_request_error", code, param), status_code=error.status_code,
                         headers=headers)
 
 

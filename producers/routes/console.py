@@ -26,6 +26,7 @@ from jobs.results import is_error_line
 from jobs.storage import find_result, result_stores
 from producers.dependencies import RedisDep, ServicesDep, Settings, SettingsDep, is_api_key
 from producers.live_stats import eta_seconds
+from producers.routes.files import content_disposition
 from producers.status import duration
 
 HERE = Path(__file__).resolve().parents[1]
@@ -179,9 +180,8 @@ def download(file_id: str, r: RedisDep):
         info, chunks = file_object(r, file_id), read_file(r, file_id)
     except FileNotFound:
         return Response("no such file", status_code=404)
-    filename = info["filename"].replace('"', "")
     return StreamingResponse(chunks, media_type="application/jsonl",
-                             headers={"Content-Disposition": f'attachment; filename="{filename}"'})
+                             headers={"Content-Disposition": content_disposition(info["filename"])})
 
 
 @router.get("/workers")

@@ -1,4 +1,5 @@
-"""The Files API: POST /v1/files (purpose batch), GET /v1/files/{id} and its /content.
+"""The Files API: POST /v1/files (purpose batch), GET /v1/files (purpose, limit, after, order),
+GET /v1/files/{id} and its /content, DELETE /v1/files/{id}.
 
 Uploads stream to storage in 1 MiB chunks and stop at KVFLEET_MAX_UPLOAD_BYTES (413);
 producers/api.py refuses a Content-Length over it before the body is read.
@@ -7,11 +8,12 @@ producers/api.py refuses a Content-Length over it before the body is read.
 from __future__ import annotations
 
 from typing import Annotated, Literal
+from urllib.parse import quote
 
-from fastapi import File, Form, Header, UploadFile
+from fastapi import File, Form, Header, Query, UploadFile
 from fastapi.responses import StreamingResponse
 
-from jobs import keys
+from jobs import files, keys
 from jobs.files import FileNotFound, create_file, file_object, new_file_id, read_file
 from jobs.storage import RedisStorage
 from producers.dependencies import RedisDep, Settings, SettingsDep
@@ -58,6 +60,26 @@ def store_upload(r, file: UploadFile, purpose: str, settings: Settings) -> dict:
         raise
 
 
+@router.get("/files")
+def list_files(r: RedisDep, purpose: str | None = None, after: str | None = None,
+               limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
+               order: Annotated[Literal["asc", "desc"], Query()] = "desc"):
+    try:
+        data, has_more = files.list_files(r, purpose, after, limit, order)
+    except FileNotFound:
+        raise file_not_found(after, "after") from None
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": has_more}
+
+
+@router.delete("/files/{file_id}")
+def delete_file(file_id: str, r: RedisDep):
+    try:
+        return files.delete_file(r, file_id)
+    except FileNotFound:
+        raise file_not_found(file_id) from None
+
+
 @router.get("/files/{file_id}")
 def retrieve_file(file_id: str, r: RedisDep):
     try:
@@ -70,7 +92,14 @@ def retrieve_file(file_id: str, r: RedisDep):
             responses={200: {"content": {"application/jsonl": {}}, "description": "The file's bytes"}})
 def retrieve_file_content(file_id: str, r: RedisDep):
     try:
-        chunks = read_file(r, file_id)
+        info, chunks = file_object(r, file_id), read_file(r, file_id)
     except FileNotFound:
         raise file_not_found(file_id) from None
-    return StreamingResponse(chunks, media_type="application/jsonl")
+    return StreamingResponse(chunks, media_type="application/jsonl",
+                             headers={"Content-Disposition": content_disposition(info["filename"])})
+
+
+def content_disposition(filename: str) -> str:
+    """An attachment header for any file name: an ASCII fallback, and RFC 5987's UTF-8 form."""
+    fallback = "".join(c if c.isascii() and c.isprintable() and c not in '"\\' else "_" for c in filename)
+    return f"attachment; filename=\"{fallback}\"; filename*=UTF-8''{quote(filename, safe='')}"

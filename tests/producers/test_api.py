@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 
 import httpx
 import openai
@@ -14,6 +15,7 @@ from jobs.results import Choice, Usage, chat_completion_body, success_line
 from jobs.schemas import parse_line
 from jobs.storage import open_storage
 from producers.api import create_app
+from producers.routes.files import content_disposition
 from tests.services import ThreadedUvicorn, run_finalize_jobs
 
 
@@ -253,3 +255,70 @@ def test_malformed_online_bodies_are_400s_never_500s(api, path):
     too_deep = httpx.post(f"{api.url}{path}", content=b"[" * 100_000 + b"]" * 100_000,
                           headers={"Content-Type": "application/json"}, timeout=30)
     assert too_deep.status_code == 400 and too_deep.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_files_are_listed_deleted_and_downloaded_under_any_name(api, r):
+    client = client_for(api)
+    names = ["a.jsonl", "résumé 📄.jsonl", "c.jsonl"]
+    uploaded = [client.files.create(file=(name, chat_lines(1)), purpose="batch") for name in names]
+    listed = client.files.list()
+    assert [f.id for f in listed.data] == [f.id for f in reversed(uploaded)]  # newest first
+    page = client.files.list(limit=1, after=uploaded[2].id)
+    assert [f.id for f in page.data] == [uploaded[1].id] and page.has_more
+    assert [f.id for f in client.files.list(order="asc", limit=2).data] == [uploaded[0].id, uploaded[1].id]
+    assert client.files.list(purpose="batch_output").data == []
+    content = httpx.get(f"{api.url}/v1/files/{uploaded[1].id}/content", timeout=10)
+    assert content.status_code == 200 and content.content == chat_lines(1)
+    disposition = content.headers["content-disposition"]
+    assert disposition == "attachment; filename=\"r_sum_ _.jsonl\"; filename*=UTF-8''r%C3%A9sum%C3%A9%20%F0%9F%93%84.jsonl"
+    assert content_disposition('a "b"\\c.jsonl') == \
+        "attachment; filename=\"a _b__c.jsonl\"; filename*=UTF-8''a%20%22b%22%5Cc.jsonl"
+    deleted = client.files.delete(uploaded[1].id)
+    assert deleted.deleted and deleted.id == uploaded[1].id
+    assert not r.exists(keys.file_content(uploaded[1].id)) and not r.exists(keys.file(uploaded[1].id))
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(uploaded[1].id)
+    with pytest.raises(openai.NotFoundError):
+        client.files.delete(uploaded[1].id)
+    assert [f.id for f in client.files.list().data] == [uploaded[2].id, uploaded[0].id]
+
+
+def test_deleting_an_output_file_removes_it_from_the_batch_s_sink(api, r, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVFLEET_ALLOWED_OUTPUTS", f"file://{tmp_path}/")
+    client = client_for(api)
+    uploaded = client.files.create(file=("in.jsonl", chat_lines(2)), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h", extra_body={"output": f"file://{tmp_path}/out"})
+    act_as_worker(r, batch.id)
+    output_id = client.batches.retrieve(batch.id).output_file_id
+    assert [f.id for f in client.files.list(purpose="batch_output").data] == [output_id]
+    stored = tmp_path / "out" / "files" / output_id
+    assert stored.is_file()
+    client.files.delete(output_id)
+    assert not stored.exists()
+
+
+def test_a_chunked_upload_is_stopped_at_the_limit_while_it_streams(api, r, monkeypatch):
+    """No Content-Length: the 413 comes once the limit is passed, while the body is still coming,
+    not after the multipart parser has taken it all."""
+    limit = 256 * 1024
+    monkeypatch.setenv("KVFLEET_MAX_UPLOAD_BYTES", str(limit))
+    host, port = api.url.removeprefix("http://").split(":")
+
+    def chunk(data: bytes) -> bytes:
+        return b"%x\r\n" % len(data) + data + b"\r\n"
+
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/files HTTP/1.1\r\nHost: kvfleet\r\nTransfer-Encoding: chunked\r\n"
+                     b"Content-Type: multipart/form-data; boundary=b\r\n\r\n")
+        sock.sendall(chunk(b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+                           b'--b\r\nContent-Disposition: form-data; name="file"; filename="big.jsonl"\r\n\r\n'))
+        for _ in range(2 * limit // (1 << 14)):  # twice the limit, and then the client waits: no last chunk
+            sock.sendall(chunk(b"x" * (1 << 14)))
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            answer += sock.recv(65536)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413")
+    assert json.loads(body.split(b"\r\n")[1] if b"chunked" in head else body)["error"]["code"] == "file_too_large"
+    assert not r.keys(keys.file_content("*")) and not r.keys("kvfleet:file:*")
