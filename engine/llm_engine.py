@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
-from engine.outputs import RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.postprocess import DeltaTracker, StopChecker, make_request_output, request_metrics
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.scheduler import Scheduler
@@ -56,7 +56,8 @@ class EngineStats:
     """The engine's numbers at one moment, for admission, metrics and the heartbeat.
 
     `unstarted` requests were added but never scheduled; `waiting` counts those and
-    the preempted ones that wait to be recomputed."""
+    the preempted ones that wait to be recomputed, but not those whose grammar still
+    compiles (they wait for the compiler, not for room: admission goes on)."""
 
     num_running: int
     num_waiting: int
@@ -219,13 +220,20 @@ class LLMEngine:
         """Run one iteration; return the requests that finished in it and, for DELTA
         requests, what each sampled this step (finished=False until the last)."""
         batch = self.scheduler.schedule()
+        failed = [self._failed_output(seq) for seq in self.scheduler.take_failed()]
         if not batch:
-            return []
+            return failed
         sampled_seqs, sampled = self.model_runner.execute(batch)
         for children in batch.forks.values():  # n > 1: samples forked this step join their request
             self.requests[children[0].request_id].seqs.extend(children)
         finished_seqs = self.scheduler.postprocess(batch, sampled_seqs, sampled, self.stop_checker.check)
-        return self._collect_outputs(sampled_seqs, finished_seqs)
+        return failed + self._collect_outputs(sampled_seqs, finished_seqs)
+
+    def _failed_output(self, seq: Sequence) -> RequestOutput:
+        """The output of a request that failed before it ran (its grammar did not compile)."""
+        request = self.requests.pop(seq.request_id)
+        return RequestOutput(seq.request_id, request.prompt, seq.prompt_token_ids,
+                             [CompletionOutput(0, "", [], "error")], error=seq.grammar.error())
 
     def _collect_outputs(self, sampled_seqs: list[Sequence], finished_seqs: list[Sequence]) -> list[RequestOutput]:
         """Release each finished sample; a request is done once all n of its samples are.
@@ -255,7 +263,7 @@ class LLMEngine:
         unstarted = [s for s in self.scheduler.waiting if s.first_scheduled_time is None]
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=sum(s.grammar is None or s.grammar.is_ready() for s in self.scheduler.waiting),
             num_unstarted=len(unstarted),
             num_unstarted_blocks_needed=sum(self.num_blocks_needed(s.num_tokens) for s in unstarted),
             num_free_blocks=manager.num_free_blocks,

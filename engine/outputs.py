@@ -10,7 +10,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop", "length" or "abort"
+    finish_reason: str | None  # "stop", "length", "abort" or "error"
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[dict[int, float]] | None = None  # per token: sampled token first, then the top ones
 
@@ -33,6 +33,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     finished: bool = True
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    error: str | None = None  # why the request failed before it ran (finish_reason "error")
 
     # The first completion's fields, for the common n == 1 case.
     @property

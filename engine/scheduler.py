@@ -56,10 +56,16 @@ class Scheduler:
         self.block_manager = BlockManager(num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting: list[Sequence] = []  # both sorted by Sequence.schedule_key
         self.running: list[Sequence] = []
+        self.failed: list[Sequence] = []  # their grammar never compiled: taken by the engine
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         bisect.insort(self.waiting, seq, key=lambda s: s.schedule_key)
+
+    def take_failed(self) -> list[Sequence]:
+        """Sequences that can never run (their grammar did not compile), since the last call."""
+        failed, self.failed = self.failed, []
+        return failed
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -68,6 +74,7 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         preempted = False
+        self._fail_broken_grammars()
         self._preempt_for_priority()
 
         # 1. Running sequences, in order.
@@ -121,6 +128,14 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
         return batch
+
+    def _fail_broken_grammars(self) -> None:
+        """A waiting sequence whose grammar failed to compile, or compiles past its timeout, will
+        never run: it fails alone, and its neighbours go on."""
+        for seq in [s for s in self.waiting if s.grammar is not None and s.grammar.error() is not None]:
+            self.waiting.remove(seq)
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "error"
+            self.failed.append(seq)
 
     def _insert_running(self, seq: Sequence) -> None:
         bisect.insort(self.running, seq, key=lambda s: s.schedule_key)

@@ -2,9 +2,11 @@
 
     check       the constraint converts to a grammar (fast, no tokenizer): a bad schema,
                 regex or grammar is a ValueError at add_request, naming what is wrong
-    compile     per constraint, once, in a background thread (cached by the constraint);
-                a sequence waits in the scheduler until its grammar is ready, so a slow
-                compile never stalls the step for the other requests
+    compile     per constraint, once, in a background thread (an LRU cache of
+                MAX_CACHED_GRAMMARS constraints); a sequence waits in the scheduler until its
+                grammar is ready, so a slow compile never stalls the step for the other
+                requests; a compile that fails, or takes longer than COMPILE_TIMEOUT_SECONDS,
+                fails its own request alone (finish_reason "error")
     mask        each step, one token bitmask row per constrained sequence, applied to its
                 logits before sampling; unconstrained rows are untouched
     accept      every sampled token advances the sequence's matcher; the request stops
@@ -19,6 +21,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -27,6 +30,9 @@ import torch
 from engine.sampling_params import StructuredOutputsParams
 from grammar_support.json_schema import unsupported_features
 
+COMPILE_TIMEOUT_SECONDS = 30.0
+MAX_CACHED_GRAMMARS = 256
+NUM_COMPILE_THREADS = 2  # a compile that never ends holds one; the others still compile
 ERROR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # xgrammar's "[time] file.cc:123: " prefix
 
 
@@ -37,13 +43,23 @@ def clean_error(error: Exception) -> str:
 class SequenceGrammar:
     """One sequence's constraint state: its compiled grammar (maybe still compiling) and matcher."""
 
-    def __init__(self, compiled: Future, is_json: bool) -> None:
+    def __init__(self, compiled: Future, is_json: bool, started_at: float | None = None) -> None:
         self.compiled = compiled
         self.is_json = is_json  # JSON output: no raw control characters in it
+        self.started_at = time.monotonic() if started_at is None else started_at
         self._matcher = None
 
     def is_ready(self) -> bool:
-        return self.compiled.done()
+        return self.compiled.done() and self.compiled.exception() is None
+
+    def error(self) -> str | None:
+        """Why this sequence's grammar will never be ready: the compile failed or timed out."""
+        if self.compiled.done():
+            error = self.compiled.exception()
+            return None if error is None else f"structured_outputs: the grammar did not compile: {clean_error(error)}"
+        if time.monotonic() - self.started_at > COMPILE_TIMEOUT_SECONDS:
+            return f"structured_outputs: the grammar did not compile within {COMPILE_TIMEOUT_SECONDS:g} s"
+        return None
 
     @property
     def matcher(self):
@@ -61,7 +77,7 @@ class SequenceGrammar:
 
     def fork(self) -> SequenceGrammar:
         """A sibling sample's state: forks happen before any output token, so a fresh matcher."""
-        return SequenceGrammar(self.compiled, self.is_json)
+        return SequenceGrammar(self.compiled, self.is_json, self.started_at)
 
 
 class StructuredOutputs:
@@ -79,9 +95,9 @@ class StructuredOutputs:
         # parsers refuse; compact JSON needs none, so JSON constraints never sample such a token.
         self.control_token_ids = torch.tensor([token_id for token_id, text in enumerate(info.decoded_vocab)
                                                if text and any(byte < 0x20 for byte in text)], dtype=torch.int64)
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfleet-grammar")
+        self.executor = ThreadPoolExecutor(max_workers=NUM_COMPILE_THREADS, thread_name_prefix="kvfleet-grammar")
         self.batch_matcher = xgrammar.BatchGrammarMatcher()  # fills every constrained row in C++ threads
-        self.compiled: dict[str, Future] = {}
+        self.compiled: OrderedDict[str, Future] = OrderedDict()  # LRU: constraint -> its compile
         self.compile_seconds: dict[str, float] = {}
 
     def check(self, params: StructuredOutputsParams) -> None:
@@ -108,9 +124,14 @@ class StructuredOutputs:
     def start(self, params: StructuredOutputsParams) -> SequenceGrammar:
         """The sequence's state; its grammar compiles in the background (once per constraint)."""
         key = params.cache_key()
-        if key not in self.compiled:
-            self.compiled[key] = self.executor.submit(self._compile, params, key)
-        return SequenceGrammar(self.compiled[key], params.json is not None or params.json_object)
+        compiled = self.compiled.get(key)
+        if compiled is None:  # a failed compile stays cached too: it would fail again
+            compiled = self.compiled[key] = self.executor.submit(self._compile, params, key)
+        self.compiled.move_to_end(key)
+        finished = [k for k, future in self.compiled.items() if future.done()]
+        for old_key in finished[:max(0, len(finished) - MAX_CACHED_GRAMMARS)]:
+            del self.compiled[old_key]  # least recently used first; running sequences keep their own
+        return SequenceGrammar(compiled, params.json is not None or params.json_object)
 
     def _compile(self, params: StructuredOutputsParams, key: str):
         start = time.perf_counter()

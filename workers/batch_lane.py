@@ -78,6 +78,10 @@ class BatchLane(Lane):
     def on_output(self, output: RequestOutput) -> None:
         work = self.in_flight.pop(output.request_id)  # batch outputs arrive finished (FINAL_ONLY)
         self.config.metrics.observe_finished(output, work.enqueued_at)
+        if output.error is not None:  # it never ran (its grammar did not compile)
+            line = error_line(work.custom_id, "structured_outputs_error", output.error)
+            self.add_result(PendingResult(work.stream, work.entry_id, work.batch_id, line))
+            return
         model = (self.batch(work.batch_id) or {}).get("model") or self.served.model_of[work.stream]
         line, usage = to_result_line(work.custom_id, work.request, output, model, self.engine.tokenizer)
         self.add_result(PendingResult(work.stream, work.entry_id, work.batch_id, line, usage))

@@ -63,6 +63,11 @@ class OnlineLane(Lane):
     def on_output(self, output: RequestOutput) -> None:
         """Queue the events of one step's output."""
         work = self.in_flight[output.request_id]
+        if output.error is not None:  # it never ran (its grammar did not compile)
+            del self.in_flight[output.request_id]
+            self.fail(work.stream, work.entry_id, work.entry.request_id,
+                      Error(400, "structured_outputs_error", output.error, work.attempt))
+            return
         had_output = work.has_output
         choices = [self._choice_delta(work, delta) for delta in output.outputs]
         if work.has_output and not had_output:

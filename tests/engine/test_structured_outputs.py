@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import time
 from pathlib import Path
 
 import jsonschema
@@ -89,3 +90,46 @@ def test_a_constraint_that_does_not_compile_is_refused_naming_it(llm, constraint
     with pytest.raises(ValueError, match=re.escape(message)):
         llm.generate(["x"], SamplingParams(structured_outputs=StructuredOutputsParams(**constraint)), use_tqdm=False)
     assert not llm.engine.has_unfinished()
+
+
+def test_a_grammar_that_fails_or_outlasts_its_timeout_fails_its_request_alone(demo_model, monkeypatch):
+    from engine import EngineConfig, LLMEngine, structured_outputs
+
+    engine = LLMEngine(EngineConfig(model=demo_model, num_kv_blocks=256, max_num_seqs=8))
+    compile_grammar = structured_outputs.StructuredOutputs._compile
+
+    def compile_or_break(self, params, key):
+        if params.regex == "broken":
+            raise RuntimeError("the compiler gave up")
+        if params.regex == "slow+":
+            time.sleep(3)
+        return compile_grammar(self, params, key)
+
+    monkeypatch.setattr(structured_outputs.StructuredOutputs, "_compile", compile_or_break)
+    monkeypatch.setattr(structured_outputs, "COMPILE_TIMEOUT_SECONDS", 1.0)
+    regex = lambda pattern: StructuredOutputsParams(regex=pattern)  # noqa: E731
+    engine.add_request("broken", "a", SamplingParams(max_tokens=8, structured_outputs=regex("broken")))
+    engine.add_request("slow", "b", SamplingParams(max_tokens=8, structured_outputs=regex("slow+")))
+    engine.add_request("good", "c", SamplingParams(max_tokens=8, structured_outputs=regex("[0-9]{3}")))
+    engine.add_request("free", "d", SamplingParams(max_tokens=8, ignore_eos=True))
+    outputs, started = {}, time.monotonic()
+    while engine.has_unfinished():
+        if "slow" not in outputs:  # admission never waits on a compile: only "free" and "good" wait for room
+            assert engine.stats().num_waiting <= 2
+        outputs.update((o.request_id, o) for o in engine.step())
+    assert time.monotonic() - started < 2.9  # the slow compile was not waited for
+    assert outputs["broken"].finish_reason == "error"
+    assert outputs["broken"].error == "structured_outputs: the grammar did not compile: the compiler gave up"
+    assert outputs["slow"].finish_reason == "error" and "within 1 s" in outputs["slow"].error
+    assert re.fullmatch("[0-9]{3}", outputs["good"].text) and len(outputs["free"].token_ids) == 8
+
+
+def test_the_compile_cache_is_a_bounded_lru(llm, monkeypatch):
+    from engine import structured_outputs
+
+    monkeypatch.setattr(structured_outputs, "MAX_CACHED_GRAMMARS", 2)
+    for pattern in ("a{2}", "b{2}", "c{2}", "a{2}"):
+        llm.generate(["x"], SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex=pattern)),
+                     use_tqdm=False)
+    cache = llm.engine.model_runner.structured.compiled
+    assert len(cache) == 2 and list(cache)[-1] == StructuredOutputsParams(regex="a{2}").cache_key()
