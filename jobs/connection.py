@@ -10,6 +10,13 @@ demo): a URL, plus TLS files from the environment.
 
 KVFLEET_REDIS_CA, KVFLEET_REDIS_CERT and KVFLEET_REDIS_KEY name the CA bundle that
 verifies the server and the client certificate and key (mutual TLS) for rediss:// URLs.
+
+Retries are set here, explicitly (`RETRY`): a command that failed on a dropped connection or a
+timeout is sent again, twice at most, after a short back-off. A write sent again may have run
+the first time, so every write kvfleet makes is safe to repeat: online requests are enqueued
+once per request id, reply events carry a sequence number the reader deduplicates by, and
+hand-backs and dead letters happen only with the XACK that removes the entry (Lua scripts).
+Longer outages are the callers' to wait out (the worker loop backs off).
 """
 
 from __future__ import annotations
@@ -21,10 +28,16 @@ from urllib.parse import unquote, urlsplit
 import redis
 import redis.asyncio
 import redis.asyncio.cluster
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import ExponentialWithJitterBackoff
 from redis.cluster import ClusterNode, RedisCluster
+from redis.retry import Retry
 
 from jobs.keys import default_redis_url
 
+RETRIES = 2
+RETRY_BASE_SECONDS, RETRY_CAP_SECONDS = 0.05, 1.0
+SOCKET_TIMEOUT_SECONDS = 10.0  # longer than any blocking read kvfleet makes (1 s), shorter than a lease
 CLUSTER_SCHEMES = {"redis+cluster": False, "rediss+cluster": True}  # scheme -> TLS
 
 REDIS_URL_HELP = ("redis://[USER:PASSWORD@]HOST:PORT/DB, rediss:// for TLS (server CA in KVFLEET_REDIS_CA, "
@@ -66,10 +79,21 @@ def _cluster_options(url: str, options: dict) -> tuple[list[tuple[str, int]], di
     return nodes, options
 
 
+def _retry_options(options: dict, retry_class) -> dict:
+    options = dict(options)
+    options.setdefault("retry", retry_class(ExponentialWithJitterBackoff(base=RETRY_BASE_SECONDS,
+                                                                        cap=RETRY_CAP_SECONDS), RETRIES,
+                                            supported_errors=(redis.ConnectionError, redis.TimeoutError)))
+    options.setdefault("socket_timeout", SOCKET_TIMEOUT_SECONDS)
+    options.setdefault("socket_connect_timeout", SOCKET_TIMEOUT_SECONDS)
+    return options
+
+
 def connect(url: str | None = None, **options) -> redis.Redis | RedisCluster:
     """A client for `url` (default KVFLEET_REDIS_URL); TLS files from the environment.
     A redis+cluster:// URL gives redis-py's cluster client (MOVED, failover and retries are its job)."""
     url = url or default_redis_url()
+    options = _retry_options(options, Retry)
     if is_cluster_url(url):
         nodes, options = _cluster_options(url, options)
         return RedisCluster(startup_nodes=[ClusterNode(host, port) for host, port in nodes], **options)
@@ -79,6 +103,7 @@ def connect(url: str | None = None, **options) -> redis.Redis | RedisCluster:
 def connect_async(url: str | None = None, **options) -> redis.asyncio.Redis | redis.asyncio.RedisCluster:
     """The asyncio client for the same URL and TLS files (the API's blocking reads)."""
     url = url or default_redis_url()
+    options = _retry_options(options, AsyncRetry)
     if is_cluster_url(url):
         nodes, options = _cluster_options(url, options)
         return redis.asyncio.RedisCluster(

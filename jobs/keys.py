@@ -115,6 +115,11 @@ def online_stream(model: str) -> str:
     return f"{PREFIX}:online:{{{model}}}"
 
 
+def online_enqueued(model: str, request_id: str) -> str:
+    """Marks an online request enqueued; tagged like its model's online stream (one script)."""
+    return f"{PREFIX}:online:{{{model}}}:enqueued:{request_id}"
+
+
 def reply(request_id: str) -> str:
     return f"{PREFIX}:reply:{{{request_id}}}"
 

@@ -12,9 +12,14 @@
 Reply events are typed (`Delta`, `Done`, `Error`), encoded as JSON in the entry field
 "event" by `encode_event` and read back by `decode_events`, here alone:
 
-    {"type": "delta", "attempt", "choices": [{"index", "text", "logprobs", "finish_reason", "token_ids"?}]}
-    {"type": "done", "attempt", "usage": {...}}               the last event of a success
-    {"type": "error", "attempt", "status", "code", "message"}  the last event of a failure
+    {"type": "delta", "attempt", "seq", "choices": [{"index", "text", "logprobs", "finish_reason", "token_ids"?}]}
+    {"type": "done", "attempt", "seq", "usage": {...}}               the last event of a success
+    {"type": "error", "attempt", "seq", "status", "code", "message"}  the last event of a failure
+
+Sequence numbers. Events are numbered 1, 2, 3, ... within an attempt. A write that redis-py
+sent again after a timeout can add an event twice: the reader drops the repeat. A reader that
+lags so far behind that the bounded stream dropped events it had not read sees the gap, and
+ends the answer with the `reply_lost` error rather than skip text silently.
 
 Attempts. Every time a worker starts a request it takes the next attempt number from the
 request's attempt record (kvfleet:reply:{request_id}:attempts, a hash kept until the
@@ -76,8 +81,21 @@ class OnlineEntry:
                    int(text["priority"]), float(text["deadline"]), float(text["enqueued_at"]))
 
 
-def enqueue(r: redis.Redis, model: str, entry: OnlineEntry) -> str:
-    return r.xadd(keys.online_stream(model), entry.to_fields()).decode()
+# KEYS: the online stream, the request's enqueue marker (same slot). ARGV: the marker's TTL, then
+# the entry's fields and values. XADD once per request id, however often the call is sent.
+_ENQUEUE_ONCE_LUA = """
+if not redis.call('SET', KEYS[2], 1, 'NX', 'EX', ARGV[1]) then return false end
+return redis.call('XADD', KEYS[1], '*', unpack(ARGV, 2))
+"""
+
+
+def enqueue(r: redis.Redis, model: str, entry: OnlineEntry) -> None:
+    """XADD the entry to the model's online stream, once: a retried call (the client's, or
+    redis-py's after a timeout) finds the request id's marker and adds nothing."""
+    ttl = max(1, int(entry.deadline - entry.enqueued_at) + ATTEMPTS_GRACE_SECONDS)
+    fields = [item for pair in entry.to_fields().items() for item in pair]
+    r.eval(_ENQUEUE_ONCE_LUA, 2, keys.online_stream(model), keys.online_enqueued(model, entry.request_id), ttl,
+           *fields)
 
 
 def online_backlog(r: redis.Redis, model: str) -> int:
@@ -109,6 +127,7 @@ class ChoiceDelta:
 class Delta:
     choices: list[ChoiceDelta]
     attempt: int = 1
+    seq: int = 0  # 1, 2, 3, ... within the attempt (0: unnumbered); the reader drops repeats, sees gaps
     is_last: ClassVar[bool] = False
 
 
@@ -118,6 +137,7 @@ class Done:
 
     usage: dict[str, Any]  # OpenAI's usage object
     attempt: int = 1
+    seq: int = 0
     is_last: ClassVar[bool] = True
 
 
@@ -129,6 +149,7 @@ class Error:
     code: str
     message: str
     attempt: int = 1
+    seq: int = 0
     is_last: ClassVar[bool] = True
 
 
@@ -151,7 +172,7 @@ def decode_event(text: str | bytes) -> ReplyEvent:
     payload = json.loads(text)
     cls = _EVENT_TYPES[payload.pop("type")]
     if cls is Delta:
-        return Delta([ChoiceDelta(**choice) for choice in payload["choices"]], payload["attempt"])
+        return Delta([ChoiceDelta(**choice) for choice in payload["choices"]], payload["attempt"], payload["seq"])
     return cls(**payload)
 
 

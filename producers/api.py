@@ -24,11 +24,11 @@ import os
 import sys
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.datastructures import Headers
 from starlette.middleware.body_limit import RequestBodyLimitMiddleware
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jobs import keys
 from jobs.connection import REDIS_URL_HELP, connect, connect_async
@@ -56,7 +56,7 @@ def create_app(redis_url: str | None = None) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
     app.add_middleware(UploadLimit)
-    app.middleware("http")(count_requests)
+    app.add_middleware(CountRequests)
     app.openapi = lambda: openai_style_schema(app)
     return app
 
@@ -82,13 +82,30 @@ class UploadLimit:
         await RequestBodyLimitMiddleware(self.app, limit + MULTIPART_OVERHEAD_BYTES)(scope, receive, send)
 
 
-async def count_requests(request: Request, call_next):
-    """Every request by route and status."""
-    response = await call_next(request)
-    route = request.scope.get("route")
-    request.app.state.services.http_requests.labels(getattr(route, "path", "unmatched"),
-                                                    str(response.status_code)).inc()
-    return response
+class CountRequests:
+    """Every request by route and status (kvfleet:api_requests_total). Plain ASGI, not
+    BaseHTTPMiddleware: that one wraps `receive`, and a handler behind it would not see its
+    client leave."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = [500]
+
+        async def send_and_see(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_see)
+        finally:
+            route = getattr(scope.get("route"), "path", "unmatched")
+            scope["app"].state.services.http_requests.labels(route, str(status[0])).inc()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,10 +1,12 @@
 """Reply events (jobs/online.py) as OpenAI answers: one JSON body put together from the
 events (`Accumulator`), or stream chunks as OpenAI and vLLM send them (`ChunkWriter`).
 
-Both follow one attempt at a time: an event of an older attempt (a worker that lost the
-request) is dropped; a newer attempt replaces what a non-streaming answer had gathered,
-and ends a stream that already sent tokens with the worker_lost error. Text of two
-attempts is never joined."""
+Both read events through `EventOrder`: one attempt at a time, each event once, in order. An
+event of an older attempt (a worker that lost the request) is dropped; a newer attempt
+replaces what a non-streaming answer had gathered, and ends a stream that already sent
+tokens with the worker_lost error. Text of two attempts is never joined. A repeated event
+(a write sent twice) is dropped; a gap (events the bounded reply stream dropped before they
+were read) ends the answer with the reply_lost error."""
 
 from __future__ import annotations
 
@@ -20,6 +22,33 @@ from producers.errors import APIError, error_body
 def sse(payload: dict[str, Any] | str) -> bytes:
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
     return f"data: {data}\n\n".encode()
+
+
+REPLY_LOST = ("reply_lost", "Part of the answer was lost before it was read (the client read too slowly); "
+                           "the output is incomplete. Retry the request.")
+
+
+class EventOrder:
+    """Where an event stands against those read before: OLD (an earlier attempt, or a repeat),
+    NEXT, NEW_ATTEMPT (a later attempt's first), or GAP (events in between were lost)."""
+
+    OLD, NEXT, NEW_ATTEMPT, GAP = "old", "next", "new_attempt", "gap"
+
+    def __init__(self) -> None:
+        self.attempt = 0
+        self.seq = 0
+
+    def place(self, event: ReplyEvent) -> str:
+        if event.attempt < self.attempt:
+            return self.OLD
+        is_new_attempt = event.attempt > self.attempt
+        last_seq = 0 if is_new_attempt else self.seq
+        if event.seq and event.seq <= last_seq:
+            return self.OLD
+        if event.seq > last_seq + 1:
+            return self.GAP
+        self.attempt, self.seq = event.attempt, event.seq or last_seq
+        return self.NEW_ATTEMPT if is_new_attempt else self.NEXT
 
 
 def event_error(event: Error) -> APIError:
@@ -46,7 +75,7 @@ class Accumulator:
 
     def __init__(self, body: OnlineFields) -> None:
         self.num_choices = getattr(body, "n", None) or 1
-        self.attempt = 0
+        self.order = EventOrder()
         self.reset()
 
     def reset(self) -> None:
@@ -59,11 +88,13 @@ class Accumulator:
     def add(self, events: list[ReplyEvent]) -> bool:
         """True once the request has ended (done, or an error that raises)."""
         for event in events:
-            if event.attempt < self.attempt:
-                continue  # a worker that lost the request
-            if event.attempt > self.attempt:
-                self.attempt = event.attempt
-                self.reset()  # it runs again from the start: keep only the new attempt
+            place = self.order.place(event)
+            if place == EventOrder.OLD:
+                continue  # a worker that lost the request, or a repeat
+            if place == EventOrder.GAP:
+                raise APIError(500, REPLY_LOST[1], REPLY_LOST[0], kind="server_error")
+            if place == EventOrder.NEW_ATTEMPT:
+                self.reset()  # it runs from the start: keep only this attempt
             if isinstance(event, Error):
                 raise event_error(event)
             if isinstance(event, Done):
@@ -101,7 +132,7 @@ class ChunkWriter:
         self.head = {"id": response_id(entry, url), "object": "chat.completion.chunk" if self.is_chat
                      else "text_completion", "created": int(entry.enqueued_at), "model": model}
         self.opened_choices: set[int] = set()  # chat choices whose role chunk went out
-        self.attempt = 0
+        self.order = EventOrder()
         self.has_sent_tokens = False
         self.is_ended = False  # the last event went out: a done, an error, or worker_lost
         self.is_complete = False  # the request itself ended (nothing left to cancel)
@@ -114,12 +145,13 @@ class ChunkWriter:
 
     def of(self, event: ReplyEvent) -> list[dict[str, Any]]:
         """The chunks of one event; `is_ended` once the stream must end."""
-        if event.attempt < self.attempt:
-            return []  # a worker that lost the request
-        if event.attempt > self.attempt and self.has_sent_tokens:  # tokens were sent: never join another run
-            self.is_ended = True
-            return [error_body(WORKER_LOST[1], "server_error", WORKER_LOST[0])]
-        self.attempt = event.attempt
+        place = self.order.place(event)
+        if place == EventOrder.OLD:
+            return []  # a worker that lost the request, or a repeat
+        if place == EventOrder.GAP or place == EventOrder.NEW_ATTEMPT and self.has_sent_tokens:
+            self.is_ended = True  # never skip text, never join another run to what was sent
+            code, message = REPLY_LOST if place == EventOrder.GAP else WORKER_LOST
+            return [error_body(message, "server_error", code)]
         if event.is_last:
             self.is_ended = self.is_complete = True
         if isinstance(event, Error):

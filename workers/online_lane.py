@@ -29,6 +29,7 @@ from workers.translate import RequestRejected, error_code, openai_logprobs, to_e
 class OnlineWork(Work):
     entry: OnlineEntry | None = None
     attempt: int = 1  # tags its reply events (jobs/online.py)
+    num_events: int = 0  # numbers them within the attempt
     completion_tokens: int = 0
     finish_reasons: list[str] = field(default_factory=list)
     text_offsets: dict[int, int] = field(default_factory=dict)  # choice -> characters of its logprob tokens
@@ -66,21 +67,21 @@ class OnlineLane(Lane):
         if output.error is not None:  # it never ran (its grammar did not compile)
             del self.in_flight[output.request_id]
             self.fail(work.stream, work.entry_id, work.entry.request_id,
-                      Error(400, "structured_outputs_error", output.error, work.attempt))
+                      Error(400, "structured_outputs_error", output.error, work.attempt), work)
             return
         had_output = work.has_output
         choices = [self._choice_delta(work, delta) for delta in output.outputs]
         if work.has_output and not had_output:
             self.first_tokens.append(work.entry.request_id)
         if choices:
-            self.events.append((work.entry.request_id, Delta(choices, work.attempt)))
+            self.emit(work.entry.request_id, Delta(choices, work.attempt), work)
         if not output.finished:
             return
         del self.in_flight[output.request_id]
         self.config.metrics.observe_finished(output, work.enqueued_at, "online", work.finish_reasons,
                                              work.completion_tokens)
         usage = Usage(len(output.prompt_token_ids), work.completion_tokens, output.num_cached_tokens)
-        self.events.append((work.entry.request_id, Done(usage.as_openai(), work.attempt)))
+        self.emit(work.entry.request_id, Done(usage.as_openai(), work.attempt), work)
         self.acks.append((work.stream, work.entry_id))
 
     def settle(self) -> None:
@@ -114,7 +115,7 @@ class OnlineLane(Lane):
             if now > work.entry.deadline:
                 self.drop(work)
                 self.fail(work.stream, work.entry_id, work.entry.request_id, Error(
-                    504, "request_timeout", "The request timed out (KVFLEET_REQUEST_TIMEOUT).", work.attempt))
+                    504, "request_timeout", "The request timed out (KVFLEET_REQUEST_TIMEOUT).", work.attempt), work)
 
     def hand_back(self) -> None:
         """A streaming request that already sent tokens cannot run again from the start: it
@@ -122,7 +123,8 @@ class OnlineLane(Lane):
         for work in list(self.in_flight.values()):
             if work.has_output and work.entry.stream:
                 self.drop(work)
-                self.fail(work.stream, work.entry_id, work.entry.request_id, Error(500, *WORKER_LOST, work.attempt))
+                self.fail(work.stream, work.entry_id, work.entry.request_id, Error(500, *WORKER_LOST, work.attempt),
+                          work)
         with suppress_outages():
             self.settle()
         super().hand_back()
@@ -147,8 +149,8 @@ class OnlineLane(Lane):
             self.acks.append((stream, entry_id))
             return None
         if self.dead_letter_after_max_deliveries(stream, entry_id, fields, deliveries):
-            self.events.append((entry.request_id, Error(500, "max_deliveries_exceeded", f"The request failed "
-                                                        f"{deliveries - 1} times on workers.", attempt.number)))
+            self.emit(entry.request_id, Error(500, "max_deliveries_exceeded", f"The request failed "
+                                              f"{deliveries - 1} times on workers.", attempt.number))
             return None
         refusal = refusal_of(entry, attempt)
         if refusal is not None:
@@ -166,8 +168,17 @@ class OnlineLane(Lane):
             return None
         return OnlineWork(stream, entry_id, fields, request, processed, entry.enqueued_at, entry, attempt.number)
 
-    def fail(self, stream: str, entry_id: str, request_id: str, error: Error) -> None:
-        self.events.append((request_id, error))
+    def emit(self, request_id: str, event: ReplyEvent, work: OnlineWork | None = None) -> None:
+        """Queue an event, numbered within its attempt (the only event of an attempt that never
+        started is number 1)."""
+        seq = 1
+        if work is not None:
+            work.num_events += 1
+            seq = work.num_events
+        self.events.append((request_id, dataclasses.replace(event, seq=seq)))
+
+    def fail(self, stream: str, entry_id: str, request_id: str, error: Error, work: OnlineWork | None = None) -> None:
+        self.emit(request_id, error, work)
         self.acks.append((stream, entry_id))
 
     def _choice_delta(self, work: OnlineWork, delta) -> ChoiceDelta:

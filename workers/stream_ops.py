@@ -117,24 +117,34 @@ def release(r: redis.Redis, stream: str, entry_id: str, fields: dict) -> None:
     _append_copy(r, stream, entry_id, fields, int(fields.get(REQUEUES, 0)))
 
 
+# KEYS: the stream the entry is acked in, the stream its copy goes to (the same slot). ARGV: the
+# group, the entry id, then the copy's fields and values. The copy is added only by the XACK
+# that removes the entry, so a call sent twice (a retry) adds one copy.
+_MOVE_ONCE_LUA = """
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
+return 1
+"""
+
+
+def _move(r: redis.Redis, stream: str, entry_id: str, target: str, fields: dict) -> None:
+    flat = [item for pair in fields.items() for item in pair]
+    # execute_command: redis-py's cluster client routes EVAL by its keys
+    r.execute_command("EVAL", _MOVE_ONCE_LUA, 2, stream, target, GROUP, entry_id, *flat)
+
+
 def _append_copy(r: redis.Redis, stream: str, entry_id: str, fields: dict, requeues: int) -> None:
     copy = dict(fields)
     if requeues:
         copy[REQUEUES] = requeues
-    pipe = r.pipeline(transaction=True)
-    pipe.xack(stream, GROUP, entry_id)
-    pipe.xadd(stream, copy)
-    pipe.execute()
+    _move(r, stream, entry_id, stream, copy)
 
 
 def dead_letter(r: redis.Redis, stream: str, entry_id: str, fields: dict, error: str) -> None:
     """Move an entry to the dead-letter stream with its last error, and ack it."""
     record = {k.decode() if isinstance(k, bytes) else k: v for k, v in fields.items()}
     record.update({"stream": stream, "entry_id": entry_id, "error": error})
-    pipe = r.pipeline(transaction=True)
-    pipe.xadd(keys.dead_letters(stream), record)
-    pipe.xack(stream, GROUP, entry_id)
-    pipe.execute()
+    _move(r, stream, entry_id, keys.dead_letters(stream), record)
 
 
 def ack(r: redis.Redis, stream: str, entry_id: str) -> None:

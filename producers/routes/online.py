@@ -13,6 +13,8 @@ KVFLEET_REQUEST_TIMEOUT, is cancelled: the worker aborts it after its next step.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -30,6 +32,7 @@ from producers.online_replies import Accumulator, ChunkWriter, event_error, sse
 from producers.routes import v1_router
 from producers.routes.models import model_not_found
 
+log = logging.getLogger("kvfleet.api")
 router = v1_router("online")
 READ_BLOCK_MS = 500  # between two looks at the client and the clock
 
@@ -76,20 +79,41 @@ async def next_events(services: Services, entry: OnlineEntry, last_id: str,
         if remaining_ms <= 0:
             raise APIError(504, "The request timed out (KVFLEET_REQUEST_TIMEOUT).", "request_timeout",
                            kind="timeout_error")
+        if request is not None and await request.is_disconnected():  # also while tokens flow
+            raise Cancelled
         reply = await services.async_redis.xread({keys.reply(entry.request_id): last_id}, count=256,
                                                  block=min(READ_BLOCK_MS, remaining_ms))
         new_id, events = online.decode_events(reply)
         if events:
             return new_id, events
-        if request is not None and await request.is_disconnected():
-            raise Cancelled
 
 
 def finish(r: redis.Redis, entry: OnlineEntry, is_complete: bool) -> None:
     """Tell the worker to stop unless the request ended; drop the reply stream."""
-    if not is_complete:
-        online.cancel(r, entry.request_id)
-    r.delete(keys.reply(entry.request_id))
+    try:
+        if not is_complete:
+            online.cancel(r, entry.request_id)
+        r.delete(keys.reply(entry.request_id))
+    except redis.RedisError as error:  # the reply stream expires by itself; the worker's deadline stops it
+        log.warning("request %s: cleanup failed: %s", entry.request_id, error)
+
+
+class ReplyStream(StreamingResponse):
+    """Server-sent events whose cleanup always runs, once: when the stream ends, when the
+    client leaves mid-stream, and when it leaves before the first chunk (Starlette then never
+    starts the generator, so a `finally` in it would not run). The cleanup is blocking Redis
+    I/O: it goes to the thread pool, never onto the event loop."""
+
+    def __init__(self, chunks: AsyncIterator[bytes], cleanup) -> None:
+        super().__init__(chunks, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.cleanup = cleanup
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:  # a cancelled task cannot await: hand it over without waiting
+            asyncio.get_running_loop().run_in_executor(None, self.cleanup)
 
 
 async def answer(url: str, body: OnlineFields, request: Request, services: Services, settings: Settings):
@@ -104,9 +128,9 @@ async def answer(url: str, body: OnlineFields, request: Request, services: Servi
         services.online_stats.first_token(time.time() - entry.enqueued_at)
         if body.stream:
             is_handed_over = True  # the stream takes the request over, with its own cleanup
-            chunks = stream_chunks(services, entry, url, body, last_id, events)
-            return StreamingResponse(chunks, media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            chunks = ChunkWriter(entry, body.model, url, body.include_usage)
+            return ReplyStream(stream_chunks(services, entry, chunks, last_id, events),
+                               lambda: finish(services.redis, entry, chunks.is_complete))
         response = Accumulator(body)
         while not response.add(events):
             last_id, events = await next_events(services, entry, last_id, request)
@@ -120,23 +144,19 @@ async def answer(url: str, body: OnlineFields, request: Request, services: Servi
             await run_in_threadpool(finish, services.redis, entry, is_complete)
 
 
-async def stream_chunks(services: Services, entry: OnlineEntry, url: str, body: OnlineFields, last_id: str,
+async def stream_chunks(services: Services, entry: OnlineEntry, chunks: ChunkWriter, last_id: str,
                         events: list[ReplyEvent]) -> AsyncIterator[bytes]:
-    chunks = ChunkWriter(entry, body.model, url, body.include_usage)
-    try:
-        while True:
-            for event in events:
-                for chunk in chunks.of(event):
-                    yield sse(chunk)
-                if chunks.is_ended:
-                    yield sse("[DONE]")
-                    return
-            try:
-                last_id, events = await next_events(services, entry, last_id, None)  # Starlette watches the client
-            except APIError as error:  # past the deadline: end the stream, and cancel the request
-                timeout = event_error(Error(error.status, error.code, error.message))
-                yield sse(error_body(timeout.message, timeout.kind, timeout.code))
+    while True:
+        for event in events:
+            for chunk in chunks.of(event):
+                yield sse(chunk)
+            if chunks.is_ended:
                 yield sse("[DONE]")
                 return
-    finally:  # also when the client disconnects and Starlette cancels this generator
-        finish(services.redis, entry, chunks.is_complete)  # blocking, and brief: a cancelled task cannot await
+        try:
+            last_id, events = await next_events(services, entry, last_id, None)  # Starlette watches the client
+        except APIError as error:  # past the deadline: end the stream (its cleanup cancels the request)
+            timeout = event_error(Error(error.status, error.code, error.message))
+            yield sse(error_body(timeout.message, timeout.kind, timeout.code))
+            yield sse("[DONE]")
+            return

@@ -293,3 +293,15 @@ def test_a_bad_schema_online_is_a_400_naming_it(worker, client):
         client.completions.create(model=MODEL, prompt=PROMPT, stream=True,
                                   extra_body={"structured_outputs": {"grammar": "root ::= ("}})
     assert raised.value.body["message"].startswith("structured_outputs.grammar: EBNF parser error")
+
+
+def test_a_non_streaming_client_that_leaves_while_tokens_flow_is_cancelled(worker, api):
+    engine = worker.engine
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up while the answer is being generated
+        httpx.post(f"{api.url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.5))
+    left_at = time.monotonic()
+    while worker.num_in_flight or engine.has_unfinished():
+        assert time.monotonic() - left_at < 2.0, "the request still runs after its client left"
+        time.sleep(0.01)
+    assert engine.num_free_blocks == engine.num_total_blocks

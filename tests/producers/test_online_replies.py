@@ -56,3 +56,52 @@ def test_a_stream_follows_a_new_attempt_when_nothing_was_sent_yet():
     assert chunks.of(delta("stale", 1)) == []
     [last] = chunks.of(Done(USAGE, 2))
     assert last["usage"] == USAGE and chunks.is_ended and chunks.is_complete
+
+
+def numbered(text: str, seq: int, attempt: int = 1) -> Delta:
+    return Delta([ChoiceDelta(0, text)], attempt, seq)
+
+
+def test_a_repeated_event_is_dropped_and_a_gap_ends_the_answer_with_reply_lost():
+    answer = Accumulator(body(stream=False))
+    assert not answer.add([numbered("a", 1), numbered("b", 2), numbered("b", 2), numbered("c", 3)])
+    assert answer.add([Done(USAGE, 1, 4)])
+    assert answer.body(ENTRY, "m", COMPLETIONS)["choices"][0]["text"] == "abc"  # the repeat of "b" dropped
+    lagging = Accumulator(body(stream=False))
+    with pytest.raises(APIError) as raised:
+        lagging.add([numbered("a", 1), numbered("d", 4)])  # 2 and 3 were trimmed before they were read
+    assert (raised.value.status, raised.value.code) == (500, "reply_lost")
+    chunks = ChunkWriter(ENTRY, "m", COMPLETIONS, include_usage=False)
+    assert [c["choices"][0]["text"] for e in (numbered("a", 1), numbered("a", 1), numbered("b", 2))
+            for c in chunks.of(e)] == ["a", "b"]
+    [error] = chunks.of(numbered("z", 9))
+    assert error["error"]["code"] == "reply_lost" and chunks.is_ended and not chunks.is_complete
+
+
+def test_a_stream_s_cleanup_runs_when_the_client_leaves_before_its_first_chunk():
+    import asyncio
+    import threading
+
+    from starlette.requests import ClientDisconnect
+
+    from producers.routes.online import ReplyStream
+
+    started, cleaned = [], threading.Event()
+
+    async def chunks():
+        started.append(True)
+        yield b"data: {}\n\n"
+
+    async def receive():
+        await asyncio.sleep(3600)
+
+    async def send(message):
+        raise OSError("the client is gone")  # before the headers: the generator never starts
+
+    async def scenario():
+        with pytest.raises((OSError, ClientDisconnect)):
+            await ReplyStream(chunks(), cleaned.set)({"type": "http", "asgi": {"spec_version": "2.4"}}, receive,
+                                                     send)
+
+    asyncio.run(scenario())
+    assert cleaned.wait(5) and not started
