@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--redis-url", default=keys.default_redis_url(), help=REDIS_URL_HELP)
+    parser.add_argument("--forwarded-allow-ips", default=os.environ.get("FORWARDED_ALLOW_IPS", "127.0.0.1"),
+                        help="comma-separated addresses of the TLS proxies whose X-Forwarded-Proto/-For to "
+                             "trust (the console's Secure cookie and Origin check behind HTTPS); '*' trusts any")
     return parser
 
 
@@ -123,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     except StartupError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    uvicorn.run(create_app(args.redis_url), host=args.host, port=args.port, log_level="info")
+    uvicorn.run(create_app(args.redis_url), host=args.host, port=args.port, log_level="info",
+                proxy_headers=True, forwarded_allow_ips=args.forwarded_allow_ips)
     return 0
 
 

@@ -37,9 +37,10 @@ class S3Server:
 class ThreadedUvicorn:
     """An ASGI app served by uvicorn on a free port, in a thread of the test process."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, **config) -> None:
         self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    **config))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property

@@ -3,12 +3,15 @@
 Server-rendered (Jinja2, autoescaped: custom ids and metadata are user input), no build
 step; /ui/static/console.js refreshes each page's live section every few seconds and
 asks before a cancel. Behind the API's key: with KVFLEET_API_KEY set, /ui/login trades the
-key for an HttpOnly, SameSite=Strict cookie (a bearer header works too).
+key for a session cookie (HttpOnly, SameSite=Strict, Secure over HTTPS), a bearer header
+works too. The cookie holds no key: it is a token signed with a secret derived from the key
+(itsdangerous), good for SESSION_SECONDS, and void once the key changes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -18,6 +21,7 @@ import redis
 from fastapi import APIRouter, Depends, Form, Request
 from fastapi.responses import FileResponse, RedirectResponse, Response, StreamingResponse
 from fastapi.templating import Jinja2Templates
+from itsdangerous import BadSignature, URLSafeTimedSerializer
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 
 from jobs import batches, dead_letters, heartbeats
@@ -31,6 +35,7 @@ from producers.status import duration
 
 HERE = Path(__file__).resolve().parents[1]
 COOKIE = "kvfleet_console"
+SESSION_SECONDS = 12 * 3600
 REFRESH_SECONDS = 3
 MAX_ERROR_LINES = 20
 MAX_SCANNED_RESULTS = 5000  # looking for error lines of a batch that is still running
@@ -54,9 +59,25 @@ async def to_login(request: Request, _: LoginRequired) -> RedirectResponse:
     return RedirectResponse("/ui/login", status_code=303)
 
 
+def sessions(settings: Settings) -> URLSafeTimedSerializer:
+    """Signs console sessions with a secret derived from the API key, never the key itself."""
+    secret = hashlib.sha256(b"kvfleet-console-session\n" + (settings.api_key or "").encode()).hexdigest()
+    return URLSafeTimedSerializer(secret, salt="kvfleet-console")
+
+
+def is_session(token: str, settings: Settings) -> bool:
+    try:
+        return sessions(settings).loads(token, max_age=SESSION_SECONDS) == {"console": True}
+    except BadSignature:  # forged, expired, or signed under another key
+        return False
+
+
 def require_login(request: Request, settings: SettingsDep) -> None:
-    token = request.cookies.get(COOKIE) or request.headers.get("authorization", "").removeprefix("Bearer ")
-    if not is_api_key(token, settings):
+    if settings.api_key is None:
+        return
+    cookie = request.cookies.get(COOKIE)
+    bearer = request.headers.get("authorization", "").removeprefix("Bearer ")
+    if not (cookie and is_session(cookie, settings) or bearer and is_api_key(bearer, settings)):
         raise LoginRequired
 
 
@@ -86,8 +107,8 @@ def login(request: Request, key: Annotated[str, Form()], settings: SettingsDep):
         response.status_code = 401
         return response
     response = RedirectResponse("/ui", status_code=303)
-    response.set_cookie(COOKIE, key, httponly=True, samesite="strict", path="/ui",
-                        secure=request.url.scheme == "https")
+    response.set_cookie(COOKIE, sessions(settings).dumps({"console": True}), max_age=SESSION_SECONDS, httponly=True,
+                        samesite="strict", path="/ui", secure=request.url.scheme == "https")
     return response
 
 

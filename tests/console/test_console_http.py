@@ -3,11 +3,16 @@ a cross-origin cancel refused, and the numbers behind the progress columns."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
+import pytest
 
 from jobs import batches
+from producers.api import create_app
 from producers.live_stats import RateSampler, eta_seconds
 from tests.console.conftest import API_KEY
+from tests.services import ThreadedUvicorn
 from tests.workers.helpers import completion, submit_lines
 
 
@@ -48,3 +53,34 @@ def test_eta_comes_from_the_recent_completion_rate():
     assert sampler.rate(batch) == 5.0 and eta_seconds(batch, 5.0) == 170.0
     batch["status"] = "completed"
     assert eta_seconds(batch, None) == 0.0
+
+
+def test_the_session_cookie_is_signed_expires_and_never_holds_the_key(console_api, r, monkeypatch):
+    from producers.routes import console
+
+    with httpx.Client(base_url=console_api.url) as client:
+        token = client.post("/ui/login", data={"key": API_KEY}).cookies["kvfleet_console"]
+        assert API_KEY not in token and client.get("/ui").status_code == 200
+    for forged in (token[:-2] + "xx", API_KEY, ""):
+        assert httpx.get(f"{console_api.url}/ui", cookies={"kvfleet_console": forged}).status_code == 303
+    monkeypatch.setattr(console, "SESSION_SECONDS", 0)
+    time.sleep(1.1)
+    assert httpx.get(f"{console_api.url}/ui", cookies={"kvfleet_console": token}).status_code == 303  # expired
+    monkeypatch.setattr(console, "SESSION_SECONDS", 3600)
+    assert httpx.get(f"{console_api.url}/ui", cookies={"kvfleet_console": token}).status_code == 200
+    monkeypatch.setenv("KVFLEET_API_KEY", "a-rotated-key")
+    assert httpx.get(f"{console_api.url}/ui", cookies={"kvfleet_console": token}).status_code == 303  # void now
+
+
+@pytest.mark.parametrize("trusted, is_https", [("127.0.0.1", True), ("10.9.9.9", False)])
+def test_behind_a_tls_proxy_only_trusted_forwarded_headers_count(redis_server, r, monkeypatch, trusted, is_https):
+    monkeypatch.setenv("KVFLEET_API_KEY", API_KEY)
+    batch_id = submit_lines(r, [completion("a", "x")])
+    proxy = {"X-Forwarded-Proto": "https", "X-Forwarded-For": "203.0.113.7", "Host": "kvfleet.example"}
+    with ThreadedUvicorn(create_app(redis_server.url), proxy_headers=True, forwarded_allow_ips=trusted) as api, \
+            httpx.Client(base_url=api.url, headers=proxy) as client:
+        login = client.post("/ui/login", data={"key": API_KEY})
+        assert ("secure" in login.headers["set-cookie"].lower()) is is_https
+        client.cookies.set("kvfleet_console", login.cookies["kvfleet_console"])
+        cancel = client.post(f"/ui/batches/{batch_id}/cancel", headers={"Origin": "https://kvfleet.example"})
+        assert cancel.status_code == (303 if is_https else 403)  # the browser's https origin is this site's
