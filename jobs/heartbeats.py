@@ -3,6 +3,10 @@
 Every heartbeat a worker rewrites `kvfleet:worker:{name}` (a hash whose TTL is its
 liveness) and scores its name in `kvfleet:workers` by the time, so readers find the
 live workers without SCAN. A name whose hash has expired is dropped on read.
+
+It also scores each model it serves in `kvfleet:models` (no TTL): the models this fleet
+serves even while they have no worker (scaled to zero), for which an online request waits
+for a cold start instead of a 404.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ def record_heartbeat(r: redis.Redis, name: str, record: dict[str, Any], ttl_seco
     pipe.expire(keys.worker(name), ttl_seconds)
     pipe.zadd(keys.WORKERS, {name: now})
     pipe.execute()
+    r.zadd(keys.MODELS, dict.fromkeys(record["models"], now))  # another slot than the worker's keys
 
 
 def remove_worker(r: redis.Redis, name: str) -> None:
@@ -62,6 +67,12 @@ def live_workers(r: redis.Redis) -> list[dict[str, Any]]:
     if gone:
         r.zrem(keys.WORKERS, *gone)
     return sorted(workers, key=lambda w: w["name"])
+
+
+def is_known_model(r: redis.Redis, model: str, max_age_seconds: float) -> bool:
+    """A live worker served `model` within the last `max_age_seconds`."""
+    last_seen = r.zscore(keys.MODELS, model)
+    return last_seen is not None and time.time() - last_seen <= max_age_seconds
 
 
 def served_models(r: redis.Redis) -> dict[str, dict[str, Any]]:

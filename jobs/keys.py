@@ -26,6 +26,7 @@ MULTI. Every script and MULTI in kvfleet touches keys of one tag.
 | kvfleet:idempotency:{digest}          | string + TTL | the object id an Idempotency-Key created (24 h)          |
 | kvfleet:worker:{workers}:{name}       | hash + TTL   | heartbeat: served models, KV blocks, running/waiting/... |
 | kvfleet:workers:{workers}             | sorted set   | worker names by last heartbeat (jobs/heartbeats.py)      |
+| kvfleet:models                        | sorted set   | served model names by the last time a worker served them |
 | rq:queue:kvfleet-finalize             | RQ queue     | finalize_batch jobs (JSON serializer), one per batch     |
 
 Partitions. On one Redis there is one partition (N = 0). On a Redis Cluster each model's
@@ -63,6 +64,7 @@ BATCHES = f"{PREFIX}:batches"
 FILES = f"{PREFIX}:files"
 OPEN_BATCHES = f"{PREFIX}:batches:open"
 WORKERS = f"{PREFIX}:workers:{{workers}}"
+MODELS = f"{PREFIX}:models"
 NUM_CLUSTER_PARTITIONS = 16
 PARTITION_LINES = 100  # consecutive lines of a batch that share a partition
 _TAG = re.compile(r"\{([^}]*)\}")

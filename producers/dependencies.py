@@ -26,6 +26,8 @@ from producers.live_stats import OnlineStats, RateSampler
 
 DEFAULT_MAX_UPLOAD_BYTES = 200 * 1024 * 1024
 SERVED_CACHE_SECONDS = 1.0
+DEFAULT_COLD_START_SECONDS = 300.0
+DEFAULT_KNOWN_MODEL_SECONDS = 7 * 86400.0
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,8 @@ class Settings:
     max_upload_bytes: int
     request_timeout: float
     max_online_queue: int
+    cold_start_seconds: float  # how long an online request for a scaled-to-zero model waits for a worker
+    known_model_seconds: float  # how long after its last worker a model still counts as served
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -43,7 +47,9 @@ class Settings:
         return cls(api_key=env.get("KVFLEET_API_KEY") or None,
                    max_upload_bytes=int(env.get("KVFLEET_MAX_UPLOAD_BYTES", DEFAULT_MAX_UPLOAD_BYTES)),
                    request_timeout=float(env.get("KVFLEET_REQUEST_TIMEOUT", online.DEFAULT_REQUEST_TIMEOUT)),
-                   max_online_queue=int(env.get("KVFLEET_MAX_ONLINE_QUEUE", online.DEFAULT_MAX_ONLINE_QUEUE)))
+                   max_online_queue=int(env.get("KVFLEET_MAX_ONLINE_QUEUE", online.DEFAULT_MAX_ONLINE_QUEUE)),
+                   cold_start_seconds=float(env.get("KVFLEET_COLD_START_SECONDS", DEFAULT_COLD_START_SECONDS)),
+                   known_model_seconds=float(env.get("KVFLEET_KNOWN_MODEL_SECONDS", DEFAULT_KNOWN_MODEL_SECONDS)))
 
 
 class ServedModels:

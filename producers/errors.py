@@ -33,7 +33,7 @@ def error_body(message: str, kind: str, code: str, param: str | None = None) -> 
 
 def error_response(error: APIError) -> JSONResponse:
     response = JSONResponse(error_body(error.message, error.kind, error.code, error.param), status_code=error.status)
-    if error.status == 429:
+    if error.status in (429, 503):
         response.headers["Retry-After"] = "1"
     return response
 
@@ -55,7 +55,9 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": description}
     for status, description in ((400, "Invalid request"), (401, "Missing or wrong API key"), (404, "Not found"),
                                 (409, "Conflicting state"), (413, "Upload too large"),
-                                (429, "Online queue full (Retry-After)"), (504, "KVFLEET_REQUEST_TIMEOUT passed"))}
+                                (429, "Online queue full (Retry-After)"),
+                                (503, "No worker of a scaled-to-zero model started in time (Retry-After)"),
+                                (504, "KVFLEET_REQUEST_TIMEOUT passed"))}
 
 
 async def api_error(_: Request, error: APIError) -> JSONResponse:

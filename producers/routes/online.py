@@ -23,7 +23,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from jobs import keys, online
+from jobs import heartbeats, keys, online
 from jobs.online import Error, OnlineEntry, ReplyEvent
 from jobs.schemas import CHAT_COMPLETIONS, COMPLETIONS, OnlineChatBody, OnlineCompletionBody, OnlineFields
 from producers.dependencies import Services, ServicesDep, Settings, SettingsDep
@@ -53,12 +53,16 @@ async def create_chat_completion(body: OnlineChatBody, request: Request, service
     return await answer(CHAT_COMPLETIONS, body, request, services, settings)
 
 
-def enqueue(services: Services, settings: Settings, url: str, body: OnlineFields) -> OnlineEntry:
-    """Checks that need Redis, then XADD; runs in the thread pool (redis-py is blocking)."""
+def enqueue(services: Services, settings: Settings, url: str, body: OnlineFields) -> tuple[OnlineEntry, bool]:
+    """Checks that need Redis, then XADD; runs in the thread pool (redis-py is blocking).
+    Returns the entry and whether it waits for a cold start (its model has no live worker
+    now, but had one: scaled to zero, and the online stream's lag wakes one)."""
     r, model = services.redis, body.model
-    if model not in services.served_models.get():
+    is_cold = model not in services.served_models.get()
+    if is_cold:
         services.served_models.forget()  # maybe it just started: look again next time
-        raise model_not_found(model)
+        if not heartbeats.is_known_model(r, model, settings.known_model_seconds):
+            raise model_not_found(model)
     if online.online_backlog(r, model) >= settings.max_online_queue:
         raise APIError(429, f"Too many online requests queued for model '{model}' (KVFLEET_MAX_ONLINE_QUEUE "
                             f"{settings.max_online_queue}); retry shortly.", "too_many_requests",
@@ -67,18 +71,19 @@ def enqueue(services: Services, settings: Settings, url: str, body: OnlineFields
     entry = OnlineEntry(online.new_request_id(), url, body.batch_body(), bool(body.stream), body.priority,
                         now + settings.request_timeout, now)
     online.enqueue(r, model, entry)
-    return entry
+    return entry, is_cold
 
 
-async def next_events(services: Services, entry: OnlineEntry, last_id: str,
-                      request: Request | None) -> tuple[str, list[ReplyEvent]]:
+async def next_events(services: Services, entry: OnlineEntry, last_id: str, request: Request | None,
+                      deadline: float | None = None, timeout: APIError | None = None) -> tuple[str, list[ReplyEvent]]:
     """Block until the reply stream has events: (last id, events). Raises Cancelled
-    when the client has gone, APIError 504 past the deadline."""
+    when the client has gone, `timeout` past `deadline` (by default the request's: 504)."""
+    deadline = entry.deadline if deadline is None else deadline
     while True:
-        remaining_ms = int((entry.deadline - time.time()) * 1000)
+        remaining_ms = int((deadline - time.time()) * 1000)
         if remaining_ms <= 0:
-            raise APIError(504, "The request timed out (KVFLEET_REQUEST_TIMEOUT).", "request_timeout",
-                           kind="timeout_error")
+            raise timeout or APIError(504, "The request timed out (KVFLEET_REQUEST_TIMEOUT).", "request_timeout",
+                                      kind="timeout_error")
         if request is not None and await request.is_disconnected():  # also while tokens flow
             raise Cancelled
         reply = await services.async_redis.xread({keys.reply(entry.request_id): last_id}, count=256,
@@ -116,12 +121,24 @@ class ReplyStream(StreamingResponse):
             asyncio.get_running_loop().run_in_executor(None, self.cleanup)
 
 
+async def first_events(services: Services, settings: Settings, entry: OnlineEntry, is_cold: bool,
+                       request: Request) -> tuple[str, list[ReplyEvent]]:
+    """The first events; for a model with no live worker, waited for up to the cold-start bound."""
+    if not is_cold:
+        return await next_events(services, entry, "0-0", request)
+    bound = min(entry.deadline, time.time() + settings.cold_start_seconds)
+    no_worker = APIError(503, f"No worker of model '{entry.body.get('model')}' started within "
+                              f"{settings.cold_start_seconds:g} s (KVFLEET_COLD_START_SECONDS); retry shortly.",
+                         "model_cold_start_timeout", kind="server_error")
+    return await next_events(services, entry, "0-0", request, bound, no_worker)
+
+
 async def answer(url: str, body: OnlineFields, request: Request, services: Services, settings: Settings):
-    entry = await run_in_threadpool(enqueue, services, settings, url, body)
+    entry, is_cold = await run_in_threadpool(enqueue, services, settings, url, body)
     services.online_stats.arrived()
     is_complete = is_handed_over = False
     try:
-        last_id, events = await next_events(services, entry, "0-0", request)
+        last_id, events = await first_events(services, settings, entry, is_cold, request)
         if isinstance(events[0], Error):
             is_complete = True
             raise event_error(events[0])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import httpx
@@ -13,9 +14,9 @@ import openai
 import pytest
 
 from engine import SamplingParams
-from jobs import batches, keys
+from jobs import batches, heartbeats, keys, online
 from producers.ingest import submit
-from tests.online.conftest import MODEL
+from tests.online.conftest import MODEL, WorkerThread
 
 PROMPT = "The fleet reads the queue and"
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is a KV cache?"}]
@@ -305,3 +306,28 @@ def test_a_non_streaming_client_that_leaves_while_tokens_flow_is_cancelled(worke
         assert time.monotonic() - left_at < 2.0, "the request still runs after its client left"
         time.sleep(0.01)
     assert engine.num_free_blocks == engine.num_total_blocks
+
+
+def test_a_scaled_to_zero_model_waits_for_a_cold_start_instead_of_a_404(online_engine, redis_server, r, api, client,
+                                                                         monkeypatch, reference):
+    heartbeats.record_heartbeat(r, "gone", {"models": [MODEL], "root": MODEL, "max_model_len": 64}, 30)
+    heartbeats.remove_worker(r, "gone")  # scaled to zero: no live worker, but the model is this fleet's
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="never-served", prompt=PROMPT, max_tokens=4)
+    monkeypatch.setenv("KVFLEET_COLD_START_SECONDS", "1")
+    started = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as raised:  # nothing woke up in time
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4)
+    assert raised.value.status_code == 503 and raised.value.code == "model_cold_start_timeout"
+    assert raised.value.response.headers["retry-after"] == "1" and time.monotonic() - started >= 1
+    monkeypatch.setenv("KVFLEET_COLD_START_SECONDS", "60")
+    answers = []
+    waiting = threading.Thread(target=lambda: answers.append(client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)))
+    waiting.start()
+    time.sleep(1.0)  # the request waits in the online stream: its lag is what wakes a worker (KEDA)
+    assert online.online_backlog(r, MODEL) >= 1
+    with WorkerThread(online_engine, redis_server.url):
+        waiting.join(timeout=60)
+    expected = reference.generate([PROMPT], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0]
+    assert answers and answers[0].choices[0].text == expected.text
