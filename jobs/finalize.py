@@ -20,6 +20,7 @@ lives in the finalizer's own process and dies with it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -27,6 +28,7 @@ import tempfile
 import time
 
 import redis
+from redis.exceptions import LockError
 from rq import Queue, SimpleWorker, get_current_job
 from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
@@ -39,6 +41,7 @@ from jobs.results import is_error_line
 from jobs.storage import CHUNK, describe_error, is_permanent_error, open_storage, result_stores
 
 log = logging.getLogger("kvfleet.finalize")
+FINALIZE_LOCK_SECONDS = 3600  # longer than any finalize: it is released when the job ends
 ACTIVE_JOB_STATUSES = (JobStatus.QUEUED, JobStatus.STARTED, JobStatus.SCHEDULED, JobStatus.DEFERRED)
 
 
@@ -116,6 +119,18 @@ def finalize_batch(batch_id: str, r: redis.Redis | None = None) -> dict:
     Outages raise (the job fails; the Sweeper enqueues it again); a permanent storage
     error ends the batch failed."""
     r = r or _connection()
+    lock = r.lock(keys.finalize_lock(batch_id), timeout=FINALIZE_LOCK_SECONDS, blocking=False)
+    if not lock.acquire():  # another finalizer runs it now (a job enqueued twice, or swept meanwhile)
+        log.info("batch %s: another finalizer is finalizing it", batch_id)
+        return batches.batch_object(r, batch_id)
+    try:
+        return _finalize_locked(r, batch_id)
+    finally:
+        with contextlib.suppress(LockError):  # it outlived its timeout: the files are written once anyway
+            lock.release()
+
+
+def _finalize_locked(r: redis.Redis, batch_id: str) -> dict:
     fields = batches.load_fields(r, batch_id)
     if fields["status"] in batches.TERMINAL:
         return batches.batch_object(r, batch_id)

@@ -138,6 +138,11 @@ def batch(batch_id: str) -> str:
     return f"{PREFIX}:batch:{{{batch_id}}}"
 
 
+def finalize_lock(batch_id: str) -> str:
+    """Held by the one finalizer that runs the batch's finalize."""
+    return f"{PREFIX}:batch:{{{batch_id}}}:finalizing"
+
+
 def batch_results(batch_id: str) -> str:
     return f"{PREFIX}:batch:{{{batch_id}}}:results"
 

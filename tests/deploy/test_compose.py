@@ -57,11 +57,12 @@ def test_grafana_is_provisioned_with_prometheus_and_the_dashboard():
     assert mounts["/var/lib/grafana/dashboards"] == ROOT / "deploy" / "grafana" / "dashboards"
     [source] = yaml.safe_load((ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text())[
         "datasources"]
-    assert urlparse(source["url"]).hostname == "prometheus" and "9090:9090" in SERVICES["prometheus"]["ports"]
+    assert urlparse(source["url"]).hostname == "prometheus" and "127.0.0.1:9090:9090" in [
+        substitute(port) for port in SERVICES["prometheus"]["ports"]]
     [provider] = yaml.safe_load((ROOT / "deploy/grafana/provisioning/dashboards/kvfleet.yml").read_text())[
         "providers"]
     assert provider["options"]["path"] == "/var/lib/grafana/dashboards"
-    assert "prometheus" in grafana["depends_on"] and "3000:3000" in grafana["ports"]
+    assert "prometheus" in grafana["depends_on"] and "127.0.0.1:3000:3000" in map(substitute, grafana["ports"])
 
 
 def test_redis_keeps_an_aof_on_a_volume():
@@ -85,7 +86,7 @@ def test_workers_reserve_a_gpu_and_scale():
 def test_ports_and_hosts_agree():
     commands = {name: args for name, _, args in kvfleet_commands()}
     api_port = flag(commands["api"], "--port")
-    assert f"{api_port}:{api_port}" in SERVICES["api"]["ports"]
+    assert f"127.0.0.1:{api_port}:{api_port}" in map(substitute, SERVICES["api"]["ports"])
     assert flag(commands["api"], "--host") == "0.0.0.0"
     prometheus = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
     jobs = {job["job_name"]: job for job in prometheus["scrape_configs"]}
@@ -134,3 +135,20 @@ def test_dockerfile_ships_every_package_a_command_needs(module):
     for package in ("engine", "kernels", "jobs", "producers", "workers", "kvfleet", "grammar_support"):
         assert f"COPY {package} ./{package}" in dockerfile
     assert module.split(".")[0] in dockerfile
+
+
+def test_nothing_with_an_empty_key_or_default_credentials_is_published_beyond_this_host():
+    published = {name: [substitute(str(port)) for port in service.get("ports", [])]
+                 for name, service in SERVICES.items()}
+    assert published["api"] and published["grafana"] and published["minio"]
+    for name, ports in published.items():
+        for port in ports:
+            assert port.startswith("127.0.0.1:"), f"{name} publishes {port} to the network by default"
+
+
+def test_the_image_runs_as_a_non_root_user_on_a_pinned_base():
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    [base] = re.findall(r"^FROM (\S+)", dockerfile, re.M)
+    assert re.fullmatch(r"python:\d+\.\d+\.\d+-slim-\w+|[^@]+@sha256:[0-9a-f]{64}", base), base
+    [user] = re.findall(r"^USER (\S+)", dockerfile, re.M)
+    assert user not in ("root", "0") and dockerfile.index("USER") > dockerfile.rindex("RUN pip install")

@@ -154,22 +154,51 @@ def test_keda_objects_use_only_documented_fields_and_kvfleets_streams(target):
         worker = container(deployments[spec["scaleTargetRef"]["name"]])
         env = {variable["name"] for variable in worker["env"]}
         model = flag(worker["command"], "--served-model-name")
-        streams = []
+        batch_streams, online_metrics = [], []
         for trigger in spec["triggers"]:
             assert set(trigger) <= TRIGGER_FIELDS and trigger["type"] in ADDRESS_METADATA
             metadata = trigger["metadata"]
             assert set(metadata) <= STREAMS_METADATA | ADDRESS_METADATA[trigger["type"]], set(metadata)
             assert all(isinstance(value, str) for value in metadata.values())  # KEDA metadata is strings
             assert metadata["consumerGroup"] == keys.CONSUMER_GROUP
-            # Lag, not pending: workers pull only what fits, so the backlog is undelivered.
-            assert "lagCount" in metadata and "activationLagCount" in metadata
-            assert "pendingEntriesCount" not in metadata and "streamLength" not in metadata
+            assert "streamLength" not in metadata
             from_env = [value for field, value in metadata.items() if field.endswith("FromEnv")]
             assert from_env and set(from_env) <= env  # read from the scale target's environment
             assert trigger["authenticationRef"]["name"] in auths
-            streams.append(metadata["stream"])
+            if metadata["stream"] == keys.online_stream(model):
+                online_metrics.append("lag" if "lagCount" in metadata else "pending")
+                continue
+            # Batch work: lag, not pending: workers pull only what fits, so the backlog is undelivered.
+            assert "lagCount" in metadata and "activationLagCount" in metadata
+            assert "pendingEntriesCount" not in metadata
+            batch_streams.append(metadata["stream"])
         num_partitions = keys.NUM_CLUSTER_PARTITIONS if target.endswith("redis-cluster") else 1
-        assert streams == keys.streams(model, num_partitions)
+        assert batch_streams == keys.streams(model, num_partitions)
+        # Online demand: its lag wakes a worker from zero, its pending requests keep workers up.
+        assert sorted(online_metrics) == ["lag", "pending"]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_container_is_locked_down_and_bounded(target):
+    """Non-root, no privilege escalation, no capabilities, a read-only root filesystem, and
+    limits on memory and ephemeral storage, for every container of every workload."""
+    workloads = {**objects(target, "Deployment"), **objects(target, "StatefulSet")}
+    assert workloads
+    for name, workload in workloads.items():
+        for spec in workload["spec"]["template"]["spec"]["containers"]:
+            security = spec.get("securityContext", {})
+            assert security.get("runAsNonRoot") is True and security.get("allowPrivilegeEscalation") is False, name
+            assert security.get("readOnlyRootFilesystem") is True, name
+            assert security.get("capabilities", {}).get("drop") == ["ALL"], name
+            limits = spec.get("resources", {}).get("limits", {})
+            assert "memory" in limits and "ephemeral-storage" in limits, name
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_the_api_key_secret_is_required(target):
+    api = container(objects(target, "Deployment")["kvfleet-api"])
+    [key] = [variable for variable in api["env"] if variable["name"] == "KVFLEET_API_KEY"]
+    assert key["valueFrom"]["secretKeyRef"].get("optional") in (None, False)
 
 
 @pytest.mark.parametrize("target", TARGETS)

@@ -109,3 +109,31 @@ def test_error_lines_kept_in_redis_for_a_broken_sink_reach_the_error_file(r, tmp
     assert batch["request_counts"] == {"total": 3, "completed": 2, "failed": 1}
     assert [line["error"]["code"] for line in read_lines(r, batch["error_file_id"])] == ["storage_error"]
     assert len(read_lines(r, batch["output_file_id"])) == 2
+
+
+def test_two_finalizers_never_run_one_batch_s_finalize_at_once(r, monkeypatch):
+    import threading
+    import time
+
+    from jobs import finalize
+
+    batch_id = make_batch(r, "redis", 2)
+    record_all(r, batch_id, "redis", 2)
+    writes, original = [], finalize._write_files
+
+    def slow_write(*args):
+        writes.append(threading.current_thread().name)
+        time.sleep(0.5)
+        original(*args)
+
+    monkeypatch.setattr(finalize, "_write_files", slow_write)
+    results = []
+    finalizers = [threading.Thread(target=lambda: results.append(finalize.finalize_batch(batch_id, r)), name=name)
+                  for name in ("first", "second")]
+    for thread in finalizers:
+        thread.start()
+    for thread in finalizers:
+        thread.join(timeout=30)
+    assert len(writes) == 1  # the other found the lock and left
+    assert batches.batch_object(r, batch_id)["status"] == "completed"
+    assert not r.exists(keys.finalize_lock(batch_id))
