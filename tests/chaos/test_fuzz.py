@@ -4,6 +4,10 @@ and without the bearer key), and Hypothesis on the line parser every request mee
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import schemathesis
@@ -51,6 +55,22 @@ def test_every_route_answers_in_its_schema_and_never_5xx(live_api):
                                    excluded_checks=semantic_exceptions(case.body))
 
         check()
+
+
+def test_every_schemathesis_phase_passes_coverage_included(live_api, tmp_path):
+    """Schemathesis's own runner with every phase: examples, coverage (boundary and type-confusion
+    values for each field, e.g. `"structured_outputs": [null, null]`), fuzzing and stateful.
+    Every check runs but "schema-valid data is accepted", which constraint bodies may rightly
+    fail (test above: there it is skipped for those bodies only)."""
+    cli = Path(sys.executable).with_name("schemathesis")
+    done = subprocess.run([str(cli), "run", f"{live_api.url}/openapi.json", "--phases",
+                           "examples,coverage,fuzzing,stateful", "-H", f"Authorization: Bearer {API_KEY}",
+                           "--max-examples", "25", "--checks", "all", "--exclude-checks", "positive_data_acceptance",
+                           "--no-color", "--report-dir", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:]
+    [(generated, passed)] = re.findall(r"(\d+) generated, (\d+) passed", done.stdout)
+    assert int(generated) >= 500 and generated == passed, done.stdout[-2000:]
+    assert re.search(r"Coverage \(in", done.stdout) and "Stateful" in done.stdout
 
 
 JSON_VALUES = st.recursive(
