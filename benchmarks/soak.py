@@ -82,7 +82,8 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp(prefix="kvfleet-soak-"))
     server = RedisServer(folder / "redis").start()
     r = redis.Redis.from_url(server.url)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "KVFLEET_ALLOWED_OUTPUTS": f"file://{folder}/"}  # the folder sink the batches name
     api_port = free_port()
     common = ["--redis-url", server.url]
     processes = {f"worker{i}": subprocess.Popen([

@@ -106,9 +106,8 @@ class BatchLane(Lane):
     def is_backing_off(self) -> bool:
         return self.flusher.is_waiting()
 
-    def lose(self, stream: str, entry_id: str) -> None:
-        super().lose(stream, entry_id)
-        self.flusher.discard(stream, entry_id)
+    def lose(self, stream: str, entry_id: str) -> bool:
+        return self.flusher.discard(stream, entry_id) | super().lose(stream, entry_id)
 
     def held(self) -> list[tuple[str, str]]:
         # Finished with its result not yet durable: a storage outage may outlast the lease.

@@ -73,10 +73,15 @@ class ResultFlusher:
         """(stream, entry_id) of every result waiting to be acked: their leases are kept."""
         return [(res.stream, res.entry_id) for t in self.targets.values() for res in t.queue if res.entry_id]
 
-    def discard(self, stream: str, entry_id: str) -> None:
-        """Forget the result of an entry another worker took over: it is never written."""
+    def discard(self, stream: str, entry_id: str) -> bool:
+        """Forget the result of an entry another worker took over: it is never written. False
+        when no result of it waits here."""
+        found = False
         for target in self.targets.values():
-            target.queue = deque(res for res in target.queue if (res.stream, res.entry_id) != (stream, entry_id))
+            kept = deque(res for res in target.queue if (res.stream, res.entry_id) != (stream, entry_id))
+            found = found or len(kept) < len(target.queue)
+            target.queue = kept
+        return found
 
     def is_waiting(self) -> bool:
         """Every queued result waits for its target's back-off."""

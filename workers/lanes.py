@@ -106,11 +106,13 @@ class Lane:
         for work in list(self.in_flight.values()):
             self.drop(work)
 
-    def lose(self, stream: str, entry_id: str) -> None:
-        """Another worker took the entry over: stop it here at once, and never settle it."""
+    def lose(self, stream: str, entry_id: str) -> bool:
+        """Another worker took the entry over: stop it here at once, and never settle it.
+        False when this lane does not hold it (any more)."""
         work = self.in_flight.get(engine_request_id(stream, entry_id))
         if work is not None:
             self.drop(work)
+        return work is not None
 
     def hand_back(self) -> None:
         for work in list(self.in_flight.values()):

@@ -90,9 +90,7 @@ class LeaseKeeper:
         with self._lock:
             held = self._held
         lost = renew(self.r, self.consumer, held)
-        if lost:
-            log.warning("%s: %d entries were taken over by other workers; aborting them here", self.consumer,
-                        len(lost))
+        if lost:  # or acked by this worker since `held` was handed over: the worker tells them apart
             with self._lock:
                 self._lost |= lost
 

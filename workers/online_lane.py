@@ -129,12 +129,12 @@ class OnlineLane(Lane):
             self.settle()
         super().hand_back()
 
-    def lose(self, stream: str, entry_id: str) -> None:
+    def lose(self, stream: str, entry_id: str) -> bool:
         work = self.in_flight.get(engine_request_id(stream, entry_id))
-        super().lose(stream, entry_id)
-        self.acks = [ack for ack in self.acks if ack != (stream, entry_id)]
         if work is not None:  # its new owner answers now
             self.events = [(rid, event) for rid, event in self.events if rid != work.entry.request_id]
+        self.acks = [ack for ack in self.acks if ack != (stream, entry_id)]  # its entry is the new owner's
+        return super().lose(stream, entry_id)
 
     # -- entries and events -----------------------------------------------------
     def accept(self, stream: str, entry_id: str, fields: dict, deliveries: int) -> OnlineWork | None:

@@ -181,9 +181,10 @@ class Worker:
     def _abort_lost(self) -> None:
         """Abort here what another worker took over (the lease keeper found it owned by them)."""
         self.leases.start_once()
-        for stream, entry_id in self.leases.take_lost():
-            for lane in self.lanes:
-                lane.lose(stream, entry_id)
+        num_lost = sum(lane.lose(stream, entry_id) for stream, entry_id in self.leases.take_lost()
+                       for lane in self.lanes)
+        if num_lost:
+            log.warning("%s: %d entries were taken over by other workers; aborted here", self.options.name, num_lost)
 
     def _maintain(self) -> None:
         now = time.monotonic()

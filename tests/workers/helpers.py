@@ -13,6 +13,15 @@ from tests.services import run_finalize_jobs
 MODEL = "tiny"
 
 
+def make_worker(engine, r, **options):
+    """An in-process worker on `engine`, with quick leases and upkeep for tests."""
+    from workers.worker import Worker, WorkerOptions
+
+    assert not engine.has_unfinished()
+    defaults = dict(name="w-test", served_model_names=[MODEL], lease_seconds=5, block_ms=50, maintain_seconds=0.05)
+    return Worker(engine, r, WorkerOptions(**{**defaults, **options}))
+
+
 def submit_lines(r, records, **options) -> str:
     lines = [json.dumps(record).encode() for record in records]
     submission = submit(r, lambda: lines, **{"model": MODEL, **options})

@@ -13,9 +13,8 @@ from jobs import batches, keys
 from jobs.recording import record_result
 from jobs.results import Choice, Usage, completion_body, success_line
 from jobs.storage import open_storage
-from tests.workers.helpers import MODEL, completion, submit_lines
+from tests.workers.helpers import MODEL, completion, make_worker, submit_lines
 from workers.leases import renew
-from workers.worker import Worker, WorkerOptions
 
 STREAM = keys.stream(MODEL)
 GROUP = keys.CONSUMER_GROUP
@@ -24,12 +23,6 @@ GROUP = keys.CONSUMER_GROUP
 @pytest.fixture(scope="module")
 def engine(tiny_llama):
     return LLMEngine(EngineConfig(model=tiny_llama, num_kv_blocks=64, max_num_seqs=8))
-
-
-def make_worker(engine, r, **options) -> Worker:
-    assert not engine.has_unfinished()
-    defaults = dict(name="w-test", served_model_names=[MODEL], lease_seconds=2, block_ms=50, maintain_seconds=0.05)
-    return Worker(engine, r, WorkerOptions(**{**defaults, **options}))
 
 
 def owners(r) -> dict[str, str]:

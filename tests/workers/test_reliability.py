@@ -11,20 +11,13 @@ import pytest
 from engine import EngineConfig, LLMEngine
 from jobs import batches, keys
 from tests.services import S3Server
-from tests.workers.helpers import MODEL, completion, read_lines, run_until, submit_lines
+from tests.workers.helpers import MODEL, completion, make_worker, read_lines, run_until, submit_lines
 from workers import batch_lane
-from workers.worker import Worker, WorkerOptions
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama):
     return LLMEngine(EngineConfig(model=tiny_llama, num_kv_blocks=64, max_num_seqs=8))
-
-
-def make_worker(engine, r, **options) -> Worker:
-    assert not engine.has_unfinished()
-    defaults = dict(name="w-test", served_model_names=[MODEL], lease_seconds=5, block_ms=50, maintain_seconds=0.05)
-    return Worker(engine, r, WorkerOptions(**{**defaults, **options}))
 
 
 def count_added(engine, monkeypatch) -> list[str]:
