@@ -3,6 +3,7 @@ progress bar with an ETA."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -20,6 +21,7 @@ from kvfleet.cli import main as kvfleet
 from tests.workers.helpers import completion, submit_lines
 
 KVFLEET = Path(sys.executable).parent / "kvfleet"  # the console script pip installed
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_kvfleet_help_lists_every_subcommand():
@@ -71,3 +73,14 @@ def test_status_watch_draws_a_progress_bar_with_an_eta_until_the_batch_ends(r, r
 def test_status_names_an_unreachable_redis(capsys):
     assert kvfleet(["status", "--redis-url", "redis://127.0.0.1:1/0"]) == 2
     assert "cannot reach Redis at redis://127.0.0.1:1/0" in capsys.readouterr().err
+
+
+def test_make_demo_s_command_runs_the_main_job_end_to_end(tmp_path):
+    """What `make demo` runs, on the embedded defaults: every prompt of the example file completes."""
+    env = {k: v for k, v in os.environ.items() if k not in ("KVFLEET_ALLOWED_OUTPUTS", "KVFLEET_REDIS_URL")}
+    done = subprocess.run([sys.executable, "-m", "workers.demo", "--prompts", str(ROOT / "examples" / "prompts.jsonl"),
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    num_prompts = sum(1 for line in (ROOT / "examples" / "prompts.jsonl").read_text().splitlines() if line.strip())
+    assert f"completed, {num_prompts} completed, 0 failed" in done.stdout
+    assert len((tmp_path / "output.jsonl").read_text().splitlines()) == num_prompts

@@ -11,6 +11,7 @@ started, whatever happens.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    # The demo is its own operator: its results go to its folder (the processes it starts inherit this).
+    os.environ.setdefault("KVFLEET_ALLOWED_OUTPUTS", f"redis,file://{out / 'results'}")
     group = ProcessGroup()
     own_redis = None
     python = [sys.executable, "-m"]
