@@ -1,9 +1,9 @@
 """The worker loop, shaped like rq's `work()`:
 
     while not stopping:
-        leases       entries another worker took over are aborted; at the end of the turn, what
-                     every lane holds goes to the lease keeper (workers/leases.py), whose thread
-                     renews it
+        leases       entries another worker took over are aborted; after admission and again at
+                     the end of the turn, what every lane holds goes to the lease keeper
+                     (workers/leases.py), whose thread renews it
         maintain()   heartbeat, lane.check() (cancel/expire), reclaim, trim (every ~second)
         admit()      lane.pull() for each lane, online first (workers/online_lane.py), then batch
                      (workers/batch_lane.py): what fits the free KV blocks (workers/admission.py);
@@ -158,6 +158,7 @@ class Worker:
                     raise
                 self.is_group_ready = self.health.is_joined = False  # the stream or group was deleted: again
                 self._back_off(f"redis: {error}")
+        self._hold_leases()  # what this turn pulled, before a long step or a slow storage put
         if self.engine.has_unfinished():
             self._step()
         if time.monotonic() >= self.retry_at:  # Redis holds every target's bookkeeping: wait out its back-off
@@ -166,7 +167,7 @@ class Worker:
                     lane.settle()
             except OUTAGE_ERRORS as error:
                 self._back_off(f"recording a result failed: {error}")
-        self.leases.hold([entry for lane in self.lanes for entry in lane.held()])  # what this turn pulled too
+        self._hold_leases()  # without what this turn acked
         is_settling = self.is_settling()
         is_waiting = time.monotonic() < self.retry_at or any(lane.is_backing_off() for lane in self.lanes)
         if not self.engine.has_unfinished() and (is_settling or is_waiting):
@@ -178,6 +179,9 @@ class Worker:
         log.warning("%s: %s; retrying in %.1fs", self.options.name, reason, self.backoff)
 
     # -- maintenance -------------------------------------------------------------
+    def _hold_leases(self) -> None:
+        self.leases.hold([entry for lane in self.lanes for entry in lane.held()])
+
     def _abort_lost(self) -> None:
         """Abort here what another worker took over (the lease keeper found it owned by them)."""
         self.leases.start_once()
