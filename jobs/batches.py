@@ -26,6 +26,9 @@ BATCH_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,128}")
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 UNSUCCESSFUL = ("failed", "expired", "cancelled")  # terminal, and not every request ran
 STOPPED = ("cancelling", "cancelled", "failed")  # a worker must not start its requests
+# The error line of a request its batch stopped before it ran: (code, message).
+CANCELLED_REQUEST = ("batch_cancelled", "The batch was cancelled before this request finished.")
+EXPIRED_REQUEST = ("batch_expired", "This request could not be executed before the completion window expired.")
 TRANSITIONS: dict[str, tuple[str, ...]] = {
     "in_progress": ("validating",),
     "finalizing": ("in_progress",),

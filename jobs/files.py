@@ -75,10 +75,8 @@ def list_files(r: redis.Redis, purpose: str | None = None, after: str | None = N
 def delete_file(r: redis.Redis, file_id: str) -> dict[str, Any]:
     """Remove the file's content from the storage that holds it (Redis, the folder, the bucket),
     then its object; OpenAI's deletion object."""
-    raw = r.hmget(keys.file(file_id), "location", "sink")
-    if raw[0] is None:
-        raise FileNotFound(file_id)
-    open_storage(raw[1].decode(), r).delete_file(raw[0].decode())
+    storage, location = _stored_at(r, file_id)
+    storage.delete_file(location)
     pipe = r.pipeline(transaction=False)
     pipe.delete(keys.file(file_id))
     pipe.zrem(keys.FILES, file_id)
@@ -107,8 +105,13 @@ def read_lines(r: redis.Redis, file_id: str) -> Iterator[bytes]:
 
 
 def read_file(r: redis.Redis, file_id: str) -> Iterator[bytes]:
-    raw = r.hmget(keys.file(file_id), "location", "sink")
-    if raw[0] is None:
+    storage, location = _stored_at(r, file_id)
+    return storage.read_file(location)
+
+
+def _stored_at(r: redis.Redis, file_id: str) -> tuple[Storage, str]:
+    """The storage that holds the file's content, and where in it."""
+    location, sink = r.hmget(keys.file(file_id), "location", "sink")
+    if location is None:
         raise FileNotFound(file_id)
-    location, sink = raw[0].decode(), raw[1].decode()
-    return open_storage(sink, r).read_file(location)
+    return open_storage(sink.decode(), r), location.decode()

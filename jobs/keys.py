@@ -50,6 +50,7 @@ jobs/online.py's `OnlineEntry` (online streams).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import zlib
@@ -153,6 +154,12 @@ def file(file_id: str) -> str:
 
 def file_content(file_id: str) -> str:
     return f"{PREFIX}:file:{{{file_id}}}:content"
+
+
+def idempotency(route: str, idempotency_key: str) -> str:
+    """The object id a client's Idempotency-Key created on `route` (hashed: the key is the client's)."""
+    digest = hashlib.sha256(f"{route}\n{idempotency_key}".encode()).hexdigest()
+    return f"{PREFIX}:idempotency:{{{digest}}}"
 
 
 def worker(name: str) -> str:

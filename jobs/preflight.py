@@ -13,12 +13,11 @@ logged, and the process starts and retries as it always does.
 from __future__ import annotations
 
 import logging
-import os
 
 import redis
 
 from jobs.connection import queue_connection
-from jobs.storage import STORAGE_ERRORS, describe_error, is_permanent_error, open_storage
+from jobs.storage import STORAGE_ERRORS, default_output, describe_error, is_permanent_error, open_storage
 
 log = logging.getLogger("kvfleet")
 
@@ -37,7 +36,7 @@ def check_startup(r: redis.Redis, needs_queue: bool = True) -> None:
 
 
 def check_default_output(r: redis.Redis) -> None:
-    url = os.environ.get("KVFLEET_DEFAULT_OUTPUT") or "redis"
+    url = default_output()
     try:
         open_storage(url, r).check_writable()
     except ValueError as error:

@@ -247,13 +247,18 @@ def validate_sink(url: str) -> str:
     raise ValueError(f"output: expected 'redis', 's3://bucket/prefix' or 'file:///absolute/dir', got {url!r}")
 
 
+def default_output(environ: Mapping[str, str] = os.environ) -> str:
+    """Where results go when a batch names no output: KVFLEET_DEFAULT_OUTPUT, else redis."""
+    return environ.get("KVFLEET_DEFAULT_OUTPUT") or "redis"
+
+
 def allowed_outputs(environ: Mapping[str, str] = os.environ) -> list[str]:
     """Where the operator lets results go: KVFLEET_ALLOWED_OUTPUTS, comma-separated
     destinations or prefixes (`redis`, `s3://bucket/prefix/`, `file:///srv/results/`);
     unset, only the server's default output (KVFLEET_DEFAULT_OUTPUT, else redis)."""
     listed = environ.get("KVFLEET_ALLOWED_OUTPUTS")
     if listed is None:
-        return [validate_sink(environ.get("KVFLEET_DEFAULT_OUTPUT") or "redis")]
+        return [validate_sink(default_output(environ))]
     return [validate_sink(item.strip()) for item in listed.split(",") if item.strip()]
 
 

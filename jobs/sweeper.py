@@ -39,10 +39,6 @@ log = logging.getLogger("kvfleet.finalize")
 WAITING_FOR_FINALIZE = ("in_progress", "finalizing", "cancelling")
 DEFAULT_ENQUEUE_GRACE_SECONDS = 600.0
 SCAN_COUNT = 1000
-STOP_REASONS = {
-    "expired": ("batch_expired", "This request could not be executed before the completion window expired."),
-    "cancelling": ("batch_cancelled", "The batch was cancelled before this request finished."),
-}
 
 
 def open_batches(r: redis.Redis) -> list[dict[str, Any]]:
@@ -67,9 +63,9 @@ def counted_but_open(r: redis.Redis) -> list[str]:
 def stop_reason(fields: dict[str, Any], now: float) -> tuple[str, str] | None:
     """(code, message) for the requests of a batch that must not run any more."""
     if fields["status"] == "cancelling":
-        return STOP_REASONS["cancelling"]
+        return batches.CANCELLED_REQUEST
     if fields["status"] == "in_progress" and now > fields["expires_at"]:
-        return STOP_REASONS["expired"]
+        return batches.EXPIRED_REQUEST
     return None
 
 

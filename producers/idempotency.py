@@ -8,7 +8,6 @@ before the create runs; a retry that arrives while the first try still runs wait
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -23,17 +22,12 @@ WAIT_SECONDS = 30.0
 PENDING = b"pending"
 
 
-def redis_key(route: str, idempotency_key: str) -> str:
-    digest = hashlib.sha256(f"{route}\n{idempotency_key}".encode()).hexdigest()
-    return f"{keys.PREFIX}:idempotency:{{{digest}}}"
-
-
 def create_once(r: redis.Redis, route: str, idempotency_key: str | None, create: Callable[[], dict[str, Any]],
                 load: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
     """`create()` once per key; a repeat returns `load(id)` of what the first one made."""
     if idempotency_key is None:
         return create()
-    key = redis_key(route, idempotency_key)
+    key = keys.idempotency(route, idempotency_key)
     if r.set(key, PENDING, nx=True, ex=IDEMPOTENCY_TTL_SECONDS):
         try:
             created = create()

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from jobs import batches, heartbeats, keys
 from jobs.connection import REDIS_URL_HELP, connect
 from jobs.schemas import ENDPOINTS, MAX_REPORTED_ERRORS
-from jobs.storage import allowed_outputs, check_output_allowed, validate_sink
+from jobs.storage import allowed_outputs, check_output_allowed, default_output, validate_sink
 from producers.ingest import submit
 from producers.status import watch
 
@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", help="served model (stream); default: the first line's body.model")
     parser.add_argument("--endpoint", choices=ENDPOINTS,
                         help="default: the first line's url")
-    parser.add_argument("--output", default=os.environ.get("KVFLEET_DEFAULT_OUTPUT", "redis"),
+    parser.add_argument("--output", default=default_output(),
                         help="redis | s3://bucket/prefix | file:///dir (default: KVFLEET_DEFAULT_OUTPUT or redis)")
     parser.add_argument("--completion-window", default="24h")
     parser.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE")

@@ -39,10 +39,10 @@ class BatchWork(Work):
 def stop_reason(batch: dict | None) -> tuple[str, str] | None:
     """(code, message) if the batch's requests must not run any more."""
     if batch is None or batch["status"] in batches.STOPPED:
-        return "batch_cancelled", "The batch was cancelled before this request finished."
+        return batches.CANCELLED_REQUEST
     if batch["status"] == "expired" or time.time() > batch["expires_at"]:
         # The status itself turns expired in finalize, once every request is counted.
-        return "batch_expired", "This request could not be executed before the completion window expired."
+        return batches.EXPIRED_REQUEST
     return None
 
 

@@ -129,7 +129,7 @@ class Lane:
 
     def is_running(self, stream: str, entry_id: str) -> bool:
         """A reclaimed entry that this worker runs already (its lease lapsed under a long stall)."""
-        return engine_request_id(stream, entry_id) in self.in_flight
+        return self.owns(engine_request_id(stream, entry_id))
 
     def start(self, work: Work) -> None:
         self.engine.add_processed_request(work.processed)
@@ -140,10 +140,10 @@ class Lane:
         self.engine.abort(work.request_id)
         del self.in_flight[work.request_id]
 
-    def pull_entries(self, count: int, reclaim: bool, block_ms: int | None = None):
+    def pull_entries(self, count: int, reclaim: bool):
         """Up to `count` entries of this lane's streams that this worker does not run already."""
         entries = stream_ops.pull(self.r, self.config.consumer, count, self.config.lease_ms,
-                                  self.streams if reclaim else [], self.streams, block_ms)
+                                  self.streams if reclaim else [], self.streams, None)
         return [entry for entry in entries if not self.is_running(entry[0], entry[1])]
 
     def accept(self, stream: str, entry_id: str, fields: dict, deliveries: int) -> Work | None:

@@ -67,9 +67,11 @@ class LeaseKeeper:
         self._lost: set[tuple[str, str]] = set()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"kvfleet-leases-{consumer}")
+        self._is_started = False
 
     def start_once(self) -> None:
-        if not self._thread.is_alive() and not self._stopped.is_set():
+        if not self._is_started and not self._stopped.is_set():
+            self._is_started = True
             self._thread.start()
 
     def stop(self) -> None:
@@ -100,3 +102,5 @@ class LeaseKeeper:
                 self.renew_now()
             except redis.RedisError as error:  # an outage: the loop backs off; try again next interval
                 log.warning("%s: renewing leases failed: %s", self.consumer, error)
+            except Exception:  # noqa: BLE001 (the thread must outlive any one surprise, or leases lapse)
+                log.exception("%s: renewing leases failed", self.consumer)

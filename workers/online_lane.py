@@ -66,22 +66,21 @@ class OnlineLane(Lane):
         work = self.in_flight[output.request_id]
         if output.error is not None:  # it never ran (its grammar did not compile)
             del self.in_flight[output.request_id]
-            self.fail(work.stream, work.entry_id, work.entry.request_id,
-                      Error(400, "structured_outputs_error", output.error, work.attempt), work)
+            self.fail_work(work, Error(400, "structured_outputs_error", output.error))
             return
         had_output = work.has_output
         choices = [self._choice_delta(work, delta) for delta in output.outputs]
         if work.has_output and not had_output:
             self.first_tokens.append(work.entry.request_id)
         if choices:
-            self.emit(work.entry.request_id, Delta(choices, work.attempt), work)
+            self.emit(work.entry.request_id, Delta(choices), work)
         if not output.finished:
             return
         del self.in_flight[output.request_id]
         self.config.metrics.observe_finished(output, work.enqueued_at, "online", work.finish_reasons,
                                              work.completion_tokens)
         usage = Usage(len(output.prompt_token_ids), work.completion_tokens, output.num_cached_tokens)
-        self.emit(work.entry.request_id, Done(usage.as_openai(), work.attempt), work)
+        self.emit(work.entry.request_id, Done(usage.as_openai()), work)
         self.acks.append((work.stream, work.entry_id))
 
     def settle(self) -> None:
@@ -114,8 +113,7 @@ class OnlineLane(Lane):
         for work in list(self.in_flight.values()):
             if now > work.entry.deadline:
                 self.drop(work)
-                self.fail(work.stream, work.entry_id, work.entry.request_id, Error(
-                    504, "request_timeout", "The request timed out (KVFLEET_REQUEST_TIMEOUT).", work.attempt), work)
+                self.fail_work(work, Error(504, "request_timeout", "The request timed out (KVFLEET_REQUEST_TIMEOUT)."))
 
     def hand_back(self) -> None:
         """A streaming request that already sent tokens cannot run again from the start: it
@@ -123,8 +121,7 @@ class OnlineLane(Lane):
         for work in list(self.in_flight.values()):
             if work.has_output and work.entry.stream:
                 self.drop(work)
-                self.fail(work.stream, work.entry_id, work.entry.request_id, Error(500, *WORKER_LOST, work.attempt),
-                          work)
+                self.fail_work(work, Error(500, *WORKER_LOST))
         with suppress_outages():
             self.settle()
         super().hand_back()
@@ -169,17 +166,25 @@ class OnlineLane(Lane):
         return OnlineWork(stream, entry_id, fields, request, processed, entry.enqueued_at, entry, attempt.number)
 
     def emit(self, request_id: str, event: ReplyEvent, work: OnlineWork | None = None) -> None:
-        """Queue an event, numbered within its attempt (the only event of an attempt that never
-        started is number 1)."""
-        seq = 1
-        if work is not None:
+        """Queue an event, numbered within its attempt: a running `work`'s attempt and next
+        number, else (the only event of an attempt that never started) number 1 of the
+        attempt the event names."""
+        if work is None:
+            event = dataclasses.replace(event, seq=1)
+        else:
             work.num_events += 1
-            seq = work.num_events
-        self.events.append((request_id, dataclasses.replace(event, seq=seq)))
+            event = dataclasses.replace(event, attempt=work.attempt, seq=work.num_events)
+        self.events.append((request_id, event))
 
-    def fail(self, stream: str, entry_id: str, request_id: str, error: Error, work: OnlineWork | None = None) -> None:
-        self.emit(request_id, error, work)
+    def fail(self, stream: str, entry_id: str, request_id: str, error: Error) -> None:
+        """End an entry that never started with `error` (which names its attempt)."""
+        self.emit(request_id, error)
         self.acks.append((stream, entry_id))
+
+    def fail_work(self, work: OnlineWork, error: Error) -> None:
+        """End a started request with `error`."""
+        self.emit(work.entry.request_id, error, work)
+        self.acks.append((work.stream, work.entry_id))
 
     def _choice_delta(self, work: OnlineWork, delta) -> ChoiceDelta:
         work.has_output = work.has_output or bool(delta.token_ids)

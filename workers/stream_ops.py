@@ -69,8 +69,7 @@ def wait_for_new(r: redis.Redis, streams: list[str], block_ms: int) -> None:
     pipe = r.pipeline(transaction=False)
     for stream in streams:
         pipe.xinfo_groups(stream)
-    last_delivered = [next((g["last-delivered-id"] for g in groups if g["name"].decode() == GROUP), b"0-0")
-                      for groups in pipe.execute()]
+    last_delivered = [(our_group(groups) or {}).get("last-delivered-id", b"0-0") for groups in pipe.execute()]
     r.xread(dict(zip(streams, last_delivered)), count=1, block=block_ms)
 
 
@@ -171,10 +170,13 @@ def stream_backlog(r: redis.Redis, stream: str) -> tuple[int, int]:
     return group_backlog(r.xinfo_groups(stream))
 
 
+def our_group(groups: list[dict]) -> dict | None:
+    """kvfleet's consumer group in an XINFO GROUPS reply."""
+    return next((group for group in groups if group["name"].decode() == GROUP), None)
+
+
 def group_backlog(groups: list[dict]) -> tuple[int, int]:
     """(pending, lag) of kvfleet's group in an XINFO GROUPS reply."""
-    for group in groups:
-        if group["name"].decode() == GROUP:
-            return int(group["pending"]), int(group.get("lag") or 0)
-    return 0, 0
+    group = our_group(groups)
+    return (int(group["pending"]), int(group.get("lag") or 0)) if group else (0, 0)
 

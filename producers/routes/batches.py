@@ -3,7 +3,6 @@ POST /v1/batches/{id}/cancel, and beyond OpenAI GET /v1/batches/{id}/results/{cu
 
 from __future__ import annotations
 
-import os
 from typing import Annotated, Any
 
 from fastapi import Query
@@ -13,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from jobs import batches, heartbeats
 from jobs.files import FileNotFound, file_object, read_lines
 from jobs.schemas import ENDPOINTS
-from jobs.storage import allowed_outputs, check_output_allowed, find_result
+from jobs.storage import allowed_outputs, check_output_allowed, default_output, find_result
 from producers.dependencies import RedisDep
 from producers.errors import APIError
 from producers.idempotency import create_once
@@ -30,7 +29,7 @@ class CreateBatch(BaseModel):
     endpoint: str
     completion_window: str = "24h"
     metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(None, max_length=16)
-    output: str = Field(default_factory=lambda: os.environ.get("KVFLEET_DEFAULT_OUTPUT", "redis"),
+    output: str = Field(default_factory=default_output,
                         description="kvfleet extension: where results go (redis, s3://..., file:///...)")
     model: str | None = Field(None, description="kvfleet extension: the served model (stream)")
 
