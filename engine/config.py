@@ -58,6 +58,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     """Devices (GPUs, or processes on the CPU) one engine spans; ranks 1..N-1 are processes
     the engine starts."""
+    generation_config: str = "auto"
+    """Request defaults (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens):
+    auto takes the model's generation_config.json, vllm ignores it, or a folder holding one."""
     skip_tokenizer_init: bool = False
     """Run without a tokenizer: prompts must be token ids, outputs carry token ids and empty
     text, and stop strings are refused (as in vLLM)."""

@@ -31,6 +31,11 @@ class LLM:
         """Stop a tensor-parallel engine's other ranks (their processes also end with this one)."""
         self.engine.shutdown()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a request without its own SamplingParams runs with: the model's
+        generation_config.json defaults (--generation-config auto), as in vLLM."""
+        return SamplingParams(**self.engine.default_sampling_params)
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 
@@ -42,7 +47,7 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+            sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts")
         request_ids = []

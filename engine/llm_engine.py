@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
+from engine.checkpoint import (
+    default_sampling_params,
+    eos_token_ids,
+    load_generation_config,
+    load_hf_config,
+    load_tokenizer,
+)
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput
@@ -19,9 +23,6 @@ from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.structured_outputs import StructuredOutputs
-
-# Any one of these makes a folder loadable by AutoTokenizer (with tokenizer_config.json beside it).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 
 class ContextLengthExceeded(ValueError):
@@ -77,49 +78,19 @@ class EngineStats:
         return 1 - self.num_free_blocks / self.num_total_blocks if self.num_total_blocks else 0.0
 
 
-def load_tokenizer(config: EngineConfig):
-    """The checkpoint's tokenizer; None with skip_tokenizer_init. A folder without
-    tokenizer files is a one-line error naming them and the way around it."""
-    if config.skip_tokenizer_init:
-        return None
-    path = config.tokenizer or config.model
-    if Path(path).is_dir() and not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
-        raise ValueError(f"tokenizer: {path} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
-                         "point --tokenizer at one, or pass --skip-tokenizer-init (skip_tokenizer_init=True) "
-                         "to run token-id prompts without it")
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except Exception as error:  # noqa: BLE001 (transformers raises many kinds; one line says enough)
-        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ValueError(f"tokenizer: cannot load it from {path}: {message}") from None
-
-
-def load_eos_token_ids(model: str, hf_config, tokenizer) -> set[int]:
-    """EOS ids as transformers' generate sees them: generation_config first."""
-    try:
-        eos = GenerationConfig.from_pretrained(model).eos_token_id
-    except OSError:
-        eos = None
-    for fallback in (getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-        eos = fallback if eos is None else eos
-    if eos is None:
-        return set()
-    return {eos} if isinstance(eos, int) else set(eos)
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        if not (Path(config.model) / "config.json").is_file():
-            raise ValueError(f"model: {config.model!r} is not a folder holding a Hugging Face checkpoint "
-                             "(config.json and *.safetensors); kvfleet never downloads weights")
-        self.hf_config = AutoConfig.from_pretrained(config.model)
-        self.tokenizer = load_tokenizer(config)
-        self.eos_token_ids = load_eos_token_ids(config.model, self.hf_config, self.tokenizer)
+        self.hf_config = load_hf_config(config.model)
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.model, config.tokenizer)
+        generation_config = load_generation_config(config.model)
+        self.eos_token_ids = eos_token_ids(generation_config, self.hf_config, self.tokenizer)
+        self.default_sampling_params = default_sampling_params(config.generation_config, generation_config)
         self.model_runner = ModelRunner(config, self.hf_config, self.eos_token_ids)
         self.max_model_len = self.model_runner.max_model_len
         self.stop_checker = StopChecker(self.eos_token_ids, self.max_model_len, self.tokenizer)
         self.scheduler = Scheduler(config, self.model_runner.num_kv_blocks)
+        self.scheduler.long_rope_after = self.model_runner.long_rope_after
         self.requests: dict[str, _Request] = {}
 
     # -- capacity, for admission by the worker -------------------------------
@@ -170,7 +141,7 @@ class LLMEngine:
                         arrival_time: float | None = None, priority: int = 0) -> ProcessedRequest:
         """Tokenize and validate a request without queueing it (vLLM's input processing):
         raises ValueError, naming the field and the limit, if it can never run here."""
-        params = params or SamplingParams()
+        params = params or SamplingParams(**self.default_sampling_params)
         prompt_token_ids = self.tokenize(prompt)
         self.validate(prompt_token_ids, params)
         return ProcessedRequest(request_id, prompt if isinstance(prompt, str) else None, prompt_token_ids, params,

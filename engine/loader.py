@@ -1,7 +1,8 @@
-"""Load Hugging Face safetensors checkpoints (single file or sharded index) into
-kvfleet's model definitions, by the original weight names.
+"""Load checkpoints into kvfleet's model definitions, by the original Hugging Face
+weight names: safetensors (single file or sharded index) here, GGUF through
+engine/gguf_loader.py.
 
-Tensors are read lazily (safetensors slices): a parameter with a `weight_loader`
+Safetensors are read lazily (slices): a parameter with a `weight_loader`
 (engine/models/parallel_layers.py) reads only the rows or columns its rank holds."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 from safetensors import safe_open
 from torch import nn
 
+from engine.checkpoint import resolve_checkpoint
 from engine.models.parallel_layers import copy_checked
 
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -38,6 +40,38 @@ def iterate_weights(model_dir: str | Path) -> Iterator[tuple[str, object]]:
                 yield name, handle.get_slice(name)
 
 
+def model_weights(model_name: str, model: nn.Module, hf_config) -> Iterator[tuple[str, object]]:
+    """The weights of the checkpoint `model_name` names (engine/checkpoint.py), by HF name."""
+    checkpoint = resolve_checkpoint(model_name)
+    if checkpoint.gguf_file:
+        from engine.gguf_loader import iterate_gguf_weights  # noqa: PLC0415 (imports gguf)
+
+        return iterate_gguf_weights(checkpoint.gguf_path, model, hf_config)
+    return iterate_weights(checkpoint.folder)
+
+
+def split_fused(model: nn.Module, name: str, tensor) -> list[tuple[str, object, int | None]]:
+    """A checkpoint tensor that already fuses projections (Phi-3's qkv_proj, gate_up_proj)
+    as (name, part, index) for each projection, the way separate tensors would arrive."""
+    for fused, sizes in getattr(model, "fused_checkpoint_modules", {}).items():
+        if f".{fused}." in name:
+            return [(name, part, index) for index, part in enumerate(tensor[:].split(sizes, dim=0))]
+    return [(name, tensor, None)]
+
+
+def parameter_of(name: str, packed: dict, params: dict) -> tuple[str, int | None]:
+    """(parameter name, part) a checkpoint weight fills: its own parameter, or its part of
+    a merged one (q_proj -> part 0 of qkv_proj)."""
+    target, part = name, None
+    for source, (fused, index) in packed.items():
+        if f".{source}." in name:
+            target, part = name.replace(f".{source}.", f".{fused}."), index
+            break
+    if target not in params and f"model.{target}" in params:
+        target = f"model.{target}"  # e.g. OPT checkpoints saved without the "model." prefix
+    return target, part
+
+
 def load_weights(model: nn.Module, weights: Iterator[tuple[str, object]]) -> None:
     """Copy each checkpoint tensor (or lazy slice) into its parameter, or its part of a
     merged one. Raises ValueError on an unknown name, a shape mismatch or a missing weight."""
@@ -45,30 +79,26 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, object]]) -> Non
     packed = getattr(model, "packed_modules", {})
     tied = {name for name, p in model.named_parameters(remove_duplicate=False) if name not in params}
     num_filled = {name: 0 for name in params}
-    for name, tensor in weights:
-        if name.endswith(SKIPPED_SUFFIXES):
+    for checkpoint_name, checkpoint_tensor in weights:
+        if checkpoint_name.endswith(SKIPPED_SUFFIXES):
             continue
-        target, shard = name, None
-        for source, (fused, index) in packed.items():
-            if f".{source}." in name:
-                target, shard = name.replace(f".{source}.", f".{fused}."), index
-                break
-        if target not in params and f"model.{target}" in params:
-            target = f"model.{target}"  # e.g. OPT checkpoints saved without the "model." prefix
-        if target in tied:
-            continue  # a tied copy, e.g. lm_head.weight of a tied-embedding checkpoint
-        if target not in params:
-            raise ValueError(f"checkpoint weight {name!r} has no place in {type(model).__name__}")
-        param = params[target]
-        loader = getattr(param, "weight_loader", None)
-        try:
-            if loader is not None:
-                loader(param.data, tensor, shard)
-            else:
-                copy_checked(param.data, tensor[:])
-        except ValueError as error:
-            raise ValueError(f"checkpoint weight {name!r}: {error}") from None
-        num_filled[target] += 1
+        for name, tensor, fused_part in split_fused(model, checkpoint_name, checkpoint_tensor):
+            target, part = parameter_of(name, packed, params)
+            part = part if fused_part is None else fused_part
+            if target in tied:
+                continue  # a tied copy, e.g. lm_head.weight of a tied-embedding checkpoint
+            if target not in params:
+                raise ValueError(f"checkpoint weight {name!r} has no place in {type(model).__name__}")
+            param = params[target]
+            loader = getattr(param, "weight_loader", None)
+            try:
+                if loader is not None:
+                    loader(param.data, tensor, part)
+                else:
+                    copy_checked(param.data, tensor[:])
+            except ValueError as error:
+                raise ValueError(f"checkpoint weight {name!r}: {error}") from None
+            num_filled[target] += 1
     for name, count in num_filled.items():
         expected = getattr(params[name], "num_parts", 1)
         if count != expected:

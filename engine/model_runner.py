@@ -12,12 +12,12 @@ import os
 import random
 
 import torch
-from transformers import AutoConfig
 
 from engine import parallel
 from engine.attention import AttentionMetadata, ForwardContext, PrefillSpan, select_backend
+from engine.checkpoint import load_hf_config
 from engine.config import EngineConfig
-from engine.loader import iterate_weights, load_weights
+from engine.loader import load_weights, model_weights
 from engine.models import get_model_class
 from engine.models.layers import can_use_onednn_linear, use_onednn_linears, use_triton_layers
 from engine.sampler import Sampler, SamplerOutput, SamplerRow
@@ -88,6 +88,9 @@ class ModelRunner:
             use_triton_layers(self.model)
         if config.onednn_linear and can_use_onednn_linear(self.device, self.dtype):
             use_onednn_linears(self.model, batch_size_hint=config.max_num_seqs)
+        # longrope: tokens past this use the long factors (engine/models/layers.py); else None
+        self.long_rope_after = next((m.long_rope_after for m in self.model.modules()
+                                     if getattr(m, "long_rope_after", None) is not None), None)
         attention_layers = [m for m in self.model.modules() if hasattr(m, "num_kv_heads")]
         self.num_layers = len(attention_layers)
         self.num_kv_heads, self.head_dim = attention_layers[0].num_kv_heads, attention_layers[0].head_dim
@@ -110,7 +113,7 @@ class ModelRunner:
                 model = model_cls(hf_config, max_positions=self.max_model_len)
         finally:
             torch.set_default_dtype(previous)
-        load_weights(model, iterate_weights(self.config.model))
+        load_weights(model, model_weights(self.config.model, model, hf_config))
         return model.eval()
 
     @property
@@ -223,7 +226,7 @@ class ModelRunner:
         block_tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs])
         return StepInputs(torch.tensor(input_ids), torch.tensor([s.num_computed_tokens for s in seqs]),
                           torch.tensor(num_new), block_tables, torch.tensor(copies, dtype=torch.int64).view(-1, 2),
-                          torch.tensor(rows, dtype=torch.int64))
+                          torch.tensor(rows, dtype=torch.int64), torch.tensor([s.num_tokens for s in seqs]))
 
     def _prepare_inputs(self, inputs: StepInputs):
         """Every step input is built on the host and copied to the device once; nothing here
@@ -259,6 +262,7 @@ class ModelRunner:
             meta.prefill_context_lens = self._to_device(context_lens[:num_prefills])
             meta.prefill_block_tables = device_tables[:num_prefills, :num_prefill_blocks]
             meta.max_prefill_queries = max(num_new[:num_prefills])
+        meta.seq_lens = self._to_device(inputs.seq_lens[seq_of_token])
         return self._to_device(inputs.input_ids), self._to_device(positions), meta
 
     def _sampler_row(self, seq: Sequence) -> SamplerRow:
@@ -287,7 +291,7 @@ def run_shard(config_json: str, rank: int, init_method: str) -> None:
     config = EngineConfig(**json.loads(config_json))
     if not torch.cuda.is_available():  # the ranks share the host's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
-    runner = ModelRunner(config, AutoConfig.from_pretrained(config.model), set(), rank=rank,
+    runner = ModelRunner(config, load_hf_config(config.model), set(), rank=rank,
                          init_method=init_method)
     with torch.inference_mode():
         while (inputs := StepInputs.receive(runner.device)) is not None:

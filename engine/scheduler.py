@@ -58,8 +58,14 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.failed: list[Sequence] = []  # their grammar never compiled: taken by the engine
         self.num_preemptions = 0
+        # longrope models (Phi-3): past this many tokens a sequence uses the long factors for
+        # every token, so one that grows past it is recomputed, as transformers recomputes its cache.
+        self.long_rope_after: int | None = None
+        self.num_rope_recomputes = 0
 
     def add(self, seq: Sequence) -> None:
+        if self.long_rope_after is not None and seq.num_tokens > self.long_rope_after and seq.cache_salt is None:
+            seq.cache_salt, seq.block_hashes = "long-rope", []  # its blocks never match short-factor ones
         bisect.insort(self.waiting, seq, key=lambda s: s.schedule_key)
 
     def take_failed(self) -> list[Sequence]:
@@ -179,14 +185,15 @@ class Scheduler:
             seq.num_pending_samples = 0
             batch.forks[seq.seq_id] = children
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, for_room: bool = True) -> None:
         """Drop the sequence's KV and queue it first among the waiting: it will be
         recomputed from its prompt and the tokens it already produced."""
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.add(seq)
-        self.num_preemptions += 1
+        if for_room:
+            self.num_preemptions += 1
 
     def postprocess(self, batch: ScheduledBatch, sampled_seqs: list[Sequence], sampled: SamplerOutput,
                     check_stop: Callable[[Sequence], str | None]) -> list[Sequence]:
@@ -206,6 +213,10 @@ class Scheduler:
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)
+            elif self.long_rope_after is not None and seq.num_tokens == self.long_rope_after + 1:
+                self.running.remove(seq)  # its cached K turned with the short factors
+                self._preempt(seq, for_room=False)
+                self.num_rope_recomputes += 1
         return finished
 
     def finish(self, seq: Sequence, reason: str) -> None:

@@ -42,6 +42,9 @@ class Sequence:
         self.num_pending_samples = params.n - 1 if sample_index == 0 else 0
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []
+        # Separates prefix-cache namespaces: blocks computed under another salt never match
+        # (a longrope model's long-factor blocks against its short-factor ones).
+        self.cache_salt: str | None = None
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
@@ -100,6 +103,7 @@ class Sequence:
                          self.priority)
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
+        child.cache_salt = self.cache_salt
         child.first_scheduled_time = self.first_scheduled_time
         child.status = self.status
         child.grammar = self.grammar.fork() if self.grammar is not None else None

@@ -38,13 +38,15 @@ class StepInputs:
     block_tables: torch.Tensor  # [S, W] padded with 0
     copies: torch.Tensor  # [C, 2] (source, destination) blocks to copy first
     rows: torch.Tensor  # [R] rows of the flat batch whose logits are sampled
+    seq_lens: torch.Tensor  # [S] tokens per sequence, prompt and output (longrope picks its table by them)
 
     def broadcast(self, device: torch.device) -> None:
         """Rank 0: send these inputs to every other rank."""
         sizes = [len(self.input_ids), len(self.starts), self.block_tables.shape[1], len(self.copies), len(self.rows)]
         parallel.broadcast(torch.tensor([STEP, *sizes], dtype=torch.int64, device=device))
         parallel.broadcast(torch.cat([self.input_ids, self.starts, self.lens, self.block_tables.flatten(),
-                                      self.copies.flatten(), self.rows]).to(device=device, dtype=torch.int64))
+                                      self.copies.flatten(), self.rows, self.seq_lens])
+                           .to(device=device, dtype=torch.int64))
 
     @staticmethod
     def receive(device: torch.device) -> StepInputs | None:
@@ -53,12 +55,11 @@ class StepInputs:
         if header[0] == EXIT:
             return None
         num_tokens, num_seqs, width, num_copies, num_rows = header[1:]
-        payload = torch.zeros(num_tokens + 2 * num_seqs + num_seqs * width + 2 * num_copies + num_rows,
-                              dtype=torch.int64, device=device)
-        parts = parallel.broadcast(payload).cpu().split(
-            [num_tokens, num_seqs, num_seqs, num_seqs * width, 2 * num_copies, num_rows])
+        sizes = [num_tokens, num_seqs, num_seqs, num_seqs * width, 2 * num_copies, num_rows, num_seqs]
+        payload = torch.zeros(sum(sizes), dtype=torch.int64, device=device)
+        parts = parallel.broadcast(payload).cpu().split(sizes)
         return StepInputs(parts[0], parts[1], parts[2], parts[3].view(num_seqs, width), parts[4].view(-1, 2),
-                          parts[5])
+                          parts[5], parts[6])
 
 
 def send_exit(device: torch.device) -> None:

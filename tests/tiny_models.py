@@ -3,7 +3,15 @@
 
 from __future__ import annotations
 
-from transformers import LlamaConfig, MistralConfig, OPTConfig, Qwen2Config
+from transformers import (
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    OPTConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 VOCAB = 512
 TINY_CONFIGS = {
@@ -24,6 +32,29 @@ TINY_CONFIGS = {
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.1,
         architectures=["Qwen2ForCausalLM"]),
+    # q/k norms, an explicit head_dim twice hidden / heads, untied embeddings.
+    "qwen3": lambda: Qwen3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=512, tie_word_embeddings=False,
+        initializer_range=0.1, architectures=["Qwen3ForCausalLM"]),
+    # Two local layers (window 48, shorter than the longest prompts, RoPE base 10k) and a global
+    # one (base 1M, linear scaling); q/k norms, query_pre_attn_scalar, logit soft-capping.
+    "gemma3": lambda: Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24, max_position_embeddings=512,
+        sliding_window=48, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}},
+        final_logit_softcapping=30.0, initializer_range=0.1, architectures=["Gemma3ForCausalLM"]),
+    # Fused qkv / gate_up in the checkpoint, half the head turned by RoPE (as Phi-4-mini turns
+    # 3/4), and longrope: prompts and outputs past 64 tokens switch to the long factors.
+    "phi3": lambda: Phi3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, original_max_position_embeddings=64,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                         "short_factor": [1.0, 1.1, 1.3, 1.6], "long_factor": [1.0, 2.5, 6.0, 12.0],
+                         "original_max_position_embeddings": 64},
+        initializer_range=0.1, architectures=["Phi3ForCausalLM"]),
     # facebook/opt-125m's shape, shrunk: pre-LayerNorm, ReLU, learned positions, tied head.
     "opt": lambda: OPTConfig(
         vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,

@@ -144,7 +144,8 @@ class BatchLane(Lane):
         if self._is_settled(stream, entry_id, fields, deliveries, entry):
             return None
         try:
-            request = to_engine_request(parse_line(entry.line, entry.line_number), self.engine.tokenizer)
+            request = to_engine_request(parse_line(entry.line, entry.line_number), self.engine.tokenizer,
+                                        self.engine.default_sampling_params)
             processed = self.engine.process_request(engine_request_id(stream, entry_id), request.prompt_token_ids,
                                                     request.params, priority=BATCH_PRIORITY)
         except (LineError, RequestRejected, ValueError) as error:

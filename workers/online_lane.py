@@ -155,7 +155,7 @@ class OnlineLane(Lane):
             return None
         try:
             request = to_engine_request(Request(custom_id=entry.request_id, url=entry.url, body=entry.body),
-                                        self.engine.tokenizer)
+                                        self.engine.tokenizer, self.engine.default_sampling_params)
             params = dataclasses.replace(request.params, output_kind=RequestOutputKind.DELTA)
             processed = self.engine.process_request(engine_request_id(stream, entry_id), request.prompt_token_ids,
                                                     params, priority=entry.priority)

@@ -97,7 +97,7 @@ class Runner:
     def add(self, line_number: int, raw: bytes) -> None:
         request = parse_line(raw, line_number)  # valid: the first pass checked it
         try:
-            work = to_engine_request(request, self.engine.tokenizer)
+            work = to_engine_request(request, self.engine.tokenizer, self.engine.default_sampling_params)
             self.engine.add_request(str(line_number), work.prompt_token_ids, work.params)
         except ValueError as error:  # RequestRejected, or can never fit here
             self.write(error_line(request.custom_id, error_code(error), str(error)))

@@ -34,13 +34,15 @@ class EngineRequest:
     url: str
 
 
-def to_engine_request(request: Request, tokenizer) -> EngineRequest:
+def to_engine_request(request: Request, tokenizer, defaults: dict | None = None) -> EngineRequest:
     """`tokenizer` is None on a worker started with --skip-tokenizer-init: then only
-    completions with token-id prompts can run."""
+    completions with token-id prompts can run. `defaults` (the engine's
+    default_sampling_params, from the model's generation_config.json) fill what the
+    request leaves unset; the request always wins."""
     body = request.parsed_body()
     try:
         constraint = body.constraint()
-        params = SamplingParams(**body.sampling_kwargs(), structured_outputs=StructuredOutputsParams(**constraint)
+        params = SamplingParams(**{**(defaults or {}), **body.sampling_kwargs()}, structured_outputs=StructuredOutputsParams(**constraint)
                                 if constraint is not None else None)
     except ValueError as error:
         raise RequestRejected("invalid_request", str(error)) from None

@@ -3,15 +3,21 @@
 
 from __future__ import annotations
 
+from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.mistral import MistralForCausalLM
 from engine.models.opt import OPTForCausalLM
+from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.qwen2 import Qwen2ForCausalLM
+from engine.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
 }
 

@@ -20,36 +20,91 @@ class RMSNorm(nn.Module):
         return self.kernel(x, self.weight, self.eps, residual)
 
 
-class RotaryEmbedding(nn.Module):
-    """cos/sin table over every position, computed as transformers does (fp32
-    frequencies, RoPE scaling types through its own ROPE_INIT_FUNCTIONS)."""
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the weight is stored as an offset from one, and the product is
+    taken in fp32 before the cast back ((x * (1 + w)).to(dtype), not Llama's x.to(dtype) * w)."""
 
-    STATIC_TYPES = ("default", "linear", "llama3", "yarn")
-
-    def __init__(self, config, head_dim: int, max_positions: int) -> None:
+    def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
-        params = dict(getattr(config, "rope_parameters", None) or {})
-        rope_type = params.get("rope_type", "default")
-        if rope_type not in self.STATIC_TYPES:
-            raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {self.STATIC_TYPES}")
-        if rope_type == "default":
-            theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., hidden] -> same shape and dtype"""
+        hidden = x.float()
+        hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (hidden * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def rope_parameters(config, layer_type: str | None = None) -> dict:
+    """The RoPE parameters of `config` (of one layer type, for models like Gemma 3 that
+    give local and global layers their own)."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if layer_type is not None and layer_type in params:
+        params = dict(params[layer_type] or {})
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return params
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables over every position, computed as transformers does (fp32
+    frequencies, RoPE scaling types through its own ROPE_INIT_FUNCTIONS).
+
+    Partial rotary (Phi-4-mini): only the first `rotary_dim` features of a head turn.
+    longrope (Phi-3): a second table with the long factors, which every token of a
+    sequence longer than the pretraining length (`long_rope_after`) uses, as in
+    transformers; a sequence that grows past it is recomputed (engine/scheduler.py)."""
+
+    STATIC_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+
+    def __init__(self, config, head_dim: int, max_positions: int, layer_type: str | None = None) -> None:
+        super().__init__()
+        params = rope_parameters(config, layer_type)
+        self.rope_type = params.get("rope_type", "default")
+        if self.rope_type not in self.STATIC_TYPES:
+            raise ValueError(f"rope_type {self.rope_type!r} is not supported; supported: {self.STATIC_TYPES}")
+        factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
+        self.rotary_dim = int(head_dim * factor)
+        init_args = {"layer_type": layer_type} if layer_type is not None else {}
+        if self.rope_type == "default":
+            theta = params["rope_theta"]
+            inv_freq = 1.0 / (theta ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float) / self.rotary_dim))
             scaling = 1.0
         else:
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
-        positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq.float()[None, :]  # [max_positions, head_dim / 2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos() * scaling, persistent=False)  # [max_positions, head_dim]
-        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[self.rope_type](config, "cpu", **init_args)
+        self.long_rope_after = params.get("original_max_position_embeddings") if self.rope_type == "longrope" else None
+        cos, sin = self.tables(inv_freq, scaling, max_positions)
+        self.register_buffer("cos", cos, persistent=False)  # [max_positions, rotary_dim]
+        self.register_buffer("sin", sin, persistent=False)
+        if self.rope_type == "longrope":
+            long_inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu", seq_len=self.long_rope_after + 1,
+                                                               **init_args)
+            long_cos, long_sin = self.tables(long_inv_freq, scaling, max_positions)
+            self.register_buffer("long_cos", long_cos, persistent=False)
+            self.register_buffer("long_sin", long_sin, persistent=False)
         self.kernel = reference.rotary
 
-    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
-        """positions [T]; query [T, Hq, D]; key [T, Hkv, D]"""
-        cos = self.cos[positions].to(query.dtype)  # [T, D]
-        sin = self.sin[positions].to(query.dtype)
-        return self.kernel(query, key, cos, sin)
+    @staticmethod
+    def tables(inv_freq: torch.Tensor, scaling: float, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq.float()[None, :]  # [max_positions, rotary_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos() * scaling, emb.sin() * scaling
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                seq_lens: torch.Tensor | None = None):
+        """positions [T]; query [T, Hq, D]; key [T, Hkv, D]; seq_lens [T] (longrope)"""
+        cos, sin = self.cos[positions], self.sin[positions]  # [T, rotary_dim]
+        if self.long_rope_after is not None and seq_lens is not None:
+            use_long = (seq_lens > self.long_rope_after)[:, None]
+            cos = torch.where(use_long, self.long_cos[positions], cos)
+            sin = torch.where(use_long, self.long_sin[positions], sin)
+        cos, sin = cos.to(query.dtype), sin.to(query.dtype)
+        if self.rotary_dim == query.shape[-1]:
+            return self.kernel(query, key, cos, sin)
+        dim = self.rotary_dim
+        query_rot, key_rot = self.kernel(query[..., :dim].contiguous(), key[..., :dim].contiguous(), cos, sin)
+        return torch.cat([query_rot, query[..., dim:]], dim=-1), torch.cat([key_rot, key[..., dim:]], dim=-1)
 
 
 def use_triton_layers(model: nn.Module) -> None:

@@ -51,6 +51,10 @@ class LlamaAttention(nn.Module):
     def o_bias(self, config) -> bool:
         return bool(getattr(config, "attention_bias", False))
 
+    def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head normalisation of q [T, Hq, D] and k [T, Hkv, D] before RoPE: none in Llama."""
+        return q, k
+
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rotary: RotaryEmbedding,
                 ctx: ForwardContext) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -58,7 +62,8 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        q, k = self.qk_norm(q, k)
+        q, k = rotary(positions, q, k, ctx.meta.seq_lens)
         key_cache, value_cache = ctx.kv_caches[self.layer_idx]
         out = ctx.backend.forward(q, k, v, key_cache, value_cache, ctx.meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(num_tokens, self.q_size))

@@ -89,7 +89,7 @@ def test_max_model_len_beyond_the_model(tiny_llama):
 
 
 def test_a_model_path_that_is_not_a_checkpoint(tmp_path):
-    with pytest.raises(ValueError, match="is not a folder holding a Hugging Face checkpoint"):
+    with pytest.raises(ValueError, match="is neither a Hugging Face checkpoint folder"):
         LLM(str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="kvfleet never downloads weights"):
         LLM("meta-llama/Llama-3.1-8B")

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from engine import LLM, SamplingParams
+from tests.engine.test_parity import reference_outputs
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 
@@ -73,3 +76,20 @@ def test_hit_and_query_counters_are_exact(tiny_llama):
     stats = llm.engine.stats()
     assert stats.num_prefix_queried_tokens == 50 + 58 + 50
     assert stats.num_prefix_hit_tokens == 48 + 48
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma3", "phi3"])
+def test_shared_prefixes_match_transformers(tiny_models, name):
+    """Prefixes of 40 and 48 tokens (the tiny Gemma 3's window is 48), each continued by
+    short prompts and by prompts past 64 tokens: for the tiny Phi-3 the first run on the
+    short RoPE factors and the others on the long ones, so they must never share blocks."""
+    shared = [tokens(7, 40), tokens(8, 48)]
+    prompts = [shared[(i // 2) % 2] + tokens(200 + i, 3 + i if i % 2 == 0 else 28 + i) for i in range(12)]
+    params = [SamplingParams(temperature=0, max_tokens=12) for _ in prompts]
+    llm = LLM(tiny_models[name], num_kv_blocks=128)
+    outputs = []
+    for start in range(0, 12, 4):  # in waves, so later waves find earlier prefixes cached
+        outputs += llm.generate(prompts[start:start + 4], params[start:start + 4], use_tqdm=False)
+    expected = reference_outputs(tiny_models[name], prompts, params)
+    assert [o.token_ids for o in outputs] == expected
+    assert sum(o.num_cached_tokens for o in outputs) >= 8 * 32  # later waves hit at least two blocks each

@@ -1,0 +1,141 @@
+"""Load GGUF checkpoints (llama.cpp's format) into kvfleet's model definitions.
+
+Each tensor is dequantized at load, with the `gguf` package's own reader and
+dequantizers, to float32 and then copied into the engine's dtype: kvfleet computes in
+fp32/bf16/fp16, it does not run quantized matmuls. Under tensor parallelism every rank
+dequantizes and then keeps only its slice (the parameters' weight loaders).
+
+GGUF names tensors its own way (`blk.0.attn_q.weight`); the map back to Hugging Face
+names is gguf's TensorNameMap, inverted over the names the model loads. Two things
+llama.cpp's converter does to tensors are undone here, as transformers does:
+- llama: q/k rows are permuted for its rotary layout (interleaved pairs);
+- gemma: every RMSNorm weight is stored as 1 + w.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFReader, get_tensor_name_map
+from gguf.quants import dequantize
+from torch import nn
+
+Q = GGMLQuantizationType
+SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
+                   Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+# Tables llama.cpp derives from the config and stores as tensors; kvfleet derives them itself.
+DERIVED_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+# transformers' model_type -> the GGUF architecture name, where they differ.
+GGUF_ARCH_OF_MODEL_TYPE = {"gemma3_text": "gemma3"}
+
+
+@functools.lru_cache(maxsize=1)
+def open_reader(path: Path) -> GGUFReader:
+    """One parse per file: reading a GGUF's metadata (its vocabulary) takes seconds."""
+    return GGUFReader(path)
+
+
+def read_field(reader: GGUFReader, key: str):
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def complete_config(config, path: Path) -> None:
+    """What transformers leaves out of a GGUF's config: the head size (Qwen3 and Gemma 3
+    set it apart from hidden / heads), and Phi-3's longrope factors, kept as tensors."""
+    reader = open_reader(Path(path))
+    arch = read_field(reader, "general.architecture")
+    key_length = read_field(reader, f"{arch}.attention.key_length")
+    if key_length:
+        config.head_dim = int(key_length)
+    factors = {t.name: t for t in reader.tensors if t.name in DERIVED_TENSORS}
+    if "rope_factors_long.weight" in factors and "rope_factors_short.weight" in factors:
+        original = read_field(reader, f"{arch}.rope.scaling.original_context_length")
+        config.rope_parameters = {
+            "rope_type": "longrope", "rope_theta": config.rope_parameters.get("rope_theta", 10000.0),
+            "long_factor": dequantize_tensor(factors["rope_factors_long.weight"]).tolist(),
+            "short_factor": dequantize_tensor(factors["rope_factors_short.weight"]).tolist(),
+            "original_max_position_embeddings": int(original or config.max_position_embeddings),
+        }
+        config.original_max_position_embeddings = config.rope_parameters["original_max_position_embeddings"]
+
+
+def check_types(reader: GGUFReader) -> None:
+    """One line naming the first tensor whose quantization kvfleet cannot load."""
+    for tensor in reader.tensors:
+        if tensor.tensor_type not in SUPPORTED_TYPES:
+            raise ValueError(f"GGUF tensor {tensor.name}: quantization type {tensor.tensor_type.name} is not "
+                             f"supported; supported: {', '.join(t.name for t in SUPPORTED_TYPES)}")
+
+
+def dequantize_tensor(tensor) -> np.ndarray:
+    """A reader tensor as float32 in PyTorch's layout: GGUF shape [ne0, ne1] is [ne1, ne0]."""
+    return dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+
+
+def checkpoint_names(model: nn.Module) -> list[str]:
+    """The Hugging Face names the model loads: its parameters, with merged projections
+    (qkv_proj, gate_up_proj) split back into the checkpoint's q_proj, k_proj, ..."""
+    fused_sources: dict[str, list[str]] = {}
+    for source, (fused, _) in getattr(model, "packed_modules", {}).items():
+        fused_sources.setdefault(fused, []).append(source)
+    names = []
+    for name, _ in model.named_parameters(remove_duplicate=False):
+        for fused, sources in fused_sources.items():
+            if f".{fused}." in name:
+                names.extend(name.replace(f".{fused}.", f".{source}.") for source in sources)
+                break
+        else:
+            names.append(name)
+    return names
+
+
+def gguf_to_hf_names(model: nn.Module, arch: str, num_layers: int) -> dict[str, str]:
+    arch_enum = next((key for key, value in MODEL_ARCH_NAMES.items() if value == arch), None)
+    if arch_enum is None:
+        raise ValueError(f"GGUF architecture {arch!r} is unknown to the installed gguf package")
+    name_map = get_tensor_name_map(arch_enum, num_layers)
+    mapping = {}
+    for hf_name in checkpoint_names(model):
+        base, _, suffix = hf_name.rpartition(".")
+        gguf_name = name_map.get_name(base)
+        if gguf_name is not None:
+            mapping[f"{gguf_name}.{suffix}"] = hf_name
+    return mapping
+
+
+def unpermute_rotary(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row order: per head, its rows went [half, 2] -> [2, half]."""
+    half = weights.shape[0] // num_heads // 2
+    return weights.reshape(num_heads, half, 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+
+
+def to_hf_layout(arch: str, gguf_name: str, weights: np.ndarray, hf_config) -> np.ndarray:
+    if arch == "llama" and ".attn_q." in gguf_name:
+        return unpermute_rotary(weights, hf_config.num_attention_heads)
+    if arch == "llama" and ".attn_k." in gguf_name:
+        return unpermute_rotary(weights, hf_config.num_key_value_heads)
+    if arch.startswith("gemma") and gguf_name.endswith("norm.weight"):
+        return weights - 1
+    return weights
+
+
+def iterate_gguf_weights(path: str | Path, model: nn.Module, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, float32 tensor) for every weight of the GGUF file, dequantized.
+    Every type is checked before anything is dequantized; a tensor with no place in the
+    model is a ValueError naming it."""
+    reader = open_reader(Path(path))
+    check_types(reader)
+    arch = read_field(reader, "general.architecture")
+    names = gguf_to_hf_names(model, arch, hf_config.num_hidden_layers)
+    for tensor in reader.tensors:
+        if tensor.name in DERIVED_TENSORS:
+            continue
+        if tensor.name not in names:
+            raise ValueError(f"GGUF tensor {tensor.name!r} has no place in {type(model).__name__}")
+        weights = to_hf_layout(arch, tensor.name, dequantize_tensor(tensor), hf_config)
+        yield names[tensor.name], torch.tensor(weights)  # a copy: F32 tensors are read-only file views
