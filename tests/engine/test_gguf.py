@@ -1,0 +1,144 @@
+"""GGUF checkpoints: every quantization type kvfleet loads equals gguf's own dequantizer
+on tensors quantized here; each architecture GGUF carries runs token-identical to
+transformers reading the same file; tensor parallelism slices after dequantizing; an
+unsupported type, or an ambiguous folder, is a one-line error."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Phi3Config
+
+from engine import LLM, SamplingParams
+from engine.demo_model import write_checkpoint
+from engine.gguf_loader import SUPPORTED_TYPES
+from tests.engine.gguf_files import Q, write_gguf
+from tests.engine.test_parity import workload
+from tests.engine.test_tensor_parallel import close_or_identical, top5
+from tests.tiny_models import TINY_CONFIGS, VOCAB
+
+# Rows of 256 and 512 features: every matrix splits into whole K-quant blocks (256 values).
+WIDE_LLAMA = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         initializer_range=0.05, architectures=["LlamaForCausalLM"])
+# What a GGUF can say of Gemma 3 and Phi-3 (no per-type RoPE scaling, query_pre_attn_scalar,
+# soft-capping or longrope keys there): the pattern of 5 local layers to 1 global, windows of 48.
+GGUF_CONFIGS = {
+    "llama": TINY_CONFIGS["llama"], "qwen2": TINY_CONFIGS["qwen2"], "qwen3": TINY_CONFIGS["qwen3"],
+    "gemma3": lambda: Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=512, sliding_window=48, initializer_range=0.1,
+        architectures=["Gemma3ForCausalLM"]),
+    "phi3": lambda: Phi3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, sliding_window=48, initializer_range=0.1,
+        architectures=["Phi3ForCausalLM"]),
+}
+# Mixed as llama.cpp's mixes are: embeddings and attention wider, the MLP narrower.
+MIXED_TYPES = {"token_embd": Q.F16, "output": Q.Q8_0, "attn": Q.Q8_0, "ffn_gate": Q.Q4_0, "ffn_up": Q.Q4_1,
+               "ffn_down": Q.Q5_1}
+
+
+def mixed_type(name: str, shape) -> Q:
+    return next(qtype for part, qtype in MIXED_TYPES.items() if name.startswith(part) or f".{part}" in name)
+
+
+@pytest.fixture(scope="module")
+def wide_llama(tmp_path_factory, tiny_tokenizer) -> str:
+    return str(write_checkpoint(WIDE_LLAMA, tmp_path_factory.mktemp("wide-llama"), seed=2, tokenizer=tiny_tokenizer))
+
+
+def loaded_weights(path, dtype: str = "float32") -> dict[str, torch.Tensor]:
+    llm = LLM(str(path), skip_tokenizer_init=True, num_kv_blocks=8, dtype=dtype, onednn_linear=False)
+    return {name: p.detach() for name, p in llm.engine.model_runner.model.named_parameters()}
+
+
+@pytest.mark.parametrize("qtype", SUPPORTED_TYPES, ids=lambda t: t.name)
+def test_every_type_loads_as_ggufs_own_dequantizer(wide_llama, tmp_path, qtype):
+    written = write_gguf(wide_llama, tmp_path / "model.gguf", lambda name, shape: qtype)
+    params = loaded_weights(tmp_path / "model.gguf")
+    _, gate = written["blk.0.ffn_gate.weight"]
+    _, up = written["blk.0.ffn_up.weight"]
+    expected = {"model.layers.0.mlp.gate_up_proj.weight": np.concatenate([gate, up]),
+                "model.layers.0.mlp.down_proj.weight": written["blk.0.ffn_down.weight"][1],
+                "model.embed_tokens.weight": written["token_embd.weight"][1],
+                "lm_head.weight": written["output.weight"][1],
+                "model.layers.0.self_attn.o_proj.weight": written["blk.0.attn_output.weight"][1],
+                "model.layers.0.input_layernorm.weight": written["blk.0.attn_norm.weight"][1]}
+    for name, tensor in expected.items():
+        assert torch.equal(params[name], torch.from_numpy(np.ascontiguousarray(tensor))), name
+
+
+def test_q_and_k_rows_come_back_in_transformers_order_and_bf16_is_a_cast(wide_llama, tmp_path):
+    """llama.cpp permutes q/k rows for its rotary layout; an F32 file gives the checkpoint's
+    own q/k back exactly. In bfloat16 the engine holds the float32 weights rounded once."""
+    write_gguf(wide_llama, tmp_path / "f32.gguf")
+    from_gguf, from_safetensors = loaded_weights(tmp_path / "f32.gguf"), loaded_weights(wide_llama)
+    assert from_gguf.keys() == from_safetensors.keys()
+    for name, tensor in from_safetensors.items():
+        assert torch.equal(from_gguf[name], tensor), name
+    written = write_gguf(wide_llama, tmp_path / "q4k.gguf", lambda name, shape: Q.Q4_K)
+    bf16 = loaded_weights(tmp_path / "q4k.gguf", dtype="bfloat16")
+    down = torch.from_numpy(np.ascontiguousarray(written["blk.0.ffn_down.weight"][1]))
+    assert bf16["model.layers.0.mlp.down_proj.weight"].dtype == torch.bfloat16
+    assert torch.equal(bf16["model.layers.0.mlp.down_proj.weight"], down.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("name", sorted(GGUF_CONFIGS))
+def test_greedy_matches_transformers_reading_the_same_gguf(tmp_path, tiny_tokenizer, name):
+    hf_dir = write_checkpoint(GGUF_CONFIGS[name](), tmp_path / "hf", seed=1, tokenizer=tiny_tokenizer)
+    write_gguf(hf_dir, tmp_path / "model.gguf", mixed_type)
+    prompts, params = workload(VOCAB)
+    outputs = LLM(str(tmp_path), skip_tokenizer_init=True, num_kv_blocks=256).generate(prompts, params,
+                                                                                      use_tqdm=False)
+    # transformers' GGUF config drops head_dim (Qwen3) and Phi-3's window: give it the checkpoint's.
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="model.gguf", dtype=torch.float32,
+                                                 config=AutoConfig.from_pretrained(hf_dir)).eval()
+    with torch.inference_mode():
+        for index, (prompt, p, output) in enumerate(zip(prompts, params, outputs)):
+            ids = torch.tensor([prompt])
+            expected = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                      max_new_tokens=p.max_tokens, eos_token_id=2, pad_token_id=0)
+            assert output.token_ids == expected[0, len(prompt):].tolist(), f"{name}: prompt {index} diverged"
+
+
+def test_k_quants_under_tp2_match_one_device(wide_llama, tmp_path):
+    write_gguf(wide_llama, tmp_path / "model.gguf",
+               lambda name, shape: Q.Q6_K if "attn" in name else Q.Q4_K if "ffn" in name else Q.Q5_K)
+    prompts = [workload(VOCAB)[0][i] for i in range(3, 19)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+    one = LLM(str(tmp_path / "model.gguf"), skip_tokenizer_init=True, num_kv_blocks=128).generate(
+        prompts, params, use_tqdm=False)
+    llm = LLM(str(tmp_path / "model.gguf"), skip_tokenizer_init=True, num_kv_blocks=128, tensor_parallel_size=2)
+    try:
+        two = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    identical = 0
+    for a, b in zip(one, two):
+        close, same = close_or_identical(a.token_ids, [top5(e) for e in a.logprobs],
+                                         b.token_ids, [top5(e) for e in b.logprobs])
+        assert close
+        identical += same
+    assert identical >= 12
+
+
+def test_an_unsupported_type_is_one_line_naming_it(wide_llama, tmp_path):
+    write_gguf(wide_llama, tmp_path / "model.gguf", lambda name, shape: Q.IQ4_NL if "ffn_up" in name else Q.Q8_0)
+    with pytest.raises(ValueError) as raised:
+        LLM(str(tmp_path / "model.gguf"), skip_tokenizer_init=True, num_kv_blocks=8)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert message.startswith("GGUF tensor blk.0.ffn_up.weight: quantization type IQ4_NL is not supported")
+
+
+def test_a_folder_with_two_ggufs_asks_which(wide_llama, tmp_path):
+    write_gguf(wide_llama, tmp_path / "a.gguf")
+    shutil.copy(tmp_path / "a.gguf", tmp_path / "b.gguf")
+    with pytest.raises(ValueError, match=r"holds 2 \.gguf files \(a\.gguf, b\.gguf\); name one of them"):
+        LLM(str(tmp_path), skip_tokenizer_init=True, num_kv_blocks=8)
+    assert LLM(str(tmp_path / "b.gguf"), skip_tokenizer_init=True, num_kv_blocks=8).generate(
+        [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0].token_ids
