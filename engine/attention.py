@@ -179,6 +179,14 @@ def select_backend(name: str, device: torch.device):
 class ForwardContext:
     """What every attention layer needs for one step, passed down the forward call."""
 
-    meta: AttentionMetadata
+    meta: AttentionMetadata  # the first pool's (every pool shares positions and seq_lens)
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [num_blocks, block_size, Hkv, D] x2
     backend: TorchAttentionBackend | CpuAttentionBackend | TritonAttentionBackend
+    metas: list[AttentionMetadata] | None = None  # per KV pool (engine/kv_cache.py)
+    layer_groups: list[int] | None = None  # per layer: the pool it reads
+
+    def layer_meta(self, layer_idx: int) -> AttentionMetadata:
+        """The metadata of the pool layer `layer_idx` reads."""
+        if self.metas is None:
+            return self.meta
+        return self.metas[self.layer_groups[layer_idx]]

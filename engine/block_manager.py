@@ -9,7 +9,15 @@ NOTE: invariants
     in `cached_blocks`); it is evicted, least recently freed first, only when the
     free list has to hand it out for new tokens;
   * a block's hash covers its parent's hash and its own token ids, so equal hashes
-    mean equal whole prefixes.
+    mean equal whole prefixes;
+  * with a sliding window, a table entry whose tokens no query can attend to any more
+    is NULL_BLOCK: its block went back to the pool (`release_dead`). Tables keep one
+    entry per logical block, so positions still index them.
+
+Hybrid models (Gemma 3: local and global layers) keep two pools, one per kind of
+layer, in HybridBlockManager: a sequence holds `block_table` in the full-attention
+layers' pool and `sliding_block_table` in the sliding layers' pool, whose dead blocks
+are released as the window moves on.
 """
 
 from __future__ import annotations
@@ -19,6 +27,8 @@ from collections.abc import Sequence as SequenceOf
 
 from engine.sequence import Sequence
 from kernels import cdiv
+
+NULL_BLOCK = -1
 
 
 class Block:
@@ -39,9 +49,17 @@ def hash_block(parent_hash: int | str | None, token_ids: SequenceOf[int]) -> int
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    """One pool. `sliding_window`: the layers it serves attend to that many tokens, so
+    blocks behind the window are released; `table`: the Sequence attribute holding the
+    sequence's block ids in this pool; `group`: this pool's index in the model runner."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None, table: str = "block_table", group: int = 0) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
+        self.table, self.group = table, group
+        self.num_released = 0  # blocks handed back early because the window had passed them
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Insertion order is eviction order: the front is the least recently freed.
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -61,6 +79,25 @@ class BlockManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
+    def _table(self, seq: Sequence) -> list[int]:
+        return getattr(seq, self.table)
+
+    def num_dead_blocks(self, num_computed_tokens: int) -> int:
+        """Leading blocks no query from position `num_computed_tokens` on attends to: a
+        query at q reads keys q - window + 1 .. q (transformers' sliding mask)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, (num_computed_tokens - self.sliding_window + 1) // self.block_size)
+
+    def release_dead(self, seq: Sequence) -> None:
+        """Hand back the blocks the window has passed (they stay in the prefix cache)."""
+        table = self._table(seq)
+        for index in range(min(self.num_dead_blocks(seq.num_computed_tokens), len(table))):
+            if table[index] != NULL_BLOCK:
+                self._release(table[index])
+                table[index] = NULL_BLOCK
+                self.num_released += 1
+
     # -- prefix cache --------------------------------------------------------
     def _compute_block_hashes(self, seq: Sequence, num_tokens: int) -> None:
         """Extend seq.block_hashes over the full blocks among its first num_tokens tokens."""
@@ -69,7 +106,7 @@ class BlockManager:
             parent = seq.block_hashes[-1] if seq.block_hashes else seq.cache_salt
             seq.block_hashes.append(hash_block(parent, seq.token_ids[index * size : (index + 1) * size]))
 
-    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+    def find_cached_prefix(self, seq: Sequence, max_blocks: int | None = None) -> list[int]:
         """Block ids holding the longest cached prefix of `seq` (full blocks only).
 
         At least one token is always left to compute, since the model must run on
@@ -78,14 +115,30 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         self._compute_block_hashes(seq, seq.num_tokens - 1)
-        hits: list[int] = []
-        for index, block_hash in enumerate(seq.block_hashes[: (seq.num_tokens - 1) // self.block_size]):
-            block_id = self.cached_blocks.get(block_hash)
-            tokens = tuple(seq.token_ids[index * self.block_size : (index + 1) * self.block_size])
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
-                break
-            hits.append(block_id)
-        return hits
+        num_candidates = min(len(seq.block_hashes), (seq.num_tokens - 1) // self.block_size)
+        if max_blocks is not None:
+            num_candidates = min(num_candidates, max_blocks)
+        cached = [self._cached(seq, index) for index in range(num_candidates)]
+        if self.sliding_window is None:
+            hits = []
+            for block_id in cached:
+                if block_id is None:
+                    break
+                hits.append(block_id)
+            return hits
+        # With a window, only the blocks the first new query can see must be cached: the
+        # longest prefix whose live blocks are all found wins; its dead ones are NULL.
+        for num_blocks in range(num_candidates, 0, -1):
+            dead = self.num_dead_blocks(num_blocks * self.block_size)
+            if all(block_id is not None for block_id in cached[dead:num_blocks]):
+                return [NULL_BLOCK] * dead + cached[dead:num_blocks]
+        return []
+
+    def _cached(self, seq: Sequence, index: int) -> int | None:
+        """The cached block holding block `index` of `seq`, if any."""
+        block_id = self.cached_blocks.get(seq.block_hashes[index])
+        tokens = tuple(seq.token_ids[index * self.block_size : (index + 1) * self.block_size])
+        return block_id if block_id is not None and self.blocks[block_id].token_ids == tokens else None
 
     def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         self.num_prefix_queries += num_query_tokens
@@ -96,8 +149,13 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         self._compute_block_hashes(seq, num_computed_tokens)
-        for index in range(min(len(seq.block_hashes), len(seq.block_table))):
-            block = self.blocks[seq.block_table[index]]
+        table = self._table(seq)
+        # Only blocks whose every token is computed: seq.block_hashes may run further (a prefix
+        # lookup hashes the whole prompt), and a chunk can end inside an allocated block.
+        for index in range(min(num_computed_tokens // self.block_size, len(table))):
+            if table[index] == NULL_BLOCK:
+                continue
+            block = self.blocks[table[index]]
             if block.hash is not None:
                 continue
             block_hash = seq.block_hashes[index]
@@ -108,20 +166,22 @@ class BlockManager:
             self.cached_blocks[block_hash] = block.block_id
 
     # -- allocation ----------------------------------------------------------
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached_prefix: list[int] = ()) -> bool:
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached_prefix: SequenceOf[int] = ()) -> bool:
         return self._num_blocks_to_take(seq, num_new_tokens, cached_prefix) <= self.num_free_blocks
 
     def _num_blocks_to_take(self, seq: Sequence, num_new_tokens: int, cached_prefix: SequenceOf[int]) -> int:
         num_tokens = seq.num_computed_tokens + len(cached_prefix) * self.block_size + num_new_tokens
-        num_new_blocks = self.num_blocks_for(num_tokens) - len(seq.block_table) - len(cached_prefix)
+        num_new_blocks = self.num_blocks_for(num_tokens) - len(self._table(seq)) - len(cached_prefix)
         # Cached blocks that sit on the free list leave it when they are reused.
-        num_revived = sum(1 for block_id in cached_prefix if self.blocks[block_id].ref_count == 0)
+        num_revived = sum(1 for block_id in cached_prefix
+                          if block_id != NULL_BLOCK and self.blocks[block_id].ref_count == 0)
         return max(num_new_blocks, 0) + num_revived + int(self._needs_copy_on_write(seq))
 
     def _needs_copy_on_write(self, seq: Sequence) -> bool:
         """The next token lands in a partly filled last block that another sequence shares."""
-        return (bool(seq.block_table) and seq.num_computed_tokens % self.block_size != 0
-                and self.blocks[seq.block_table[-1]].ref_count > 1)
+        table = self._table(seq)
+        return (bool(table) and seq.num_computed_tokens % self.block_size != 0
+                and self.blocks[table[-1]].ref_count > 1)
 
     def allocate(self, seq: Sequence, num_new_tokens: int, cached_prefix: SequenceOf[int] = ()) -> bool:
         """Give `seq` the blocks for `num_new_tokens` more tokens (after any cached prefix).
@@ -130,41 +190,50 @@ class BlockManager:
         """
         if self._num_blocks_to_take(seq, num_new_tokens, cached_prefix) > self.num_free_blocks:
             return False
+        table = self._table(seq)
         for block_id in cached_prefix:
-            self._take(block_id)
-            seq.block_table.append(block_id)
+            if block_id != NULL_BLOCK:
+                self._take(block_id)
+            table.append(block_id)
         num_tokens = seq.num_computed_tokens + len(cached_prefix) * self.block_size + num_new_tokens
-        while len(seq.block_table) < self.num_blocks_for(num_tokens):
-            seq.block_table.append(self._take_fresh())
+        while len(table) < self.num_blocks_for(num_tokens):
+            table.append(self._take_fresh())
         return True
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let `child` share every block of `parent` (parallel sampling)."""
-        for block_id in parent.block_table:
-            self.blocks[block_id].ref_count += 1
-        child.block_table = list(parent.block_table)
+        table = self._table(parent)
+        for block_id in table:
+            if block_id != NULL_BLOCK:
+                self.blocks[block_id].ref_count += 1
+        setattr(child, self.table, list(table))
         child.block_hashes = list(parent.block_hashes)
 
-    def copy_on_write(self, seq: Sequence) -> tuple[int, int] | None:
+    def copy_on_write(self, seq: Sequence) -> list[tuple[int, int, int]]:
         """Before `seq` writes into its last block: if that block is shared, give `seq`
-        a private copy. Returns (source, destination) block ids for the runner to copy."""
+        a private copy. Returns the (group, source, destination) copies for the runner."""
         if not self._needs_copy_on_write(seq):
-            return None
-        last = self.blocks[seq.block_table[-1]]
+            return []
+        table = self._table(seq)
+        last = self.blocks[table[-1]]
         last.ref_count -= 1
         new_id = self._take_fresh()
-        seq.block_table[-1] = new_id
-        return last.block_id, new_id
+        table[-1] = new_id
+        return [(self.group, last.block_id, new_id)]
 
     def free(self, seq: Sequence) -> None:
         # Reverse order: a sequence's tail blocks are the least likely to be shared,
         # so they go to the front of the eviction order.
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_blocks[block_id] = None
-        seq.block_table = []
+        for block_id in reversed(self._table(seq)):
+            if block_id != NULL_BLOCK:
+                self._release(block_id)
+        setattr(seq, self.table, [])
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_blocks[block_id] = None
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -181,3 +250,91 @@ class BlockManager:
             block.hash, block.token_ids = None, ()
         block.ref_count = 1
         return block_id
+
+
+class HybridBlockManager:
+    """The two pools of a model with full-attention and sliding-window layers (Gemma 3),
+    behind BlockManager's interface. The full pool decides capacity (what admission and
+    the stats see); the sliding pool is sized so that every running sequence's window and
+    one step's new tokens always fit (engine/model_runner.py), and hands blocks back as
+    the window moves on. A prefix hit counts where both pools hold it: cached-prefix
+    entries are (full, sliding) block-id pairs."""
+
+    def __init__(self, full: BlockManager, sliding: BlockManager) -> None:
+        self.full, self.sliding = full, sliding
+        self.block_size = full.block_size
+        self.enable_prefix_caching = full.enable_prefix_caching
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.full.num_total_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.full.num_free_blocks
+
+    @property
+    def num_prefix_queries(self) -> int:
+        return self.full.num_prefix_queries
+
+    @property
+    def num_prefix_hits(self) -> int:
+        return self.full.num_prefix_hits
+
+    @property
+    def num_released(self) -> int:
+        return self.sliding.num_released
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return self.full.num_blocks_for(num_tokens)
+
+    def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        self.full.record_prefix_lookup(num_query_tokens, num_hit_tokens)
+
+    def find_cached_prefix(self, seq: Sequence) -> list[tuple[int, int]]:
+        full_hits = self.full.find_cached_prefix(seq)
+        return list(zip(full_hits, self.sliding.find_cached_prefix(seq, max_blocks=len(full_hits))))
+
+    def cache_full_blocks(self, seq: Sequence, num_computed_tokens: int) -> None:
+        self.full.cache_full_blocks(seq, num_computed_tokens)
+        self.sliding.cache_full_blocks(seq, num_computed_tokens)
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached_prefix: SequenceOf = ()) -> bool:
+        full_prefix, sliding_prefix = [pair[0] for pair in cached_prefix], [pair[1] for pair in cached_prefix]
+        return (self.full.can_allocate(seq, num_new_tokens, full_prefix)
+                and self.sliding.can_allocate(seq, num_new_tokens, sliding_prefix))
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached_prefix: SequenceOf = ()) -> bool:
+        """Both pools or neither: returns False, changing nothing, when either is short."""
+        if not self.can_allocate(seq, num_new_tokens, cached_prefix):
+            return False
+        self.full.allocate(seq, num_new_tokens, [pair[0] for pair in cached_prefix])
+        self.sliding.allocate(seq, num_new_tokens, [pair[1] for pair in cached_prefix])
+        return True
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        self.full.fork(parent, child)
+        self.sliding.fork(parent, child)
+
+    def copy_on_write(self, seq: Sequence) -> list[tuple[int, int, int]]:
+        return self.full.copy_on_write(seq) + self.sliding.copy_on_write(seq)
+
+    def free(self, seq: Sequence) -> None:
+        self.full.free(seq)
+        self.sliding.free(seq)
+
+    def release_dead(self, seq: Sequence) -> None:
+        self.sliding.release_dead(seq)
+
+
+def make_block_manager(pools: list[tuple[int, int | None]], block_size: int,
+                       enable_prefix_caching: bool) -> BlockManager | HybridBlockManager:
+    """`pools`: (blocks, sliding window or None) of each KV group the model runner made:
+    one pool, or the full-attention and the sliding layers' pools of a hybrid model."""
+    if len(pools) == 1:
+        return BlockManager(pools[0][0], block_size, enable_prefix_caching, sliding_window=pools[0][1])
+    (num_full, _), (num_sliding, window) = pools
+    return HybridBlockManager(
+        BlockManager(num_full, block_size, enable_prefix_caching),
+        BlockManager(num_sliding, block_size, enable_prefix_caching, sliding_window=window,
+                     table="sliding_block_table", group=1))

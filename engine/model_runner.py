@@ -17,6 +17,7 @@ from engine import parallel
 from engine.attention import AttentionMetadata, ForwardContext, PrefillSpan, select_backend
 from engine.checkpoint import load_hf_config
 from engine.config import EngineConfig
+from engine.kv_cache import KVGroup, kv_groups, pool_sizes
 from engine.loader import load_weights, model_weights
 from engine.models import get_model_class
 from engine.models.layers import can_use_onednn_linear, use_onednn_linears, use_triton_layers
@@ -94,12 +95,7 @@ class ModelRunner:
         attention_layers = [m for m in self.model.modules() if hasattr(m, "num_kv_heads")]
         self.num_layers = len(attention_layers)
         self.num_kv_heads, self.head_dim = attention_layers[0].num_kv_heads, attention_layers[0].head_dim
-        self.num_kv_blocks = parallel.group_min(self._num_kv_blocks(), self.device)  # every rank: the same pool
-        # [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]; zeroed so that
-        # padded reads of never-written slots are finite (they are masked, but NaN * 0 is NaN).
-        self.kv_cache = torch.zeros(self.num_layers, 2, self.num_kv_blocks, self.block_size, self.num_kv_heads,
-                                    self.head_dim, dtype=self.dtype, device=self.device)
-        self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
+        self._allocate_kv_cache(kv_groups(attention_layers))
         self.sampler = Sampler()
         self.structured = None  # engine.structured_outputs.StructuredOutputs, set with the first constraint
         self.generators: dict[str, torch.Generator] = {}
@@ -117,12 +113,19 @@ class ModelRunner:
         return model.eval()
 
     @property
-    def bytes_per_block(self) -> int:
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+    def bytes_per_layer_block(self) -> int:
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
-    def _num_kv_blocks(self) -> int:
+    @property
+    def bytes_per_block(self) -> int:
+        """A block of every layer: what one token slot of the full-attention pool costs
+        when every layer reads that pool."""
+        return self.num_layers * self.bytes_per_layer_block
+
+    def _kv_cache_memory(self) -> int | None:
+        """Bytes for the KV cache, or None when num_kv_blocks sizes it exactly."""
         if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
+            return None
         memory = self.config.kv_cache_memory
         if memory is None and self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
@@ -131,10 +134,29 @@ class ModelRunner:
             # Enough for max_num_seqs full-length sequences, never more than 2 GiB.
             blocks_for_all = self.config.max_num_seqs * cdiv(self.max_model_len, self.block_size)
             memory = min(CPU_DEFAULT_KV_CACHE_BYTES, blocks_for_all * self.bytes_per_block)
-        num_blocks = memory // self.bytes_per_block
-        if num_blocks < 1:
+        return memory
+
+    def _allocate_kv_cache(self, groups: list[KVGroup]) -> None:
+        """One tensor per pool, [layers, 2 (K, V), blocks, block_size, kv_heads, head_dim],
+        zeroed so that padded reads of never-written slots are finite (masked, but
+        NaN * 0 is NaN); `kv_caches[layer]` is that layer's (K, V) view."""
+        memory = self._kv_cache_memory()
+        sizes = [parallel.group_min(n, self.device) for n in  # every rank: the same pools
+                 pool_sizes(groups, self.config, self.bytes_per_layer_block, memory)]
+        if min(sizes) < 1:
             raise ValueError(f"kv_cache_memory {memory} bytes holds no block of {self.bytes_per_block} bytes")
-        return num_blocks
+        self.kv_groups = groups
+        self.kv_pools = [(size, group.sliding_window) for size, group in zip(sizes, groups)]
+        self.num_kv_blocks = sizes[0]
+        self.kv_cache_groups = [torch.zeros(len(group.layers), 2, size, self.block_size, self.num_kv_heads,
+                                            self.head_dim, dtype=self.dtype, device=self.device)
+                                for size, group in zip(sizes, groups)]
+        self.kv_caches = [None] * self.num_layers
+        self.layer_groups = [0] * self.num_layers  # the pool each layer reads
+        for index, (group, cache) in enumerate(zip(groups, self.kv_cache_groups)):
+            for position, layer in enumerate(group.layers):
+                self.kv_caches[layer] = (cache[position][0], cache[position][1])
+                self.layer_groups[layer] = index
 
     # -- one step -------------------------------------------------------------
     @torch.inference_mode()
@@ -180,10 +202,11 @@ class ModelRunner:
     def run(self, inputs: StepInputs) -> torch.Tensor | None:
         """Every rank: one forward pass on the step's inputs; the sampled rows' logits
         [R, vocab] on rank 0 (None elsewhere, or when nothing samples)."""
-        for source, destination in inputs.copies.tolist():
-            self.kv_cache[:, :, destination].copy_(self.kv_cache[:, :, source])
-        input_ids, positions, meta = self._prepare_inputs(inputs)
-        ctx = ForwardContext(meta, self.kv_caches, self.backend)
+        for group, source, destination in inputs.copies.tolist():
+            cache = self.kv_cache_groups[group]
+            cache[:, :, destination].copy_(cache[:, :, source])
+        input_ids, positions, metas = self._prepare_inputs(inputs)
+        ctx = ForwardContext(metas[0], self.kv_caches, self.backend, metas, self.layer_groups)
         hidden = self.model(input_ids, positions, ctx)  # [num_tokens, hidden]
         if not len(inputs.rows):
             return None
@@ -215,30 +238,45 @@ class ModelRunner:
             return tensor
         return tensor.pin_memory().to(self.device, non_blocking=True)
 
-    @staticmethod
-    def _step_inputs(seqs: list[Sequence], num_new: list[int], copies: list[tuple[int, int]],
+    def _step_inputs(self, seqs: list[Sequence], num_new: list[int], copies: list[tuple[int, int, int]],
                      rows: list[int]) -> StepInputs:
         """What a step needs from the sequences, as host tensors (what rank 0 broadcasts)."""
         input_ids: list[int] = []
         for seq, n in zip(seqs, num_new):
             input_ids.extend(seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + n])
-        width = max(len(s.block_table) for s in seqs)
-        block_tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs])
+        hybrid = len(self.kv_groups) == 2
+        sliding_tables = (padded_tables([s.sliding_block_table for s in seqs]) if hybrid
+                          else torch.zeros(len(seqs), 0, dtype=torch.int64))
         return StepInputs(torch.tensor(input_ids), torch.tensor([s.num_computed_tokens for s in seqs]),
-                          torch.tensor(num_new), block_tables, torch.tensor(copies, dtype=torch.int64).view(-1, 2),
-                          torch.tensor(rows, dtype=torch.int64), torch.tensor([s.num_tokens for s in seqs]))
+                          torch.tensor(num_new), padded_tables([s.block_table for s in seqs]),
+                          torch.tensor(copies, dtype=torch.int64).view(-1, 3), torch.tensor(rows, dtype=torch.int64),
+                          torch.tensor([s.num_tokens for s in seqs]), sliding_tables)
 
     def _prepare_inputs(self, inputs: StepInputs):
         """Every step input is built on the host and copied to the device once; nothing here
-        reads a device tensor back. Prefills are described in the form the backend reads."""
-        lens, starts, block_tables = inputs.lens, inputs.starts, inputs.block_tables
+        reads a device tensor back. One AttentionMetadata per KV pool (a hybrid model's
+        two pools have their own block ids, so their own slots and tables)."""
+        lens, starts = inputs.lens, inputs.starts
+        seq_of_token = torch.repeat_interleave(torch.arange(len(lens)), lens)  # [T]
+        offsets = lens.cumsum(0) - lens  # first row of each sequence in the flat batch
+        positions = torch.arange(len(inputs.input_ids)) - offsets[seq_of_token] + starts[seq_of_token]  # [T]
+        tables = [inputs.block_tables] + ([inputs.sliding_block_tables] if len(self.kv_groups) == 2 else [])
+        seq_lens = self._to_device(inputs.seq_lens[seq_of_token])
+        metas = []
+        for block_tables in tables:
+            meta = self._attention_metadata(block_tables, inputs, seq_of_token, offsets, positions)
+            meta.seq_lens = seq_lens
+            metas.append(meta)
+        return self._to_device(inputs.input_ids), self._to_device(positions), metas
+
+    def _attention_metadata(self, block_tables: torch.Tensor, inputs: StepInputs, seq_of_token: torch.Tensor,
+                            offsets: torch.Tensor, positions: torch.Tensor) -> AttentionMetadata:
+        """The step's slots and tables in one pool; prefills in the form the backend reads."""
+        lens, starts = inputs.lens, inputs.starts
         num_new = lens.tolist()
         num_prefills = sum(1 for n in num_new if n > 1)
         # Real table lengths: a sequence's blocks cover its context (padding is beyond).
         table_lens = [cdiv(context, self.block_size) for context in (starts + lens).tolist()]
-        seq_of_token = torch.repeat_interleave(torch.arange(len(num_new)), lens)  # [T]
-        offsets = lens.cumsum(0) - lens  # first row of each sequence in the flat batch
-        positions = torch.arange(len(inputs.input_ids)) - offsets[seq_of_token] + starts[seq_of_token]  # [T]
         slot_mapping = (block_tables[seq_of_token, positions // self.block_size] * self.block_size
                         + positions % self.block_size)  # [T]
         context_lens = starts + lens  # [num_seqs]
@@ -257,13 +295,11 @@ class ModelRunner:
         elif num_prefills:
             query_starts = torch.zeros(num_prefills + 1, dtype=torch.int64)
             query_starts[1:] = lens[:num_prefills].cumsum(0)
-            num_prefill_blocks = max(table_lens[:num_prefills])
             meta.prefill_query_starts = self._to_device(query_starts)
             meta.prefill_context_lens = self._to_device(context_lens[:num_prefills])
-            meta.prefill_block_tables = device_tables[:num_prefills, :num_prefill_blocks]
+            meta.prefill_block_tables = device_tables[:num_prefills, :max(table_lens[:num_prefills])]
             meta.max_prefill_queries = max(num_new[:num_prefills])
-        meta.seq_lens = self._to_device(inputs.seq_lens[seq_of_token])
-        return self._to_device(inputs.input_ids), self._to_device(positions), meta
+        return meta
 
     def _sampler_row(self, seq: Sequence) -> SamplerRow:
         params = seq.params
@@ -283,6 +319,14 @@ class ModelRunner:
 
     def release(self, seq: Sequence) -> None:
         self.generators.pop(seq.seq_id, None)
+
+
+def padded_tables(tables: list[list[int]]) -> torch.Tensor:
+    """[S, width] block ids, padded with 0; NULL_BLOCK entries (blocks a sliding window
+    has passed) read block 0 too: the kernels mask those positions, and every block
+    holds finite values."""
+    width = max(len(table) for table in tables)
+    return torch.tensor([table + [0] * (width - len(table)) for table in tables], dtype=torch.int64).clamp_(min=0)
 
 
 def run_shard(config_json: str, rank: int, init_method: str) -> None:

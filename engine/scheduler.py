@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.block_manager import BlockManager
+from engine.block_manager import make_block_manager
 from engine.config import EngineConfig
 from engine.sequence import Sequence, SequenceStatus
 
@@ -38,7 +38,7 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     """Tokens of each sequence to run this step, starting at its num_computed_tokens."""
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    block_copies: list[tuple[int, int, int]] = field(default_factory=list)  # (KV group, source, destination)
     """(source, destination) blocks to copy before the step (copy-on-write)."""
     forks: dict[str, list[Sequence]] = field(default_factory=dict)
     """n > 1: parent seq_id -> samples forked this step. They share the parent's blocks and
@@ -49,11 +49,15 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_kv_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, num_kv_blocks: int,
+                 pools: list[tuple[int, int | None]] | None = None) -> None:
+        """`pools`: the model runner's KV groups, (blocks, sliding window or None) each;
+        default: one pool of `num_kv_blocks` that every layer reads in full."""
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.enable_chunked_prefill = config.enable_chunked_prefill
-        self.block_manager = BlockManager(num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = make_block_manager(pools or [(num_kv_blocks, None)], config.block_size,
+                                                config.enable_prefix_caching)
         self.waiting: list[Sequence] = []  # both sorted by Sequence.schedule_key
         self.running: list[Sequence] = []
         self.failed: list[Sequence] = []  # their grammar never compiled: taken by the engine
@@ -164,9 +168,7 @@ class Scheduler:
             self._preempt(victim)
 
     def _grow(self, seq: Sequence, num_new: int, batch: ScheduledBatch) -> None:
-        copy = self.block_manager.copy_on_write(seq)
-        if copy is not None:
-            batch.block_copies.append(copy)
+        batch.block_copies.extend(self.block_manager.copy_on_write(seq))
         if not self.block_manager.allocate(seq, num_new):  # can_allocate said yes just before
             raise RuntimeError(f"block manager refused {num_new} tokens for {seq} after can_allocate")
         self._schedule(seq, num_new, batch)
@@ -203,8 +205,10 @@ class Scheduler:
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += num_new
             self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens)
+            self.block_manager.release_dead(seq)  # sliding-window layers: what the window passed
             for child in batch.forks.get(seq.seq_id, ()):
                 child.num_computed_tokens = seq.num_computed_tokens
+                self.block_manager.release_dead(child)
         now = time.monotonic()
         finished = []
         for seq, token_id, logprobs in zip(sampled_seqs, sampled.token_ids, sampled.logprobs):

@@ -41,6 +41,7 @@ class Sequence:
         # n > 1: samples still to fork from this sequence once its prompt has run.
         self.num_pending_samples = params.n - 1 if sample_index == 0 else 0
         self.block_table: list[int] = []
+        self.sliding_block_table: list[int] = []  # a hybrid model's sliding layers' pool (engine/block_manager.py)
         self.block_hashes: list[int] = []
         # Separates prefix-cache namespaces: blocks computed under another salt never match
         # (a longrope model's long-factor blocks against its short-factor ones).

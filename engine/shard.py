@@ -28,6 +28,7 @@ from engine import parallel
 from engine.config import EngineConfig
 
 STEP, EXIT = 1, 0
+HEADER_SIZE = 7  # STEP or EXIT, then the sizes of the step's tensors
 
 
 @dataclass
@@ -36,34 +37,38 @@ class StepInputs:
     starts: torch.Tensor  # [S] tokens already in the cache per sequence
     lens: torch.Tensor  # [S] tokens of each sequence this step
     block_tables: torch.Tensor  # [S, W] padded with 0
-    copies: torch.Tensor  # [C, 2] (source, destination) blocks to copy first
+    copies: torch.Tensor  # [C, 3] (KV pool, source, destination) blocks to copy first
     rows: torch.Tensor  # [R] rows of the flat batch whose logits are sampled
     seq_lens: torch.Tensor  # [S] tokens per sequence, prompt and output (longrope picks its table by them)
+    sliding_block_tables: torch.Tensor  # [S, W'] a hybrid model's sliding pool ([S, 0] otherwise)
 
     def broadcast(self, device: torch.device) -> None:
         """Rank 0: send these inputs to every other rank."""
-        sizes = [len(self.input_ids), len(self.starts), self.block_tables.shape[1], len(self.copies), len(self.rows)]
+        sizes = [len(self.input_ids), len(self.starts), self.block_tables.shape[1], len(self.copies), len(self.rows),
+                 self.sliding_block_tables.shape[1]]
         parallel.broadcast(torch.tensor([STEP, *sizes], dtype=torch.int64, device=device))
         parallel.broadcast(torch.cat([self.input_ids, self.starts, self.lens, self.block_tables.flatten(),
-                                      self.copies.flatten(), self.rows, self.seq_lens])
+                                      self.copies.flatten(), self.rows, self.seq_lens,
+                                      self.sliding_block_tables.flatten()])
                            .to(device=device, dtype=torch.int64))
 
     @staticmethod
     def receive(device: torch.device) -> StepInputs | None:
         """Ranks 1..N-1: the next step's inputs, or None when rank 0 shuts the group down."""
-        header = parallel.broadcast(torch.zeros(6, dtype=torch.int64, device=device)).tolist()
+        header = parallel.broadcast(torch.zeros(HEADER_SIZE, dtype=torch.int64, device=device)).tolist()
         if header[0] == EXIT:
             return None
-        num_tokens, num_seqs, width, num_copies, num_rows = header[1:]
-        sizes = [num_tokens, num_seqs, num_seqs, num_seqs * width, 2 * num_copies, num_rows, num_seqs]
+        num_tokens, num_seqs, width, num_copies, num_rows, sliding_width = header[1:]
+        sizes = [num_tokens, num_seqs, num_seqs, num_seqs * width, 3 * num_copies, num_rows, num_seqs,
+                 num_seqs * sliding_width]
         payload = torch.zeros(sum(sizes), dtype=torch.int64, device=device)
         parts = parallel.broadcast(payload).cpu().split(sizes)
-        return StepInputs(parts[0], parts[1], parts[2], parts[3].view(num_seqs, width), parts[4].view(-1, 2),
-                          parts[5], parts[6])
+        return StepInputs(parts[0], parts[1], parts[2], parts[3].view(num_seqs, width), parts[4].view(-1, 3),
+                          parts[5], parts[6], parts[7].view(num_seqs, sliding_width))
 
 
 def send_exit(device: torch.device) -> None:
-    parallel.broadcast(torch.tensor([EXIT, 0, 0, 0, 0, 0], dtype=torch.int64, device=device))
+    parallel.broadcast(torch.tensor([EXIT] + [0] * (HEADER_SIZE - 1), dtype=torch.int64, device=device))
 
 
 def free_init_method() -> str:

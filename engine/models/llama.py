@@ -65,7 +65,8 @@ class LlamaAttention(nn.Module):
         q, k = self.qk_norm(q, k)
         q, k = rotary(positions, q, k, ctx.meta.seq_lens)
         key_cache, value_cache = ctx.kv_caches[self.layer_idx]
-        out = ctx.backend.forward(q, k, v, key_cache, value_cache, ctx.meta, self.scale, self.sliding_window)
+        out = ctx.backend.forward(q, k, v, key_cache, value_cache, ctx.layer_meta(self.layer_idx), self.scale,
+                                  self.sliding_window)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

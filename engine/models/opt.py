@@ -29,7 +29,7 @@ class OPTAttention(nn.Module):
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).view(num_tokens, 3, self.num_heads, self.head_dim).unbind(1)
         key_cache, value_cache = ctx.kv_caches[self.layer_idx]
-        out = ctx.backend.forward(q, k, v, key_cache, value_cache, ctx.meta, self.scale)  # [T, H, D]
+        out = ctx.backend.forward(q, k, v, key_cache, value_cache, ctx.layer_meta(self.layer_idx), self.scale)  # [T, H, D]
         return self.out_proj(out.reshape(num_tokens, -1))
 
 

@@ -16,7 +16,7 @@ def test_kv_cache_memory_sizes_the_pool(tiny_llama):
     # 2 layers x (K, V) x 16 slots x 2 KV heads x 16 dims x 4 bytes = 8 KiB per block
     assert runner.bytes_per_block == 8192
     assert llm.engine.num_total_blocks == 128
-    assert tuple(runner.kv_cache.shape) == (2, 2, 128, 16, 2, 16)
+    assert tuple(runner.kv_cache_groups[0].shape) == (2, 2, 128, 16, 2, 16)
 
 
 def test_cpu_default_pool_holds_max_num_seqs_full_sequences(tiny_llama):

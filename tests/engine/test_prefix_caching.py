@@ -93,3 +93,20 @@ def test_shared_prefixes_match_transformers(tiny_models, name):
     expected = reference_outputs(tiny_models[name], prompts, params)
     assert [o.token_ids for o in outputs] == expected
     assert sum(o.num_cached_tokens for o in outputs) >= 8 * 32  # later waves hit at least two blocks each
+
+
+def test_a_half_written_block_is_never_served_as_a_cached_prefix(tiny_llama):
+    """A's first chunk ends inside its third block, and A is aborted there (as a client
+    disconnect or a preemption would stop it). B, the same prompt, may reuse only A's two
+    full blocks: the third was half written."""
+    prompt = tokens(11, 100)
+    expected = LLM(tiny_llama, num_kv_blocks=64, enable_prefix_caching=False).generate(
+        [prompt], GREEDY, use_tqdm=False)[0].token_ids
+    llm = LLM(tiny_llama, num_kv_blocks=64, max_num_batched_tokens=40)
+    engine = llm.engine
+    engine.add_request("a", prompt, GREEDY)
+    engine.step()  # A: tokens 0-39 computed; block 2 (tokens 32-47) half written
+    engine.abort("a")
+    b = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert b.num_cached_tokens == 32
+    assert b.token_ids == expected
