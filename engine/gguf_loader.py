@@ -46,13 +46,18 @@ def read_field(reader: GGUFReader, key: str):
 
 def complete_config(config, path: Path) -> None:
     """What transformers leaves out of a GGUF's config: the head size (Qwen3 and Gemma 3
-    set it apart from hidden / heads), Phi-3's sliding window, and the RoPE scaling
-    llama.cpp keeps as tensors: Llama 3's frequency factors, Phi-3's longrope factors."""
+    set it apart from hidden / heads), Phi-3's sliding window and partial rotary, and the
+    RoPE scaling llama.cpp keeps as tensors: Llama 3's frequency factors, Phi-3's longrope
+    factors."""
     reader = open_reader(Path(path))
     arch = read_field(reader, "general.architecture")
     key_length = read_field(reader, f"{arch}.attention.key_length")
     if key_length:
         config.head_dim = int(key_length)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rotary_dim = read_field(reader, f"{arch}.rope.dimension_count")
+    if rotary_dim and int(rotary_dim) < head_dim:  # Phi-4-mini turns 3/4 of each head
+        config.rope_parameters = {**config.rope_parameters, "partial_rotary_factor": int(rotary_dim) / head_dim}
     window = read_field(reader, f"{arch}.attention.sliding_window")
     if window and getattr(config, "sliding_window", None) is None:  # Phi-3's, which transformers drops
         config.sliding_window = int(window)
@@ -62,7 +67,7 @@ def complete_config(config, path: Path) -> None:
     if "rope_factors_long.weight" in factors and "rope_factors_short.weight" in factors:
         original = read_field(reader, f"{arch}.rope.scaling.original_context_length")
         config.rope_parameters = {
-            "rope_type": "longrope", "rope_theta": config.rope_parameters.get("rope_theta", 10000.0),
+            **config.rope_parameters, "rope_type": "longrope",
             "long_factor": dequantize_tensor(factors["rope_factors_long.weight"]).tolist(),
             "short_factor": dequantize_tensor(factors["rope_factors_short.weight"]).tolist(),
             "original_max_position_embeddings": int(original or config.max_position_embeddings),

@@ -69,7 +69,10 @@ def write_metadata(writer: GGUFWriter, config) -> None:
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
+    rope = config.rope_parameters or {}
+    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    if rope.get("rope_type") == "longrope":
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     rope = config.rope_parameters or {}
     writer.add_rope_freq_base(rope.get("full_attention", rope).get("rope_theta", 10000.0))  # Gemma 3: the global base
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
@@ -100,6 +103,9 @@ def write_gguf(hf_dir: str | Path, out: str | Path, qtype_of=lambda name, shape:
         writer.add_tensor(gguf_name, data, raw_dtype=None if qtype in (Q.F32, Q.F16) else qtype)
         written[gguf_name] = (qtype, dequantize(data, qtype).reshape(weights.shape))
     rope = config.rope_parameters or {}
+    if rope.get("rope_type") == "longrope":  # llama.cpp keeps the factors as tensors
+        writer.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
     if rope.get("rope_type") == "llama3":  # llama.cpp writes Llama 3's scaling as per-frequency divisors
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         default = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))

@@ -5,6 +5,7 @@ are the defaults of a request that leaves them unset, and the request always win
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 
 import pytest
@@ -30,10 +31,13 @@ def with_generation_config(tiny_llama, tmp_path):
     return write
 
 
-def test_the_files_values_fill_what_a_request_leaves_unset(with_generation_config):
+def test_the_files_values_fill_what_a_request_leaves_unset(with_generation_config, caplog):
     model = with_generation_config(eos_token_id=2, temperature=0.0, top_k=7, top_p=0.9, max_new_tokens=12)
-    llm = LLM(model, num_kv_blocks=64)
+    with caplog.at_level(logging.INFO, logger="engine.checkpoint"):
+        llm = LLM(model, num_kv_blocks=64)
     assert llm.engine.default_sampling_params == {"temperature": 0.0, "top_k": 7, "top_p": 0.9, "max_tokens": 12}
+    assert ("generation defaults from the model: {'temperature': 0.0, 'top_p': 0.9, 'top_k': 7, 'max_tokens': 12}"
+            in caplog.text)  # said at start-up
     greedy = LLM(model, num_kv_blocks=64, generation_config="vllm").generate(
         PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     defaulted = llm.generate(PROMPTS, use_tqdm=False)  # no SamplingParams: the file's (greedy, 12 tokens)

@@ -142,3 +142,19 @@ def test_a_folder_with_two_ggufs_asks_which(wide_llama, tmp_path):
         LLM(str(tmp_path), skip_tokenizer_init=True, num_kv_blocks=8)
     assert LLM(str(tmp_path / "b.gguf"), skip_tokenizer_init=True, num_kv_blocks=8).generate(
         [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0].token_ids
+
+
+def test_phi3_longrope_and_partial_rotary_come_back_from_a_gguf(tiny_models, tmp_path):
+    """llama.cpp keeps Phi-3's longrope factors as tensors and its rotary width as
+    rope.dimension_count, both of which transformers' GGUF config drops: read back, the
+    F32 file runs exactly as the safetensors checkpoint, across the switch to the long factors."""
+    write_gguf(tiny_models["phi3"], tmp_path / "phi3.gguf")
+    prompts, params = workload(VOCAB)
+    from_gguf = LLM(str(tmp_path / "phi3.gguf"), skip_tokenizer_init=True, num_kv_blocks=256)
+    rope = from_gguf.engine.hf_config.rope_parameters
+    assert rope["rope_type"] == "longrope" and rope["partial_rotary_factor"] == 0.5
+    assert rope["original_max_position_embeddings"] == 64 and rope["long_factor"] == [1.0, 2.5, 6.0, 12.0]
+    expected = LLM(tiny_models["phi3"], num_kv_blocks=256).generate(prompts, params, use_tqdm=False)
+    outputs = from_gguf.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+    assert from_gguf.engine.scheduler.num_rope_recomputes > 0
