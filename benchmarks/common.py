@@ -1,5 +1,6 @@
 """Shared pieces of the benchmarks: the fixed-seed workload, the ~50M-parameter
-random Llama, the matmul probe and analytic FLOP counts."""
+random Llama (or a real model as the peers can read it), the matmul probe and analytic
+FLOP counts."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig
+from safetensors.torch import save_model
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
+from engine.checkpoint import resolve_checkpoint
 from engine.demo_model import build_tokenizer, write_checkpoint
 
 
@@ -45,6 +48,28 @@ def ensure_model(path: str | Path, config: LlamaConfig | None = None) -> str:
     if not (path / "model.safetensors").exists():
         write_checkpoint(config or llama_50m_config(), path, seed=0, tokenizer=build_tokenizer(1024))
     return str(path)
+
+
+def peer_checkpoint(model: str, out_dir: str | Path) -> str:
+    """A folder of safetensors the peers can read holding `model`'s weights: the model's
+    own folder, or for a GGUF (`demo` included) its dequantized fp32 weights written once
+    to `out_dir` by transformers, with its tokenizer."""
+    checkpoint = resolve_checkpoint(model)
+    if not checkpoint.gguf_file:
+        return str(checkpoint.folder)
+    out_dir = Path(out_dir)
+    if not (out_dir / "model.safetensors").exists():
+        path, kwargs = checkpoint.from_pretrained_args()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
+        # save_pretrained refuses a model loaded from a GGUF; its weights are plain fp32 by now.
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_model(model, str(out_dir / "model.safetensors"))
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        config["architectures"] = [type(model).__name__]
+        (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+        AutoTokenizer.from_pretrained(path, **kwargs).save_pretrained(out_dir)
+    return str(out_dir)
 
 
 def matmul_probe_flops(size: int = 2048, repeats: int = 10) -> float:

@@ -1,10 +1,13 @@
 """Offline throughput: kvfleet against transformers on the same model and workload,
 in the same run.
 
-    python benchmarks/engine_throughput.py [--num-requests 256] [--max-batch-size 64]
+    python -m benchmarks.engine_throughput [--num-requests 256] [--max-batch-size 64] [--model demo]
 
 Workload (fixed seed): prompts uniform in 16-512 tokens, outputs uniform in 16-256,
-ignore_eos, on a random fp32 Llama of ~56M parameters. Peers:
+ignore_eos, in fp32, on a random Llama of ~56M parameters, or on `--model` (a folder, a
+.gguf, or `demo`: SmolLM2-135M-Instruct). kvfleet reads the model as given; for a GGUF
+the peers read its weights dequantized once into safetensors (benchmarks/common.py), the
+same values kvfleet dequantizes. Peers:
   * transformers `generate` in static, left-padded batches of --max-batch-size;
   * transformers continuous batching (`init_continuous_batching`, the engine behind
     `generate_batch`), with each request's own output length.
@@ -36,16 +39,19 @@ from benchmarks.common import (
     llama_50m_config,
     make_workload,
     matmul_probe_flops,
+    peer_checkpoint,
     print_summary,
     stream_read_probe_bytes_per_s,
     workload_flops,
 )
 from engine import LLM, SamplingParams
+from engine.checkpoint import load_hf_config
 
 
 def run_kvfleet(model_dir: str, workload: Workload, max_batch_size: int) -> tuple[dict, list[list[int]]]:
     """The result, and the context lengths of each decode-only step of >= 32 sequences."""
-    llm = LLM(model_dir, max_num_seqs=max_batch_size, enable_prefix_caching=False)
+    llm = LLM(model_dir, max_num_seqs=max_batch_size, enable_prefix_caching=False, dtype="float32",
+              max_model_len=1024)
     engine = llm.engine
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
               for n in workload.output_lens]
@@ -179,7 +185,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--max-batch-size", type=int, default=64)
-    parser.add_argument("--model-dir", default="out/bench-llama-50m")
+    parser.add_argument("--model", help="a checkpoint folder, a .gguf or 'demo'; default: the random ~56M Llama")
+    parser.add_argument("--model-dir", default="out/bench-llama-50m",
+                        help="where the random Llama is written, or a GGUF's safetensors copy for the peers")
     parser.add_argument("--peers", default="static,continuous,vllm",
                         help="comma list: static, continuous, vllm (vllm needs `make bench`)")
     parser.add_argument("--vllm-python", default=".bench-venv/bin/python",
@@ -187,12 +195,17 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    config = llama_50m_config()
-    model_dir = ensure_model(args.model_dir, config)
+    if args.model:
+        config = load_hf_config(args.model)
+        model_dir = peer_checkpoint(args.model, args.model_dir if args.model_dir != "out/bench-llama-50m"
+                                    else f"out/bench-{Path(args.model).stem}-safetensors")
+    else:
+        config = llama_50m_config()
+        model_dir = ensure_model(args.model_dir, config)
     workload = make_workload(args.num_requests, config.vocab_size, args.seed)
     # The probe brackets the kvfleet run (this host's speed drifts); the faster reading counts.
     probe_before, bandwidth_before = matmul_probe_flops(), stream_read_probe_bytes_per_s()
-    kvfleet, decode_steps = run_kvfleet(model_dir, workload, args.max_batch_size)
+    kvfleet, decode_steps = run_kvfleet(args.model or model_dir, workload, args.max_batch_size)
     results = {"kvfleet": kvfleet}
     probe = max(probe_before, matmul_probe_flops())
     bandwidth = max(bandwidth_before, stream_read_probe_bytes_per_s())
@@ -225,7 +238,8 @@ def main() -> None:
           f"of the {probe / 1e9:.1f} GFLOP/s matmul probe")
     report_decode_steps(kvfleet["decode_batch_ge_32"], decode_steps, config, probe, bandwidth)
     print(f"KV utilization at peak: {kvfleet['kv_utilization_at_peak']:.1%}")
-    print_summary({"benchmark": "engine_throughput", "num_requests": args.num_requests,
+    print_summary({"benchmark": "engine_throughput", "model": args.model or "random-llama-56m",
+                   "num_requests": args.num_requests,
                    "max_batch_size": args.max_batch_size, "output_tokens": workload.num_output_tokens,
                    "matmul_probe_flops": probe, "read_probe_bytes_per_s": bandwidth, "results": results, "ratios": ratios})
 
