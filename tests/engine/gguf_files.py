@@ -101,7 +101,8 @@ def write_gguf(hf_dir: str | Path, out: str | Path, qtype_of=lambda name, shape:
         qtype = qtype_of(gguf_name, weights.shape) if weights.ndim == 2 else Q.F32
         data = encode(weights, qtype, rng)
         writer.add_tensor(gguf_name, data, raw_dtype=None if qtype in (Q.F32, Q.F16) else qtype)
-        written[gguf_name] = (qtype, dequantize(data, qtype).reshape(weights.shape))
+        with np.errstate(invalid="ignore", over="ignore"):  # random IQ bytes may hold NaN scales
+            written[gguf_name] = (qtype, dequantize(data, qtype).reshape(weights.shape))
     rope = config.rope_parameters or {}
     if rope.get("rope_type") == "longrope":  # llama.cpp keeps the factors as tensors
         writer.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))

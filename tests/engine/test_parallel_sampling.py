@@ -29,7 +29,7 @@ def test_fork_shares_prompt_blocks_and_copies_the_partial_one_on_write():
     batch = scheduler.schedule()
     assert [s.sample_index for s in batch.seqs] == [0, 1] and batch.num_new_tokens == [1, 1]
     # The first writer into the shared partial block 2 gets a copy; the last one keeps it.
-    assert batch.block_copies == [(2, 3)]
+    assert batch.block_copies == [(0, 2, 3)]  # (KV pool, source, destination)
     assert [s.block_table for s in batch.seqs] == [[0, 1, 3], [0, 1, 2]]
     assert [scheduler.block_manager.blocks[i].ref_count for i in (0, 1, 2, 3)] == [2, 2, 1, 1]
     for seq in batch.seqs:
