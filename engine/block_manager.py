@@ -22,6 +22,7 @@ are released as the window moves on.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Sequence as SequenceOf
 
@@ -118,14 +119,10 @@ class BlockManager:
         num_candidates = min(len(seq.block_hashes), (seq.num_tokens - 1) // self.block_size)
         if max_blocks is not None:
             num_candidates = min(num_candidates, max_blocks)
+        if self.sliding_window is None:  # the longest run of cached blocks from the first
+            return list(itertools.takewhile(lambda block_id: block_id is not None,
+                                            (self._cached(seq, index) for index in range(num_candidates))))
         cached = [self._cached(seq, index) for index in range(num_candidates)]
-        if self.sliding_window is None:
-            hits = []
-            for block_id in cached:
-                if block_id is None:
-                    break
-                hits.append(block_id)
-            return hits
         # With a window, only the blocks the first new query can see must be cached: the
         # longest prefix whose live blocks are all found wins; its dead ones are NULL.
         for num_blocks in range(num_candidates, 0, -1):
@@ -299,8 +296,13 @@ class HybridBlockManager:
         self.full.cache_full_blocks(seq, num_computed_tokens)
         self.sliding.cache_full_blocks(seq, num_computed_tokens)
 
+    @staticmethod
+    def _split(cached_prefix: SequenceOf) -> tuple[list[int], list[int]]:
+        """(full, sliding) pairs -> the full pool's block ids, the sliding pool's."""
+        return [pair[0] for pair in cached_prefix], [pair[1] for pair in cached_prefix]
+
     def can_allocate(self, seq: Sequence, num_new_tokens: int, cached_prefix: SequenceOf = ()) -> bool:
-        full_prefix, sliding_prefix = [pair[0] for pair in cached_prefix], [pair[1] for pair in cached_prefix]
+        full_prefix, sliding_prefix = self._split(cached_prefix)
         return (self.full.can_allocate(seq, num_new_tokens, full_prefix)
                 and self.sliding.can_allocate(seq, num_new_tokens, sliding_prefix))
 
@@ -308,8 +310,9 @@ class HybridBlockManager:
         """Both pools or neither: returns False, changing nothing, when either is short."""
         if not self.can_allocate(seq, num_new_tokens, cached_prefix):
             return False
-        self.full.allocate(seq, num_new_tokens, [pair[0] for pair in cached_prefix])
-        self.sliding.allocate(seq, num_new_tokens, [pair[1] for pair in cached_prefix])
+        full_prefix, sliding_prefix = self._split(cached_prefix)
+        self.full.allocate(seq, num_new_tokens, full_prefix)
+        self.sliding.allocate(seq, num_new_tokens, sliding_prefix)
         return True
 
     def fork(self, parent: Sequence, child: Sequence) -> None:

@@ -89,8 +89,8 @@ class LLMEngine:
         self.model_runner = ModelRunner(config, self.hf_config, self.eos_token_ids)
         self.max_model_len = self.model_runner.max_model_len
         self.stop_checker = StopChecker(self.eos_token_ids, self.max_model_len, self.tokenizer)
-        self.scheduler = Scheduler(config, self.model_runner.num_kv_blocks, self.model_runner.kv_pools)
-        self.scheduler.long_rope_after = self.model_runner.long_rope_after
+        self.scheduler = Scheduler(config, self.model_runner.num_kv_blocks, self.model_runner.kv_pools,
+                                   self.model_runner.long_rope_after)
         self.requests: dict[str, _Request] = {}
 
     # -- capacity, for admission by the worker -------------------------------

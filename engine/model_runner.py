@@ -261,7 +261,8 @@ class ModelRunner:
         offsets = lens.cumsum(0) - lens  # first row of each sequence in the flat batch
         positions = torch.arange(len(inputs.input_ids)) - offsets[seq_of_token] + starts[seq_of_token]  # [T]
         tables = [inputs.block_tables] + ([inputs.sliding_block_tables] if len(self.kv_groups) == 2 else [])
-        seq_lens = self._to_device(inputs.seq_lens[seq_of_token])
+        # Only longrope reads them (engine/models/layers.py); other models skip the gather.
+        seq_lens = self._to_device(inputs.seq_lens[seq_of_token]) if self.long_rope_after is not None else None
         metas = []
         for block_tables in tables:
             meta = self._attention_metadata(block_tables, inputs, seq_of_token, offsets, positions)

@@ -50,9 +50,10 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_kv_blocks: int,
-                 pools: list[tuple[int, int | None]] | None = None) -> None:
+                 pools: list[tuple[int, int | None]] | None = None, long_rope_after: int | None = None) -> None:
         """`pools`: the model runner's KV groups, (blocks, sliding window or None) each;
-        default: one pool of `num_kv_blocks` that every layer reads in full."""
+        default: one pool of `num_kv_blocks` that every layer reads in full.
+        `long_rope_after`: a longrope model's pretraining length (ModelRunner's)."""
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.enable_chunked_prefill = config.enable_chunked_prefill
@@ -64,7 +65,7 @@ class Scheduler:
         self.num_preemptions = 0
         # longrope models (Phi-3): past this many tokens a sequence uses the long factors for
         # every token, so one that grows past it is recomputed, as transformers recomputes its cache.
-        self.long_rope_after: int | None = None
+        self.long_rope_after = long_rope_after
         self.num_rope_recomputes = 0
 
     def add(self, seq: Sequence) -> None:

@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.activations import ACT2FN
 
-from engine import parallel
 from engine.attention import ForwardContext
 from engine.models.layers import GemmaRMSNorm, RotaryEmbedding
-from engine.models.llama import LlamaAttention, LlamaForCausalLM
-from engine.models.parallel_layers import lm_head, merged_column_linear, row_parallel_linear, vocab_embedding
+from engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from engine.models.parallel_layers import lm_head, vocab_embedding
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -37,25 +35,12 @@ class Gemma3Attention(LlamaAttention):
         return self.q_norm(q), self.k_norm(k)
 
 
-class Gemma3MLP(nn.Module):
-    def __init__(self, config) -> None:
-        super().__init__()
-        self.intermediate_size = parallel.divide(config.intermediate_size, parallel.tp_size(), "intermediate_size")
-        self.gate_up_proj = merged_column_linear(config.hidden_size, [config.intermediate_size] * 2, bias=False)
-        self.down_proj = row_parallel_linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.act = ACT2FN[config.hidden_activation]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(self.act(gate) * up)
-
-
 class Gemma3DecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, sliding_window: int | None) -> None:
         super().__init__()
         self.is_sliding = sliding_window is not None
         self.self_attn = Gemma3Attention(config, layer_idx, sliding_window)
-        self.mlp = Gemma3MLP(config)
+        self.mlp = LlamaMLP(config, activation=config.hidden_activation)  # GeGLU, no bias
         size, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(size, eps)
         self.post_attention_layernorm = GemmaRMSNorm(size, eps)

@@ -71,13 +71,16 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config) -> None:
+    """Gated MLP: down(act(gate(x)) * up(x)), gate and up in one matmul. `activation`:
+    the config's `hidden_act` unless given (Gemma names it `hidden_activation`)."""
+
+    def __init__(self, config, activation: str | None = None) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         self.intermediate_size = parallel.divide(config.intermediate_size, parallel.tp_size(), "intermediate_size")
         self.gate_up_proj = merged_column_linear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
         self.down_proj = row_parallel_linear(config.intermediate_size, config.hidden_size, bias=bias)
-        self.act = ACT2FN[config.hidden_act]
+        self.act = ACT2FN[activation or config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
