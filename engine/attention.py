@@ -69,8 +69,9 @@ class TorchAttentionBackend:
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float, sliding_window: int | None = None) -> torch.Tensor:
-        """query [T, Hq, D], key/value [T, Hkv, D], caches [num_blocks, block_size, Hkv, D] -> [T, Hq, D]"""
+                scale: float, sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """query [T, Hq, D], key/value [T, Hkv, D], caches [num_blocks, block_size, Hkv, D] -> [T, Hq, D];
+        sinks [Hq] or None (kernels/reference.py: prefill_attention)"""
         reference.store_kv(key, value, key_cache, value_cache, meta.slot_mapping)
         out = torch.empty_like(query)
         for span in meta.prefills:
@@ -86,19 +87,20 @@ class TorchAttentionBackend:
                     span.biases[sliding_window] = reference.prefill_bias(
                         span.num_queries, span.context_len, sliding_window, query.dtype, query.device)
                 bias = span.biases[sliding_window]
-            out[rows] = reference.prefill_attention(query[rows], keys, values, scale, sliding_window, bias)
+            out[rows] = reference.prefill_attention(query[rows], keys, values, scale, sliding_window, bias, sinks)
         if meta.num_prefill_tokens < query.shape[0]:
             decodes = slice(meta.num_prefill_tokens, None)
-            out[decodes] = self.decode(query[decodes], key_cache, value_cache, meta, scale, sliding_window)
+            out[decodes] = self.decode(query[decodes], key_cache, value_cache, meta, scale, sliding_window, sinks)
         return out
 
     def decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
+               meta: AttentionMetadata, scale: float, sliding_window: int | None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         """query [num_decodes, Hq, D] -> [num_decodes, Hq, D]"""
         tables = meta.decode_block_tables
         return reference.paged_decode_attention(
             query, key_cache, value_cache, tables, meta.decode_context_lens, scale, sliding_window,
-            self.gather_buffers(key_cache, tables.shape[0] * tables.shape[1]))
+            self.gather_buffers(key_cache, tables.shape[0] * tables.shape[1]), sinks)
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -114,9 +116,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self._decode = cpu_paged_attention.paged_decode_attention
 
     def decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
+               meta: AttentionMetadata, scale: float, sliding_window: int | None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         return self._decode(query, key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens,
-                            scale, sliding_window)
+                            scale, sliding_window, sinks=sinks)
 
 
 class TritonAttentionBackend:
@@ -135,18 +138,19 @@ class TritonAttentionBackend:
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float, sliding_window: int | None = None) -> torch.Tensor:
-        """query [T, Hq, D], key/value [T, Hkv, D], caches [num_blocks, block_size, Hkv, D] -> [T, Hq, D]"""
+                scale: float, sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """query [T, Hq, D], key/value [T, Hkv, D], caches [num_blocks, block_size, Hkv, D] -> [T, Hq, D];
+        sinks [Hq] or None (kernels/reference.py: prefill_attention)"""
         self._store_kv(key, value, key_cache, value_cache, meta.slot_mapping)
         out = torch.empty_like(query)
         num_prefill = meta.num_prefill_tokens
         if num_prefill:
             self._prefill(query[:num_prefill], key_cache, value_cache, meta.prefill_block_tables,
                           meta.prefill_query_starts, meta.prefill_context_lens, meta.max_prefill_queries, scale,
-                          sliding_window, out=out[:num_prefill])
+                          sliding_window, out=out[:num_prefill], sinks=sinks)
         if num_prefill < query.shape[0]:
             self._decode(query[num_prefill:], key_cache, value_cache, meta.decode_block_tables,
-                         meta.decode_context_lens, scale, sliding_window, out=out[num_prefill:])
+                         meta.decode_context_lens, scale, sliding_window, out=out[num_prefill:], sinks=sinks)
         return out
 
 

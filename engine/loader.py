@@ -8,13 +8,17 @@ Safetensors are read lazily (slices): a parameter with a `weight_loader`
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from safetensors import safe_open
 from torch import nn
 
 from engine.checkpoint import resolve_checkpoint
+from engine.mxfp4 import dequantize_checkpoint
 from engine.models.parallel_layers import copy_checked
 
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -40,14 +44,15 @@ def iterate_weights(model_dir: str | Path) -> Iterator[tuple[str, object]]:
                 yield name, handle.get_slice(name)
 
 
-def model_weights(model_name: str, model: nn.Module, hf_config) -> Iterator[tuple[str, object]]:
-    """The weights of the checkpoint `model_name` names (engine/checkpoint.py), by HF name."""
+def model_weights(model_name: str, model: nn.Module, hf_config, dtype: torch.dtype) -> Iterator[tuple[str, object]]:
+    """The weights of the checkpoint `model_name` names (engine/checkpoint.py), by HF name;
+    MXFP4 tensors dequantized into `dtype`."""
     checkpoint = resolve_checkpoint(model_name)
     if checkpoint.gguf_file:
         from engine.gguf_loader import iterate_gguf_weights  # noqa: PLC0415 (imports gguf)
 
         return iterate_gguf_weights(checkpoint.gguf_path, model, hf_config)
-    return iterate_weights(checkpoint.folder)
+    return dequantize_checkpoint(iterate_weights(checkpoint.folder), dtype)
 
 
 def split_fused(model: nn.Module, name: str, tensor) -> list[tuple[str, object, int | None]]:
@@ -72,19 +77,47 @@ def parameter_of(name: str, packed: dict, params: dict) -> tuple[str, int | None
     return target, part
 
 
-def load_weights(model: nn.Module, weights: Iterator[tuple[str, object]]) -> None:
+def checkpoint_targets(model: nn.Module, name: str, tensor, params: dict) -> list[tuple[str, object, object]]:
+    """(parameter name, tensor, part) for each parameter the checkpoint tensor `name`
+    fills: the model's own mapping first (`remap_checkpoint_weight`: experts), then
+    fused checkpoint tensors split, then merged parameters (q_proj -> qkv_proj, part 0)."""
+    remap = getattr(model, "remap_checkpoint_weight", None)
+    mapped = remap(name, tensor) if remap is not None else None
+    if mapped is not None:
+        return mapped
+    packed = getattr(model, "packed_modules", {})
+    targets = []
+    for split_name, part_tensor, fused_part in split_fused(model, name, tensor):
+        target, part = parameter_of(split_name, packed, params)
+        targets.append((target, part_tensor, part if fused_part is None else fused_part))
+    return targets
+
+
+@dataclass
+class ParameterCounts:
+    """Values in the checkpoint the model read (every rank counts the whole model)."""
+
+    total: int = 0
+    experts: int = 0  # of which in MoE experts
+
+
+def num_values(tensor) -> int:
+    shape = tensor.get_shape() if hasattr(tensor, "get_shape") else tensor.shape
+    return math.prod(shape)
+
+
+def load_weights(model: nn.Module, weights: Iterator[tuple[str, object]]) -> ParameterCounts:
     """Copy each checkpoint tensor (or lazy slice) into its parameter, or its part of a
     merged one. Raises ValueError on an unknown name, a shape mismatch or a missing weight."""
     params = dict(model.named_parameters())
-    packed = getattr(model, "packed_modules", {})
     tied = {name for name, p in model.named_parameters(remove_duplicate=False) if name not in params}
     num_filled = {name: 0 for name in params}
+    counts = ParameterCounts()
     for checkpoint_name, checkpoint_tensor in weights:
         if checkpoint_name.endswith(SKIPPED_SUFFIXES):
             continue
-        for name, tensor, fused_part in split_fused(model, checkpoint_name, checkpoint_tensor):
-            target, part = parameter_of(name, packed, params)
-            part = part if fused_part is None else fused_part
+        for target, tensor, part in checkpoint_targets(model, checkpoint_name, checkpoint_tensor, params):
+            name = checkpoint_name
             if target in tied:
                 continue  # a tied copy, e.g. lm_head.weight of a tied-embedding checkpoint
             if target not in params:
@@ -99,7 +132,10 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, object]]) -> Non
             except ValueError as error:
                 raise ValueError(f"checkpoint weight {name!r}: {error}") from None
             num_filled[target] += 1
+            counts.total += num_values(tensor)
+            counts.experts += num_values(tensor) if ".experts." in target else 0
     for name, count in num_filled.items():
         expected = getattr(params[name], "num_parts", 1)
         if count != expected:
             raise ValueError(f"checkpoint is missing weights for {name!r} ({count} of {expected} parts found)")
+    return counts

@@ -21,6 +21,7 @@ from engine.kv_cache import KVGroup, kv_groups, pool_sizes
 from engine.loader import load_weights, model_weights
 from engine.models import get_model_class
 from engine.models.layers import can_use_onednn_linear, use_onednn_linears, use_triton_layers
+from engine.models.moe import active_parameter_fraction
 from engine.sampler import Sampler, SamplerOutput, SamplerRow
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
@@ -109,7 +110,12 @@ class ModelRunner:
                 model = model_cls(hf_config, max_positions=self.max_model_len)
         finally:
             torch.set_default_dtype(previous)
-        load_weights(model, model_weights(self.config.model, model, hf_config))
+        counts = load_weights(model, model_weights(self.config.model, model, hf_config, self.dtype))
+        # What one token reads: all but the experts, and top_k / num_experts of those.
+        self.num_params = counts.total
+        self.num_active_params = counts.total - counts.experts
+        if counts.experts:
+            self.num_active_params += round(counts.experts * active_parameter_fraction(hf_config))
         return model.eval()
 
     @property

@@ -100,7 +100,7 @@ def check_tensor_parallel(hf_config, world_size: int, device: torch.device) -> N
     divide(hf_config.num_attention_heads, world_size, "num_attention_heads")
     with rank_view(0, world_size):  # the split every rank will make, or its error
         kv_head_range(getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads)
-    for field in ("intermediate_size", "ffn_dim"):
+    for field in ("intermediate_size", "ffn_dim", "moe_intermediate_size"):
         if getattr(hf_config, field, None):
             divide(getattr(hf_config, field), world_size, field)
     if device.type == "cuda" and (device.index or 0) + world_size > torch.cuda.device_count():

@@ -69,13 +69,15 @@ def load_error() -> str | None:
 
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           sliding_window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                           sliding_window: int | None = None, out: torch.Tensor | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as kernels.reference.paged_decode_attention.
 
     query:        [num_seqs, num_heads, head_dim]
     key_cache:    [num_blocks, block_size, num_kv_heads, head_dim] (value_cache alike)
     block_tables: [num_seqs, max_blocks_per_seq] int64
     context_lens: [num_seqs] int64, including the new token
+    sinks:        [num_heads] or None (read as fp32)
     returns       [num_seqs, num_heads, head_dim]
     """
     error = _build()
@@ -84,5 +86,6 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     out = torch.empty_like(query) if out is None else out
     # Shapes, dtypes and strides are checked in the C++ op (TORCH_CHECK), where they are read.
     torch.ops.kvfleet_cpu.paged_decode_attention(out, query, key_cache, value_cache, block_tables, context_lens,
-                                                 scale, sliding_window or 0)
+                                                 scale, sliding_window or 0,
+                                                 None if sinks is None else sinks.float().contiguous())
     return out

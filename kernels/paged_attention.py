@@ -20,6 +20,7 @@ def _paged_decode_kernel(
     value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int
     context_lens_ptr,  # [num_seqs] int
+    sinks_ptr,  # [num_heads] (HAS_SINKS) or any pointer
     scale,
     sliding_window,  # 0: none
     query_seq_stride,
@@ -34,6 +35,7 @@ def _paged_decode_kernel(
     GROUP_BLOCK: tl.constexpr,  # NUM_QUERIES_PER_KV rounded up to a power of two
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -47,8 +49,12 @@ def _paged_decode_kernel(
                     mask=group_mask[:, None], other=0.0).to(tl.float32)  # [G, D]
 
     first = tl.where(sliding_window > 0, tl.maximum(context_len - sliding_window, 0), 0)
-    running_max = tl.full([GROUP_BLOCK], float("-inf"), tl.float32)
-    running_sum = tl.zeros([GROUP_BLOCK], tl.float32)
+    if HAS_SINKS:  # the sink is a first logit with no value: the sum starts at e^0 from it
+        running_max = tl.load(sinks_ptr + heads, mask=group_mask, other=0.0).to(tl.float32)
+        running_sum = tl.full([GROUP_BLOCK], 1.0, tl.float32)
+    else:
+        running_max = tl.full([GROUP_BLOCK], float("-inf"), tl.float32)
+        running_sum = tl.zeros([GROUP_BLOCK], tl.float32)
     acc = tl.zeros([GROUP_BLOCK, HEAD_DIM], tl.float32)
     for block_index in range(first // BLOCK_SIZE, tl.cdiv(context_len, BLOCK_SIZE)):
         block = tl.load(block_tables_ptr + seq * block_table_stride + block_index).to(tl.int64)
@@ -73,7 +79,8 @@ def _paged_decode_kernel(
 
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           sliding_window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                           sliding_window: int | None = None, out: torch.Tensor | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as kernels.reference.paged_decode_attention."""
     num_seqs, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, cache_head_dim = key_cache.shape
@@ -84,15 +91,17 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs and block_tables.stride(1) == 1
     assert context_lens.shape == (num_seqs,)
     assert query.dtype == key_cache.dtype == value_cache.dtype
+    assert sinks is None or (sinks.shape == (num_heads,) and sinks.is_contiguous())
     out = torch.empty_like(query) if out is None else out
     assert out.shape == query.shape and out.stride(2) == 1
     if num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
     _paged_decode_kernel[(num_seqs, num_kv_heads)](
-        out, query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window or 0,
+        out, query, key_cache, value_cache, block_tables, context_lens, query if sinks is None else sinks, scale,
+        sliding_window or 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         NUM_QUERIES_PER_KV=group, GROUP_BLOCK=triton.next_power_of_2(group), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size)
+        BLOCK_SIZE=block_size, HAS_SINKS=sinks is not None)
     return out

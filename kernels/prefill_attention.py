@@ -24,6 +24,7 @@ def _prefill_kernel(
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int
     query_starts_ptr,  # [num_seqs + 1] int: first row of each sequence in query/out
     context_lens_ptr,  # [num_seqs] int: cached + new tokens
+    sinks_ptr,  # [num_heads] (HAS_SINKS) or any pointer
     scale,
     sliding_window,  # 0: none
     query_token_stride,
@@ -39,6 +40,7 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -59,8 +61,12 @@ def _prefill_kernel(
         last_position = tl.minimum(context_len - num_queries + (query_block + 1) * BLOCK_M, context_len)
         first = tl.where(sliding_window > 0,
                          tl.maximum(context_len - num_queries + query_block * BLOCK_M - sliding_window + 1, 0), 0)
-        running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        running_sum = tl.zeros([BLOCK_M], tl.float32)
+        if HAS_SINKS:  # the sink is a first logit with no value: the sum starts at e^0 from it
+            running_max = tl.full([BLOCK_M], 0.0, tl.float32) + tl.load(sinks_ptr + head).to(tl.float32)
+            running_sum = tl.full([BLOCK_M], 1.0, tl.float32)
+        else:
+            running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            running_sum = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         for block_index in range(first // BLOCK_SIZE, tl.cdiv(last_position, BLOCK_SIZE)):
             block = tl.load(block_tables_ptr + seq * block_table_stride + block_index).to(tl.int64)
@@ -90,9 +96,10 @@ def _prefill_kernel(
 def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       block_tables: torch.Tensor, query_starts: torch.Tensor, context_lens: torch.Tensor,
                       max_num_queries: int, scale: float, sliding_window: int | None = None,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """query: [num_tokens, num_heads, head_dim], the new tokens of every sequence back to
-    back (query_starts[i]:query_starts[i + 1]); their K/V must already be in the cache."""
+    back (query_starts[i]:query_starts[i + 1]); their K/V must already be in the cache.
+    sinks: [num_heads] or None (kernels/reference.py: prefill_attention)."""
     num_tokens, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, cache_head_dim = key_cache.shape
     num_seqs = context_lens.shape[0]
@@ -103,6 +110,7 @@ def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     assert query.stride(2) == 1 and key_cache.is_contiguous() and value_cache.is_contiguous()
     assert query_starts.shape == (num_seqs + 1,) and block_tables.shape[0] == num_seqs
     assert block_tables.stride(1) == 1 and query.dtype == key_cache.dtype == value_cache.dtype
+    assert sinks is None or (sinks.shape == (num_heads,) and sinks.is_contiguous())
     out = torch.empty_like(query) if out is None else out
     assert out.shape == query.shape and out.stride(2) == 1
     if num_seqs == 0 or num_tokens == 0:
@@ -110,9 +118,10 @@ def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     block_m = 16 if max_num_queries <= 16 else 32 if max_num_queries <= 32 else 64
     grid = (num_seqs, num_heads, triton.cdiv(max_num_queries, block_m))
     _prefill_kernel[grid](
-        out, query, key_cache, value_cache, block_tables, query_starts, context_lens, scale, sliding_window or 0,
+        out, query, key_cache, value_cache, block_tables, query_starts, context_lens,
+        query if sinks is None else sinks, scale, sliding_window or 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         NUM_QUERIES_PER_KV=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32")
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", HAS_SINKS=sinks is not None)
     return out

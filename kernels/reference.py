@@ -60,18 +60,21 @@ def prefill_bias(num_queries: int, context_len: int, sliding_window: int | None,
 
 
 def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-                      sliding_window: int | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+                      sliding_window: int | None = None, bias: torch.Tensor | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of one sequence's new tokens over its whole context.
 
     query: [num_queries, num_heads, head_dim]   (the last num_queries positions of the context)
     key, value: [context_len, num_kv_heads, head_dim]
     bias: prefill_bias(...) when the caller keeps it across layers; built here otherwise
+    sinks: [num_heads] or None: a learned logit per head that joins every softmax
+        denominator and attends to nothing (gpt-oss), so a head can put weight nowhere
     returns [num_queries, num_heads, head_dim]
     """
     num_queries, num_heads, head_dim = query.shape
     context_len, num_kv_heads = key.shape[0], key.shape[1]
     k, v = key.transpose(0, 1), value.transpose(0, 1)  # [Hkv, C, D]
-    if not needs_prefill_bias(num_queries, context_len, sliding_window):
+    if sinks is None and not needs_prefill_bias(num_queries, context_len, sliding_window):
         out = F.scaled_dot_product_attention(query.transpose(0, 1), k, v, is_causal=True, scale=scale,
                                              enable_gqa=True)
         return out.transpose(0, 1)
@@ -85,9 +88,20 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     q = query.view(num_queries, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, Q, D]
     q = q.reshape(num_kv_heads, group * num_queries, head_dim)  # rows g * Q + i
     rows_bias = bias.repeat(group, 1).expand(num_kv_heads, -1, -1)  # [Hkv, G * Q, C]
-    probs = torch.softmax(torch.baddbmm(rows_bias, q, k.transpose(1, 2), alpha=scale), dim=-1)
+    scores = torch.baddbmm(rows_bias, q, k.transpose(1, 2), alpha=scale)  # [Hkv, G * Q, C]
+    probs = softmax_with_sinks(scores, None if sinks is None else sinks.view(num_kv_heads, group, 1).expand(
+        -1, -1, num_queries).reshape(num_kv_heads, group * num_queries, 1))
     out = torch.bmm(probs, v)  # [Hkv, G * Q, D]
     return out.view(num_kv_heads, group, num_queries, head_dim).permute(2, 0, 1, 3).reshape(query.shape)
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """softmax over the last dim of scores [..., C], with sinks [..., 1] (broadcast like
+    scores) as one more logit whose probability is dropped: the rows sum to below one."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    combined = torch.cat([scores, sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)], dim=-1)
+    return torch.softmax(combined, dim=-1)[..., :-1]
 
 
 # A padded batch call costs about this many extra context tokens per sequence less
@@ -98,13 +112,15 @@ PER_SEQUENCE_OVERHEAD_TOKENS = 256
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            sliding_window: int | None = None,
-                           gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                           gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One new token per sequence attending over its paged context.
 
     query:        [num_seqs, num_heads, head_dim]
     key_cache:    [num_blocks, block_size, num_kv_heads, head_dim]
     block_tables: [num_seqs, max_blocks_per_seq] int (entries past a sequence's blocks are ignored)
     context_lens: [num_seqs] int, including the new token
+    sinks:        [num_heads] or None (prefill_attention says what they are)
     returns       [num_seqs, num_heads, head_dim]
 
     NOTE: two equivalent paths. One padded [num_seqs, max_context] gather and a single
@@ -116,10 +132,10 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     """
     lens = context_lens.tolist()
     padded_tokens = len(lens) * max(lens)
-    if padded_tokens <= sum(lens) + PER_SEQUENCE_OVERHEAD_TOKENS * len(lens):
+    if sinks is None and padded_tokens <= sum(lens) + PER_SEQUENCE_OVERHEAD_TOKENS * len(lens):
         return _decode_padded(query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window,
                               gather_buffers)
-    return _decode_per_sequence(query, key_cache, value_cache, block_tables, lens, scale, sliding_window)
+    return _decode_per_sequence(query, key_cache, value_cache, block_tables, lens, scale, sliding_window, sinks)
 
 
 def _gather_blocks(cache: torch.Tensor, table: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:
@@ -149,10 +165,11 @@ def _decode_padded(query, key_cache, value_cache, block_tables, context_lens, sc
     return out[:, :, 0, :]
 
 
-def _decode_per_sequence(query, key_cache, value_cache, block_tables, lens, scale, sliding_window):
+def _decode_per_sequence(query, key_cache, value_cache, block_tables, lens, scale, sliding_window, sinks=None):
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
+    head_sinks = None if sinks is None else sinks.view(num_kv_heads, group, 1)
     grouped_query = query.view(num_seqs, num_kv_heads, group, head_dim).transpose(2, 3)  # [S, Hkv, D, G]
     out = torch.empty_like(query)
     for index, context_len in enumerate(lens):
@@ -160,7 +177,8 @@ def _decode_per_sequence(query, key_cache, value_cache, block_tables, lens, scal
         blocks = block_tables[index, : cdiv(context_len, block_size)]
         keys = key_cache.index_select(0, blocks).flatten(0, 1)[first:context_len].transpose(0, 1)  # [Hkv, C, D]
         values = value_cache.index_select(0, blocks).flatten(0, 1)[first:context_len].transpose(0, 1)
-        probs = torch.softmax(torch.matmul(keys, grouped_query[index]) * scale, dim=1)  # [Hkv, C, G]
+        scores = torch.matmul(keys, grouped_query[index]) * scale  # [Hkv, C, G]
+        probs = softmax_with_sinks(scores.transpose(1, 2), head_sinks).transpose(1, 2)  # [Hkv, C, G]
         out[index] = torch.matmul(probs.transpose(1, 2), values).reshape(num_heads, head_dim)
     return out
 
@@ -192,3 +210,59 @@ def rotary(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch
     """Rotary embedding, rotate-half (GPT-NeoX / Llama) style, on query [T, Hq, D] and
     key [T, Hkv, D] with cos, sin [T, D]. Returns new (query, key)."""
     return rotate_half(query, cos, sin), rotate_half(key, cos, sin)
+
+
+# -- mixture of experts -------------------------------------------------------------
+
+
+def gated_activation(gate_up: torch.Tensor, activation: str, swiglu_alpha: float = 1.702,
+                     swiglu_limit: float = 7.0) -> torch.Tensor:
+    """gate_up [N, 2 * I], the gate's features then the up projection's -> [N, I].
+
+    silu:      silu(gate) * up (SwiGLU: Mixtral, Qwen3-MoE)
+    swigluoai: gpt-oss's variant: gate clamped from above and up on both sides at
+               swiglu_limit, gate * sigmoid(alpha * gate) * (up + 1)
+    """
+    gate, up = gate_up.chunk(2, dim=-1)
+    if activation == "silu":
+        return F.silu(gate) * up
+    if activation == "swigluoai":
+        gate, up = gate.clamp(max=swiglu_limit), up.clamp(min=-swiglu_limit, max=swiglu_limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * swiglu_alpha))
+    raise ValueError(f"MoE activation {activation!r} is not supported; supported: silu, swigluoai")
+
+
+def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, activation: str = "silu", w13_bias: torch.Tensor | None = None,
+              w2_bias: torch.Tensor | None = None, **activation_args) -> torch.Tensor:
+    """The expert sum of a mixture-of-experts layer: the torch path, and the oracle of
+    kernels/fused_moe.py.
+
+    hidden:       [T, H]
+    w13:          [E, 2 * I, H] (each expert's gate rows, then its up rows); w13_bias [E, 2 * I]
+    w2:           [E, H, I]; w2_bias [E, H]
+    topk_weights: [T, k] float; topk_ids: [T, k] int
+    returns       [T, H]: sum over j of topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t])
+
+    The T * k (token, choice) rows are sorted by expert and each expert runs two matmuls
+    over its rows: a loop over experts, never over tokens. Contributions are added in
+    expert order, as transformers adds them.
+    """
+    num_tokens, top_k = topk_ids.shape
+    flat_ids = topk_ids.flatten()  # [T * k], row t * k + j
+    order = torch.argsort(flat_ids, stable=True)  # rows grouped by expert, token order within
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    token_of_row = order // top_k
+    rows = hidden[token_of_row]  # [T * k, H]
+    out_rows = torch.empty_like(rows)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        part = slice(start, start + count)
+        gate_up = F.linear(rows[part], w13[expert], None if w13_bias is None else w13_bias[expert])
+        out_rows[part] = F.linear(gated_activation(gate_up, activation, **activation_args), w2[expert],
+                                  None if w2_bias is None else w2_bias[expert])
+        start += count
+    weighted = (out_rows * topk_weights.flatten()[order, None]).to(hidden.dtype)
+    return torch.zeros_like(hidden).index_add_(0, token_of_row, weighted)

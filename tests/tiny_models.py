@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from transformers import (
     Gemma3TextConfig,
+    GptOssConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     OPTConfig,
     Phi3Config,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 VOCAB = 512
@@ -55,6 +58,27 @@ TINY_CONFIGS = {
                          "short_factor": [1.0, 1.1, 1.3, 1.6], "long_factor": [1.0, 2.5, 6.0, 12.0],
                          "original_max_position_embeddings": 64},
         initializer_range=0.1, architectures=["Phi3ForCausalLM"]),
+    # Top 2 of 8 experts on every layer, renormalised (Mixtral-8x7B's routing).
+    "mixtral": lambda: MixtralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=512,
+        initializer_range=0.1, architectures=["MixtralForCausalLM"]),
+    # Top 4 of 8 experts, renormalised (norm_topk_prob); layer 1 dense by mlp_only_layers; q/k norms.
+    "qwen3_moe": lambda: Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=4,
+        norm_topk_prob=True, mlp_only_layers=[1], decoder_sparse_step=1, max_position_embeddings=512,
+        initializer_range=0.1, architectures=["Qwen3MoeForCausalLM"]),
+    # gpt-oss-20b's layout shrunk: sliding (window 48, shorter than the longest prompts) and full
+    # layers alternating, attention sinks, biases everywhere, YaRN (x32 over 16 positions), top 2 of 8 experts; a SwiGLU
+    # limit of 1 so that the clamps bite at these small activations (gpt-oss uses 7).
+    "gpt_oss": lambda: GptOssConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, num_local_experts=8, num_experts_per_tok=2, sliding_window=48,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], max_position_embeddings=512,
+        rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "original_max_position_embeddings": 16, "rope_theta": 150000.0, "truncate": False},
+        swiglu_limit=1.0, initializer_range=0.1, architectures=["GptOssForCausalLM"]),
     # facebook/opt-125m's shape, shrunk: pre-LayerNorm, ReLU, learned positions, tied head.
     "opt": lambda: OPTConfig(
         vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,

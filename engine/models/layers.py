@@ -111,9 +111,11 @@ class RotaryEmbedding(nn.Module):
 
 
 def use_triton_layers(model: nn.Module) -> None:
-    """Route RMSNorm and rotary through the Triton kernels (the attention backend is
-    chosen separately)."""
-    from kernels.rms_norm import rms_norm  # noqa: PLC0415 (imports triton)
+    """Route RMSNorm, rotary and the MoE experts through the Triton kernels (the
+    attention backend is chosen separately)."""
+    from engine.models.moe import FusedMoE  # noqa: PLC0415
+    from kernels.fused_moe import fused_moe  # noqa: PLC0415 (imports triton)
+    from kernels.rms_norm import rms_norm
     from kernels.rotary import rotary
 
     for module in model.modules():
@@ -121,6 +123,8 @@ def use_triton_layers(model: nn.Module) -> None:
             module.kernel = rms_norm
         elif isinstance(module, RotaryEmbedding):
             module.kernel = rotary
+        elif isinstance(module, FusedMoE):
+            module.kernel = fused_moe
 
 
 class OneDNNLinear(nn.Module):

@@ -38,6 +38,7 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = kv_end - kv_start
         self.scale = self.head_dim**-0.5
         self.sliding_window = sliding_window
+        self.sinks: nn.Parameter | None = None  # [Hq] attention sinks (gpt-oss)
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         full_q = total_heads * self.head_dim
         kv_rows = (kv_start * self.head_dim, kv_end * self.head_dim)
@@ -66,7 +67,7 @@ class LlamaAttention(nn.Module):
         q, k = rotary(positions, q, k, ctx.meta.seq_lens)
         key_cache, value_cache = ctx.kv_caches[self.layer_idx]
         out = ctx.backend.forward(q, k, v, key_cache, value_cache, ctx.layer_meta(self.layer_idx), self.scale,
-                                  self.sliding_window)
+                                  self.sliding_window, self.sinks)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -93,9 +94,13 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, sliding_window: int | None) -> None:
         super().__init__()
         self.self_attn = self.attention_cls(config, layer_idx, sliding_window)
-        self.mlp = LlamaMLP(config)
+        self.mlp = self.make_mlp(config, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def make_mlp(self, config, layer_idx: int) -> nn.Module:
+        """The feed-forward block of layer `layer_idx`: dense here, experts in MoE models."""
+        return LlamaMLP(config)
 
     def forward(self, positions, hidden, residual, rotary, ctx):
         if residual is None:

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -129,9 +130,9 @@ inline void weighted_rows_add(float* acc, const float* weights, const scalar_t* 
 // row is reused by the GQA group, and a V accumulator stays in registers for a block.
 template <typename scalar_t, int HEAD_DIM>
 void decode_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_cache, const scalar_t* value_cache,
-                   const int64_t* block_tables, const int64_t* context_lens, int64_t num_seqs, int64_t num_heads,
-                   int64_t num_kv_heads, int64_t runtime_head_dim, int64_t block_size, float scale,
-                   int64_t sliding_window, int64_t max_context, Strides st) {
+                   const int64_t* block_tables, const int64_t* context_lens, const float* sinks, int64_t num_seqs,
+                   int64_t num_heads, int64_t num_kv_heads, int64_t runtime_head_dim, int64_t block_size,
+                   float scale, int64_t sliding_window, int64_t max_context, Strides st) {
   const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : runtime_head_dim;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t span = num_seqs >= 4 * at::get_num_threads() ? num_kv_heads : 1;  // KV heads per item
@@ -189,9 +190,12 @@ void decode_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_cac
         }
         row_max[r] = best;
       });
-      // Softmax numerators in place; the 1/sum is applied once to the output.
+      // Softmax numerators in place; the 1/sum is applied once to the output. A sink (gpt-oss)
+      // is one more logit in the max and the sum that adds nothing to the output.
       for (int64_t r = 0; r < rows; ++r) {
         float* s = scores.data() + r * max_context;
+        const float sink = sinks ? sinks[first_kv_head * group + r] : 0.f;
+        if (sinks) row_max[r] = std::max(row_max[r], sink);
         const vfloat max16 = vfloat{} + row_max[r];
         vfloat sum16{};
         int64_t pos = first;
@@ -200,7 +204,7 @@ void decode_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_cac
           store16(s + pos, numerators);
           sum16 += numerators;
         }
-        float total = reduce_add(sum16);
+        float total = reduce_add(sum16) + (sinks ? std::exp(sink - row_max[r]) : 0.f);
         for (; pos < len; ++pos) {
           s[pos] = std::exp(s[pos] - row_max[r]);
           total += s[pos];
@@ -223,7 +227,7 @@ void decode_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_cac
 template <typename scalar_t>
 void dispatch_head_dim(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                        const at::Tensor& value_cache, const at::Tensor& block_tables,
-                       const at::Tensor& context_lens, double scale, int64_t sliding_window) {
+                       const at::Tensor& context_lens, const float* sinks, double scale, int64_t sliding_window) {
   const int64_t* lens = context_lens.const_data_ptr<int64_t>();
   const int64_t max_context = query.size(0) ? *std::max_element(lens, lens + query.size(0)) : 0;
   const int64_t min_context = query.size(0) ? *std::min_element(lens, lens + query.size(0)) : 1;
@@ -234,7 +238,7 @@ void dispatch_head_dim(const at::Tensor& out, const at::Tensor& query, const at:
   auto run = [&](auto kernel) {
     kernel(out.data_ptr<scalar_t>(), query.const_data_ptr<scalar_t>(), key_cache.const_data_ptr<scalar_t>(),
            value_cache.const_data_ptr<scalar_t>(), block_tables.const_data_ptr<int64_t>(),
-           context_lens.const_data_ptr<int64_t>(), query.size(0), query.size(1), key_cache.size(2),
+           context_lens.const_data_ptr<int64_t>(), sinks, query.size(0), query.size(1), key_cache.size(2),
            query.size(2), key_cache.size(1), static_cast<float>(scale), sliding_window, max_context, st);
   };
   switch (query.size(2)) {
@@ -245,11 +249,13 @@ void dispatch_head_dim(const at::Tensor& out, const at::Tensor& query, const at:
 }
 
 // out, query: [num_seqs, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim];
-// block_tables: [num_seqs, max_blocks] int64; context_lens: [num_seqs] int64, each >= 1.
+// block_tables: [num_seqs, max_blocks] int64; context_lens: [num_seqs] int64, each >= 1;
+// sinks: none, or [num_heads] fp32, one logit per head in every softmax's denominator.
 // As for the Triton kernel, block ids must be valid rows of the caches: they are not checked per read.
 void paged_decode_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
-                            const at::Tensor& context_lens, double scale, int64_t sliding_window) {
+                            const at::Tensor& context_lens, double scale, int64_t sliding_window,
+                            const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query and out must be [num_seqs, heads, dim]");
   TORCH_CHECK(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(), "caches must match, 4-d");
   TORCH_CHECK(key_cache.strides() == value_cache.strides(), "key and value caches must share strides");
@@ -267,13 +273,17 @@ void paged_decode_attention(const at::Tensor& out, const at::Tensor& query, cons
   TORCH_CHECK(query.device().is_cpu() && out.device().is_cpu() && key_cache.device().is_cpu() &&
                   value_cache.device().is_cpu() && block_tables.device().is_cpu() && context_lens.device().is_cpu(),
               "CPU tensors only");
+  TORCH_CHECK(!sinks || (sinks->scalar_type() == at::kFloat && sinks->dim() == 1 && sinks->size(0) == query.size(1) &&
+                         sinks->is_contiguous() && sinks->device().is_cpu()),
+              "sinks must be [num_heads] fp32, dense, on the CPU");
+  const float* sink_logits = sinks ? sinks->const_data_ptr<float>() : nullptr;
   switch (query.scalar_type()) {
     case at::kFloat: dispatch_head_dim<float>(out, query, key_cache, value_cache, block_tables, context_lens,
-                                              scale, sliding_window); break;
+                                              sink_logits, scale, sliding_window); break;
     case at::kBFloat16: dispatch_head_dim<at::BFloat16>(out, query, key_cache, value_cache, block_tables,
-                                                        context_lens, scale, sliding_window); break;
+                                                        context_lens, sink_logits, scale, sliding_window); break;
     case at::kHalf: dispatch_head_dim<at::Half>(out, query, key_cache, value_cache, block_tables, context_lens,
-                                                scale, sliding_window); break;
+                                                sink_logits, scale, sliding_window); break;
     default: TORCH_CHECK(false, "unsupported dtype ", query.scalar_type());
   }
 }
@@ -282,7 +292,7 @@ void paged_decode_attention(const at::Tensor& out, const at::Tensor& query, cons
 
 TORCH_LIBRARY(kvfleet_cpu, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
-        "Tensor block_tables, Tensor context_lens, float scale, int sliding_window) -> ()");
+        "Tensor block_tables, Tensor context_lens, float scale, int sliding_window, Tensor? sinks=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvfleet_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

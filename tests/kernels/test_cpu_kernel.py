@@ -16,7 +16,7 @@ import torch
 from engine.attention import select_backend
 from kernels import reference
 from kernels.cpu_paged_attention import load_error, paged_decode_attention
-from tests.kernels.test_reference import paged_setup
+from tests.kernels.test_reference import attention_sinks, paged_setup
 
 GQA = [(4, 4), (4, 2), (8, 2)]  # ratios 1, 2, 4
 # Few sequences run a work item per KV head, many (>= 4 per thread) a sequence at a time.
@@ -29,15 +29,15 @@ def test_the_kernel_builds_here():
 
 
 def decode_case(context_lens, num_heads, num_kv_heads, head_dim, block_size, sliding_window=None,
-                dtype=torch.float32):
+                dtype=torch.float32, sinks=None):
     key_cache, value_cache, _, block_tables = paged_setup(context_lens, block_size, num_kv_heads, head_dim)
     query = torch.randn(len(context_lens), num_heads, head_dim)
     lens = torch.tensor(context_lens)
     scale = 1 / math.sqrt(head_dim)
     expected = reference.paged_decode_attention(query, key_cache, value_cache, block_tables, lens, scale,
-                                                sliding_window)
+                                                sliding_window, sinks=sinks)
     got = paged_decode_attention(query.to(dtype), key_cache.to(dtype), value_cache.to(dtype), block_tables, lens,
-                                 scale, sliding_window)
+                                 scale, sliding_window, sinks=None if sinks is None else sinks.to(dtype))
     assert got.dtype == dtype and got.shape == expected.shape
     return got.float(), expected
 
@@ -55,6 +55,15 @@ def test_matches_reference(num_heads, num_kv_heads, head_dim, block_size, contex
 @pytest.mark.parametrize("context_lens", [[5, 24, 40, 77, 130], MANY])
 def test_sliding_window(sliding_window, context_lens):
     got, expected = decode_case(context_lens, 4, 2, 64, 16, sliding_window)
+    assert (got - expected).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads", GQA)
+@pytest.mark.parametrize("sliding_window", [None, 24])
+@pytest.mark.parametrize("context_lens", [[1, 5, 40, 77, 130], MANY])
+def test_attention_sinks(num_heads, num_kv_heads, sliding_window, context_lens):
+    got, expected = decode_case(context_lens, num_heads, num_kv_heads, 64, 16, sliding_window,
+                                sinks=attention_sinks(num_heads))
     assert (got - expected).abs().max() <= 1e-5
 
 

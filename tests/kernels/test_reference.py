@@ -11,14 +11,21 @@ import torch
 from kernels import cdiv, reference
 
 
-def naive_attention(q, keys, values, scale, first=0):
-    """q [H, D]; keys/values [C, Hkv, D] -> [H, D], one head at a time."""
+def naive_attention(q, keys, values, scale, first=0, sinks=None):
+    """q [H, D]; keys/values [C, Hkv, D] -> [H, D], one head at a time. sinks [H]: spelled
+    out as gpt-oss defines them, e^sink added to the softmax denominator."""
     num_heads, num_kv_heads = q.shape[0], keys.shape[1]
     out = torch.empty_like(q)
     for head in range(num_heads):
         kv = head // (num_heads // num_kv_heads)
         scores = (keys[first:, kv] @ q[head]) * scale
-        out[head] = torch.softmax(scores, 0) @ values[first:, kv]
+        if sinks is None:
+            probs = torch.softmax(scores, 0)
+        else:
+            top = torch.maximum(scores.max(), sinks[head])
+            numerators = torch.exp(scores - top)
+            probs = numerators / (numerators.sum() + torch.exp(sinks[head] - top))
+        out[head] = probs @ values[first:, kv]
     return out
 
 
@@ -38,6 +45,45 @@ def paged_setup(context_lens, block_size, num_kv_heads, head_dim, seed=0):
     width = max(len(t) for t in tables)
     block_tables = torch.tensor([t + [ids[-1]] * (width - len(t)) for t in tables])
     return key_cache, value_cache, tables, block_tables
+
+
+def attention_sinks(num_heads: int) -> torch.Tensor:
+    """[num_heads] sink logits from well below to well above typical scores."""
+    return torch.linspace(-4.0, 6.0, num_heads)
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (4, 2), (8, 2)])
+@pytest.mark.parametrize("context_lens", [[1], [1, 5, 17, 100, 33]])
+@pytest.mark.parametrize("sliding_window", [None, 24])
+def test_paged_decode_with_attention_sinks_matches_naive_attention(num_heads, num_kv_heads, context_lens,
+                                                                   sliding_window):
+    key_cache, value_cache, tables, block_tables = paged_setup(context_lens, 16, num_kv_heads, 32, seed=2)
+    query, sinks = torch.randn(len(context_lens), num_heads, 32), attention_sinks(num_heads)
+    expected = []
+    for i, c in enumerate(context_lens):
+        keys, values = key_cache[tables[i]].flatten(0, 1)[:c], value_cache[tables[i]].flatten(0, 1)[:c]
+        first = 0 if sliding_window is None else max(0, c - sliding_window)
+        expected.append(naive_attention(query[i], keys, values, 0.2, first, sinks))
+    got = reference.paged_decode_attention(query, key_cache, value_cache, block_tables, torch.tensor(context_lens),
+                                           0.2, sliding_window, sinks=sinks)
+    assert (got - torch.stack(expected)).abs().max() < 1e-5
+    plain = reference.paged_decode_attention(query, key_cache, value_cache, block_tables,
+                                             torch.tensor(context_lens), 0.2, sliding_window)
+    assert (got - plain).abs().max() > 1e-2  # the sinks took weight away
+
+
+@pytest.mark.parametrize("num_cached, sliding_window", [(0, None), (9, None), (9, 6)])
+def test_prefill_attention_with_attention_sinks(num_cached, sliding_window):
+    num_new, num_heads, num_kv_heads, head_dim = 7, 4, 2, 16
+    keys = torch.randn(num_cached + num_new, num_kv_heads, head_dim)
+    values = torch.randn(num_cached + num_new, num_kv_heads, head_dim)
+    query, sinks = torch.randn(num_new, num_heads, head_dim), attention_sinks(num_heads)
+    out = reference.prefill_attention(query, keys, values, 0.25, sliding_window, sinks=sinks)
+    for i in range(num_new):
+        position = num_cached + i
+        first = 0 if sliding_window is None else max(0, position + 1 - sliding_window)
+        expected = naive_attention(query[i], keys[: position + 1], values[: position + 1], 0.25, first, sinks)
+        assert (out[i] - expected).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (4, 2), (8, 2)])

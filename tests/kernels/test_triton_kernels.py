@@ -15,7 +15,7 @@ from kernels.prefill_attention import prefill_attention
 from kernels.rms_norm import rms_norm
 from kernels.rotary import rotary
 from kernels.store_kv import store_kv
-from tests.kernels.test_reference import paged_setup
+from tests.kernels.test_reference import attention_sinks, paged_setup
 
 TOLERANCE = 1e-4
 GQA = [(4, 4), (4, 2), (8, 2)]  # ratios 1, 2, 4
@@ -45,7 +45,28 @@ def test_paged_decode_attention_sliding_window():
     assert (got - expected).abs().max() <= TOLERANCE
 
 
-def prefill_case(spans, num_heads, num_kv_heads, head_dim, block_size, sliding_window=None):
+@pytest.mark.parametrize("num_heads, num_kv_heads", GQA)
+@pytest.mark.parametrize("sliding_window", [None, 24])
+def test_paged_decode_attention_sinks(num_heads, num_kv_heads, sliding_window):
+    context_lens = [1, 5, 40, 77]
+    key_cache, value_cache, _, block_tables = paged_setup(context_lens, 16, num_kv_heads, 64, seed=5)
+    query, lens, sinks = torch.randn(4, num_heads, 64), torch.tensor(context_lens), attention_sinks(num_heads)
+    expected = reference.paged_decode_attention(query, key_cache, value_cache, block_tables, lens, 0.125,
+                                                sliding_window, sinks=sinks)
+    got = paged_decode_attention(query, key_cache, value_cache, block_tables, lens, 0.125, sliding_window,
+                                 sinks=sinks)
+    assert (got - expected).abs().max() <= TOLERANCE
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads", GQA)
+@pytest.mark.parametrize("sliding_window", [None, 24])
+def test_prefill_attention_sinks(num_heads, num_kv_heads, sliding_window):
+    got, expected = prefill_case([(0, 50), (20, 30), (3, 1)], num_heads, num_kv_heads, 64, 16, sliding_window,
+                                 sinks=attention_sinks(num_heads))
+    assert (got - expected).abs().max() <= TOLERANCE
+
+
+def prefill_case(spans, num_heads, num_kv_heads, head_dim, block_size, sliding_window=None, sinks=None):
     """spans: (cached, new) tokens per sequence. Returns (got, expected)."""
     context_lens = [cached + new for cached, new in spans]
     key_cache, value_cache, tables, block_tables = paged_setup(context_lens, block_size, num_kv_heads, head_dim)
@@ -58,9 +79,9 @@ def prefill_case(spans, num_heads, num_kv_heads, head_dim, block_size, sliding_w
         keys = reference.gather_kv(key_cache, torch.tensor(tables[i]), cached + new)
         values = reference.gather_kv(value_cache, torch.tensor(tables[i]), cached + new)
         rows = slice(int(starts[i]), int(starts[i + 1]))
-        expected[rows] = reference.prefill_attention(query[rows], keys, values, scale, sliding_window)
+        expected[rows] = reference.prefill_attention(query[rows], keys, values, scale, sliding_window, sinks=sinks)
     got = prefill_attention(query, key_cache, value_cache, block_tables, starts, torch.tensor(context_lens),
-                            max(n for _, n in spans), scale, sliding_window)
+                            max(n for _, n in spans), scale, sliding_window, sinks=sinks)
     return got, expected
 
 
