@@ -88,6 +88,8 @@ class LLMEngine:
         self.default_sampling_params = default_sampling_params(config.generation_config, generation_config)
         self.model_runner = ModelRunner(config, self.hf_config, self.eos_token_ids)
         self.max_model_len = self.model_runner.max_model_len
+        # The whole model's values, and those one token reads (an MoE's top_k / num_experts of its experts).
+        self.num_params, self.num_active_params = self.model_runner.num_params, self.model_runner.num_active_params
         self.stop_checker = StopChecker(self.eos_token_ids, self.max_model_len, self.tokenizer)
         self.scheduler = Scheduler(config, self.model_runner.num_kv_blocks, self.model_runner.kv_pools,
                                    self.model_runner.long_rope_after)

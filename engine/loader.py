@@ -18,8 +18,8 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.checkpoint import resolve_checkpoint
-from engine.mxfp4 import dequantize_checkpoint
 from engine.models.parallel_layers import copy_checked
+from engine.mxfp4 import dequantize_checkpoint
 
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
 

@@ -20,7 +20,8 @@ import redis
 from jobs import keys
 
 INT_FIELDS = ("free_blocks", "total_blocks", "running", "waiting", "unstarted", "unstarted_blocks_needed",
-              "preemptions", "in_flight", "draining", "max_model_len", "tensor_parallel_size")
+              "preemptions", "in_flight", "draining", "max_model_len", "tensor_parallel_size", "num_params",
+              "num_active_params")
 FLOAT_FIELDS = ("tokens_per_s", "heartbeat_seconds", "started_at")
 
 

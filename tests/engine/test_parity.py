@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
 
-# 22 prompts: around block edges, around the tiny Gemma 3 / Mistral window (48) and the tiny
+# 22 prompts: around block edges, around the tiny Gemma 3 / Mistral / gpt-oss window (48) and the tiny
 # Phi-3's longrope switch (64 tokens: some prompts cross it while they generate), and long.
 PROMPT_LENGTHS = [1, 2, 5, 15, 16, 17, 31, 32, 33, 47, 48, 49, 60, 64, 65, 100, 127, 150, 180, 199, 200, 230]
 MAX_TOKENS = [64, 1, 8, 64, 33, 16, 64, 2, 40, 30, 64, 20, 12, 64, 9, 17, 64, 5, 64, 48, 64, 40]
@@ -74,7 +74,7 @@ def check_cpu_path(llm: LLM, path: str) -> None:
     assert ("Linear" in kinds) != CPU_PATHS[path]["onednn_linear"]
 
 
-ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "opt"]
+ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "opt", "mixtral", "qwen3_moe", "gpt_oss"]
 
 
 @pytest.mark.parametrize("path", CPU_PATHS)
@@ -91,7 +91,7 @@ def test_greedy_matches_transformers(tiny_models, references, name, path):
 
 
 @pytest.mark.parametrize("path", CPU_PATHS)
-@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3", "phi3", "opt"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3", "phi3", "opt", "mixtral", "qwen3_moe", "gpt_oss"])
 def test_greedy_matches_transformers_under_preemption(tiny_models, references, name, path):
     # The longest request needs ceil((230 + 40) / 16) = 17 blocks; 24 cannot hold the batch.
     llm = LLM(tiny_models[name], num_kv_blocks=24, **CPU_PATHS[path])

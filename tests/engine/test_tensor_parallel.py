@@ -24,7 +24,8 @@ def test_parallel_layers_match_their_torch_counterparts():
     torch.multiprocessing.spawn(tp_ranks.parallel_layers_match_torch, args=(free_init_method(),), nprocs=2)
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "opt"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "opt", "mixtral",
+                                  "qwen3_moe", "gpt_oss"])
 def test_a_shard_holds_half_the_weights(tiny_models, name):
     config = AutoConfig.from_pretrained(tiny_models[name])
 
@@ -65,7 +66,8 @@ def transformers_greedy(model_dir: str, prompts):
     return results
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "opt"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "opt", "mixtral",
+                                  "qwen3_moe", "gpt_oss"])
 def test_tp2_matches_one_device_and_transformers(tiny_models, name, record_property):
     rng = random.Random(3)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(5, 70))] for _ in range(24)]

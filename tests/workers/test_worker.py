@@ -196,3 +196,20 @@ def test_n_samples_come_back_as_n_choices_with_summed_usage(worker, r):
     assert all(len(c["logprobs"]["token_logprobs"]) == 6 for c in body["choices"])
     assert all(len(top) == 2 for c in body["choices"] for top in c["logprobs"]["top_logprobs"])
     assert batch["usage"]["output_tokens"] == 18
+
+
+def test_heartbeat_reports_the_model_and_its_active_parameters(tiny_models, r):
+    from jobs import heartbeats
+
+    engine = LLMEngine(EngineConfig(model=tiny_models["qwen3_moe"], num_kv_blocks=16, onednn_linear=False))
+    worker = Worker(engine, r, WorkerOptions(name="w-moe", served_model_names=["moe"], maintain_seconds=0.05))
+    try:
+        worker._heartbeat()
+        record = heartbeats.live_workers(r)[0]
+    finally:
+        for lane in worker.lanes:
+            lane.release()
+    total = sum(p.numel() for p in engine.model_runner.model.parameters())
+    experts = sum(p.numel() for name, p in engine.model_runner.model.named_parameters() if ".experts." in name)
+    assert record["num_params"] == total
+    assert record["num_active_params"] == total - experts + experts * 4 // 8  # top 4 of 8 experts
