@@ -234,7 +234,7 @@ def gated_activation(gate_up: torch.Tensor, activation: str, swiglu_alpha: float
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, activation: str = "silu", w13_bias: torch.Tensor | None = None,
-              w2_bias: torch.Tensor | None = None, **activation_args) -> torch.Tensor:
+              w2_bias: torch.Tensor | None = None, linear=F.linear, **activation_args) -> torch.Tensor:
     """The expert sum of a mixture-of-experts layer: the torch path, and the oracle of
     kernels/fused_moe.py.
 
@@ -246,12 +246,13 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
 
     The T * k (token, choice) rows are sorted by expert and each expert runs two matmuls
     over its rows: a loop over experts, never over tokens. Contributions are added in
-    expert order, as transformers adds them.
+    expert order, as transformers adds them. `linear(x, weight, bias)` runs each matmul
+    (w13 and w2 may then be lists of whatever it takes, e.g. oneDNN-packed weights).
     """
     num_tokens, top_k = topk_ids.shape
     flat_ids = topk_ids.flatten()  # [T * k], row t * k + j
     order = torch.argsort(flat_ids, stable=True)  # rows grouped by expert, token order within
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    counts = torch.bincount(flat_ids, minlength=len(w13)).tolist()
     token_of_row = order // top_k
     rows = hidden[token_of_row]  # [T * k, H]
     out_rows = torch.empty_like(rows)
@@ -260,9 +261,9 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
         if count == 0:
             continue
         part = slice(start, start + count)
-        gate_up = F.linear(rows[part], w13[expert], None if w13_bias is None else w13_bias[expert])
-        out_rows[part] = F.linear(gated_activation(gate_up, activation, **activation_args), w2[expert],
-                                  None if w2_bias is None else w2_bias[expert])
+        gate_up = linear(rows[part], w13[expert], None if w13_bias is None else w13_bias[expert])
+        out_rows[part] = linear(gated_activation(gate_up, activation, **activation_args), w2[expert],
+                                None if w2_bias is None else w2_bias[expert])
         start += count
     weighted = (out_rows * topk_weights.flatten()[order, None]).to(hidden.dtype)
     return torch.zeros_like(hidden).index_add_(0, token_of_row, weighted)

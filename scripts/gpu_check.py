@@ -14,6 +14,9 @@ each in its own process with its own timeout, so one failure loses nothing else:
   kernel_bench  benchmarks/kernels_gpu.py: decode attention against the measured copy
                 bandwidth, prefill TFLOP/s, SDPA as the peer
   engine_bench  benchmarks/engine_gpu.py: a ~1.1B random Llama in bf16 against transformers
+  moe_bench     benchmarks/moe.py: a ~103M Qwen3-MoE (a quarter active) in bf16 against
+                transformers, its decode steps against the touched weights' roofline and the
+                step size where its expert matmuls stop being weight-bound (fused-MoE kernel)
 
 Writes DIR/report.json (every part's status, seconds and numbers), DIR/summary.txt and
 one log per part. It stays within 8 minutes.
@@ -34,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 # Seconds each part may take on the GPU (the dry run gets the same): 8 minutes in all.
-PARTS = {"kernels": 120, "parity": 100, "kernel_bench": 90, "engine_bench": 170}
+PARTS = {"kernels": 110, "parity": 100, "kernel_bench": 70, "engine_bench": 140, "moe_bench": 60}
 NUM_TOKENS = 16
 
 
@@ -154,8 +157,8 @@ def run_part(name: str, out: Path, dry_run: bool) -> dict:
         return run_kernels(out, dry_run)
     if name == "parity":
         return run_parity(out, dry_run)
-    return run_benchmark({"kernel_bench": "benchmarks.kernels_gpu", "engine_bench": "benchmarks.engine_gpu"}[name],
-                         out, dry_run)
+    return run_benchmark({"kernel_bench": "benchmarks.kernels_gpu", "engine_bench": "benchmarks.engine_gpu",
+                          "moe_bench": "benchmarks.moe"}[name], out, dry_run)
 
 
 def drive(out: Path, dry_run: bool, parts: list[str]) -> dict:
@@ -190,9 +193,10 @@ def drive(out: Path, dry_run: bool, parts: list[str]) -> dict:
     bench = (report["parts"].get("kernel_bench") or {}).get("result") or {}
     if bench.get("decode_goal_fraction") is not None:
         lines.append(f"decode attention at batch 64 x 4096: {bench['decode_goal_fraction']:.0%} of the copy bandwidth")
-    engine = (report["parts"].get("engine_bench") or {}).get("result") or {}
-    for ratio, value in (engine.get("ratios") or {}).items():
-        lines.append(f"{ratio}: {value:.2f}x")
+    for bench_part in ("engine_bench", "moe_bench"):
+        result = (report["parts"].get(bench_part) or {}).get("result") or {}
+        for ratio, value in (result.get("ratios") or {}).items():
+            lines.append(f"{bench_part} {ratio}: {value:.2f}x")
     (out / "summary.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return report

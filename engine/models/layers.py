@@ -174,8 +174,14 @@ def can_use_onednn_linear(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def use_onednn_linears(model: nn.Module, batch_size_hint: int) -> None:
-    """Swap every nn.Linear of `model` for a OneDNNLinear. A weight tied to an embedding
-    stays where it is (the embedding still reads it)."""
+    """Swap every nn.Linear of `model` for a OneDNNLinear, and pack every MoE layer's
+    experts the same way. A weight tied to an embedding stays where it is (the embedding
+    still reads it)."""
+    from engine.models.moe import FusedMoE  # noqa: PLC0415 (moe imports this module)
+
+    for module in model.modules():
+        if isinstance(module, FusedMoE):
+            module.pack_for_onednn(batch_size_hint)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):

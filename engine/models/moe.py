@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import parallel
+from engine.models.layers import bucket_rows
 from engine.models.parallel_layers import copy_checked, set_loader
 from kernels import reference
 
@@ -90,7 +91,17 @@ class FusedMoE(nn.Module):
         if self.w2_bias is not None:
             set_loader(self.w2_bias, self._load_w2_bias, tensors_per_projection)
         self.kernel = reference.fused_moe
+        self.packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # pack_for_onednn()
 
+    def pack_for_onednn(self, batch_size_hint: int) -> None:
+        """CPU fp32: each expert's w13 and w2 reordered once into oneDNN's blocked layout,
+        as OneDNNLinear does for dense layers (engine/models/layers.py says why): a few
+        rows per expert is the common case, where repacking on every call doubled the
+        expert matmuls' time. The stacked weights are dropped: the packed copies replace them."""
+        reorder = torch.ops.mkldnn._reorder_linear_weight
+        self.packed = ([reorder(w.detach(), batch_size_hint) for w in self.w13_weight],
+                       [reorder(w.detach(), batch_size_hint) for w in self.w2_weight])
+        self.w13_weight = self.w2_weight = None
     def _load_w13(self, param: torch.Tensor, source, part: tuple[int | None, str]) -> None:
         """source: one expert's gate or up weight [I, H] (bias [I]), or every expert's
         [E, I, H] (bias [E, I]) when part's expert is None; this rank's rows go in."""
@@ -118,9 +129,23 @@ class FusedMoE(nn.Module):
         """hidden [T, H], topk_* [T, k] -> [T, H]"""
         # The down bias belongs to the whole sum: rank 0 adds it, the all-reduce spreads it.
         w2_bias = self.w2_bias if parallel.tp_rank() == 0 else None
-        out = self.kernel(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.activation,
-                          self.w13_bias, w2_bias, **self.activation_args)
+        if self.packed is not None:
+            out = reference.fused_moe(hidden, *self.packed, topk_weights, topk_ids, self.activation, self.w13_bias,
+                                      w2_bias, linear=onednn_linear, **self.activation_args)
+        else:
+            out = self.kernel(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.activation,
+                              self.w13_bias, w2_bias, **self.activation_args)
         return parallel.all_reduce(out)
+
+
+def onednn_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [rows, in] @ a weight packed by torch.ops.mkldnn._reorder_linear_weight -> [rows, out].
+    Rows padded as OneDNNLinear pads them: few distinct shapes reach oneDNN's caches."""
+    num_rows = x.shape[0]
+    padded = bucket_rows(num_rows)
+    if padded != num_rows:
+        x = F.pad(x, (0, 0, 0, padded - num_rows))
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")[:num_rows]
 
 
 # experts.<e>.<projection>.weight: one expert's tensor, in Mixtral's and Qwen's checkpoints.

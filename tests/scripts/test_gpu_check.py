@@ -25,12 +25,13 @@ def test_the_dry_run_runs_every_part_and_writes_the_report(tmp_path):
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     report = json.loads((tmp_path / "report.json").read_text())
     parts = report["parts"]
-    assert report["dry_run"] is True and list(parts) == ["kernels", "parity", "kernel_bench", "engine_bench"]
+    assert report["dry_run"] is True and list(parts) == ["kernels", "parity", "kernel_bench", "engine_bench",
+                                                         "moe_bench"]
     assert {name: part["status"] for name, part in parts.items()} == dict.fromkeys(parts, "ok")
     kernels = parts["kernels"]["result"]
     assert kernels["tests"] >= 10 and kernels["failures"] == kernels["errors"] == 0
     parity = parts["parity"]["result"]
-    for arch in ("llama", "mistral", "qwen2", "opt"):
+    for arch in ("llama", "mistral", "qwen2", "opt", "mixtral", "qwen3_moe", "gpt_oss"):
         assert parity[arch]["fp32_close"] == parity[arch]["bf16_close"] == 1.0
     assert parity["triton_preemption"] == {"identical": True, "num_preemptions": parity["triton_preemption"]
                                            ["num_preemptions"]} and parity["triton_preemption"]["num_preemptions"] > 0
@@ -40,6 +41,10 @@ def test_the_dry_run_runs_every_part_and_writes_the_report(tmp_path):
     engine = parts["engine_bench"]["result"]
     assert set(engine["ratios"]) == {"kvfleet_over_transformers_static", "kvfleet_over_transformers_continuous"}
     assert engine["results"]["kvfleet"]["num_decode_steps"] > 0
+    moe = parts["moe_bench"]["result"]
+    assert moe["ratios"]["kvfleet_vs_transformers_static"] > 0 and moe["model"]["active_params"] < moe["model"]["params"]
+    assert [row["batch"] for row in moe["decode_steps"]] == [1, 4, 16, 32, 64]
+    assert moe["weight_bound_until"]["step_tokens"] > 0
     summary = (tmp_path / "summary.txt").read_text()
     assert all(f"{name}: ok" in summary for name in parts)
     assert {p.name for p in tmp_path.iterdir()} == {"report.json", "summary.txt", *(f"{n}.log" for n in parts)}
