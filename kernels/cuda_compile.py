@@ -31,14 +31,25 @@ from triton.compiler import ASTSource
 KERNELS = {
     "paged_attention": ("kernels.paged_attention", "_paged_decode_kernel", {
         "out_ptr": "*T", "query_ptr": "*T", "key_cache_ptr": "*T", "value_cache_ptr": "*T",
-        "block_tables_ptr": "*i64", "context_lens_ptr": "*i64", "scale": "fp32"},
-        [{"NUM_QUERIES_PER_KV": 4, "GROUP_BLOCK": 4, "HEAD_DIM": 128, "BLOCK_SIZE": 16},
-         {"NUM_QUERIES_PER_KV": 7, "GROUP_BLOCK": 8, "HEAD_DIM": 64, "BLOCK_SIZE": 32}]),
+        "block_tables_ptr": "*i64", "context_lens_ptr": "*i64", "sinks_ptr": "*T", "scale": "fp32"},
+        [{"NUM_QUERIES_PER_KV": 4, "GROUP_BLOCK": 4, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "HAS_SINKS": False},
+         {"NUM_QUERIES_PER_KV": 7, "GROUP_BLOCK": 8, "HEAD_DIM": 64, "BLOCK_SIZE": 32, "HAS_SINKS": True}]),
     "prefill_attention": ("kernels.prefill_attention", "_prefill_kernel", {
         "out_ptr": "*T", "query_ptr": "*T", "key_cache_ptr": "*T", "value_cache_ptr": "*T",
-        "block_tables_ptr": "*i64", "query_starts_ptr": "*i64", "context_lens_ptr": "*i64", "scale": "fp32"},
-        [{"NUM_QUERIES_PER_KV": 4, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "BLOCK_M": 64, "DOT_PRECISION": "tf32"},
-         {"NUM_QUERIES_PER_KV": 1, "HEAD_DIM": 64, "BLOCK_SIZE": 32, "BLOCK_M": 16, "DOT_PRECISION": "tf32"}]),
+        "block_tables_ptr": "*i64", "query_starts_ptr": "*i64", "context_lens_ptr": "*i64", "sinks_ptr": "*T",
+        "scale": "fp32"},
+        [{"NUM_QUERIES_PER_KV": 4, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "BLOCK_M": 64, "DOT_PRECISION": "tf32",
+          "HAS_SINKS": False},
+         {"NUM_QUERIES_PER_KV": 8, "HEAD_DIM": 64, "BLOCK_SIZE": 32, "BLOCK_M": 16, "DOT_PRECISION": "tf32",
+          "HAS_SINKS": True}]),
+    # GEMM 1 (gate/up with the activation) and GEMM 2 (down, bias, routing weight) of a MoE layer.
+    "fused_moe": ("kernels.fused_moe", "_fused_moe_kernel", {
+        "a_ptr": "*T", "b_ptr": "*T", "bias_ptr": "*T", "c_ptr": "*T", "topk_weights_ptr": "*T",
+        "sorted_row_ids_ptr": "*i64", "expert_ids_ptr": "*i64", "swiglu_alpha": "fp32", "swiglu_limit": "fp32"},
+        [{"ROWS_PER_A_ROW": 8, "GATED": True, "ACTIVATION": 0, "HAS_BIAS": False, "MUL_ROUTED_WEIGHT": False,
+          "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "DOT_PRECISION": "tf32"},
+         {"ROWS_PER_A_ROW": 1, "GATED": False, "ACTIVATION": 1, "HAS_BIAS": True, "MUL_ROUTED_WEIGHT": True,
+          "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "DOT_PRECISION": "tf32"}]),
     "store_kv": ("kernels.store_kv", "_store_kv_kernel", {
         "key_ptr": "*T", "value_ptr": "*T", "key_cache_ptr": "*T", "value_cache_ptr": "*T",
         "slot_mapping_ptr": "*i64"}, [{"ROW": 1024, "ROW_BLOCK": 1024}, {"ROW": 320, "ROW_BLOCK": 512}]),

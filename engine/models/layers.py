@@ -111,11 +111,10 @@ class RotaryEmbedding(nn.Module):
 
 
 def use_triton_layers(model: nn.Module) -> None:
-    """Route RMSNorm, rotary and the MoE experts through the Triton kernels (the
-    attention backend is chosen separately)."""
-    from engine.models.moe import FusedMoE  # noqa: PLC0415
-    from kernels.fused_moe import fused_moe  # noqa: PLC0415 (imports triton)
-    from kernels.rms_norm import rms_norm
+    """Route RMSNorm, rotary and the MoE experts (any module with `use_triton_kernel`:
+    engine/models/moe.py imports this module, so it is not imported back) through the
+    Triton kernels (the attention backend is chosen separately)."""
+    from kernels.rms_norm import rms_norm  # noqa: PLC0415 (imports triton)
     from kernels.rotary import rotary
 
     for module in model.modules():
@@ -123,8 +122,8 @@ def use_triton_layers(model: nn.Module) -> None:
             module.kernel = rms_norm
         elif isinstance(module, RotaryEmbedding):
             module.kernel = rotary
-        elif isinstance(module, FusedMoE):
-            module.kernel = fused_moe
+        elif hasattr(module, "use_triton_kernel"):
+            module.use_triton_kernel()
 
 
 class OneDNNLinear(nn.Module):
@@ -174,13 +173,11 @@ def can_use_onednn_linear(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def use_onednn_linears(model: nn.Module, batch_size_hint: int) -> None:
-    """Swap every nn.Linear of `model` for a OneDNNLinear, and pack every MoE layer's
-    experts the same way. A weight tied to an embedding stays where it is (the embedding
-    still reads it)."""
-    from engine.models.moe import FusedMoE  # noqa: PLC0415 (moe imports this module)
-
+    """Swap every nn.Linear of `model` for a OneDNNLinear, and pack the experts of every
+    MoE layer (a module with `pack_for_onednn`) the same way. A weight tied to an
+    embedding stays where it is (the embedding still reads it)."""
     for module in model.modules():
-        if isinstance(module, FusedMoE):
+        if hasattr(module, "pack_for_onednn"):
             module.pack_for_onednn(batch_size_hint)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

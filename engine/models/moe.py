@@ -93,6 +93,11 @@ class FusedMoE(nn.Module):
         self.kernel = reference.fused_moe
         self.packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # pack_for_onednn()
 
+    def use_triton_kernel(self) -> None:
+        from kernels.fused_moe import fused_moe  # noqa: PLC0415 (imports triton)
+
+        self.kernel = fused_moe
+
     def pack_for_onednn(self, batch_size_hint: int) -> None:
         """CPU fp32: each expert's w13 and w2 reordered once into oneDNN's blocked layout,
         as OneDNNLinear does for dense layers (engine/models/layers.py says why): a few

@@ -130,7 +130,7 @@ def test_a_cached_prefix_gives_transformers_tokens(tiny_models, name):
     assert [o.token_ids for o in outputs] == reference_outputs(tiny_models[name], prompts, params)
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("name", ["gpt_oss"])  # experts with biases, sinks, windows: every MoE-model kernel path
 def test_triton_path_matches_the_torch_path_with_preemption(tiny_models, name):
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (1, 16, 33, 60, 90)]
