@@ -47,6 +47,7 @@ SECURITY_HEADERS = {"Content-Security-Policy": "default-src 'self'; style-src 's
 
 _environment = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(default=True))
 _environment.filters["duration"] = duration
+_environment.filters["count"] = lambda n: short_count(n)
 _environment.filters["timestamp"] = lambda t: time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "—"
 templates = Jinja2Templates(env=_environment)
 
@@ -58,6 +59,14 @@ class LoginRequired(Exception):
 async def to_login(request: Request, _: LoginRequired) -> RedirectResponse:
     return RedirectResponse("/ui/login", status_code=303)
 
+
+
+def short_count(number: int) -> str:
+    """30532122624 -> '30.5B', 134515008 -> '135M': a parameter count as model names give it."""
+    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if number >= scale:
+            return f"{number / scale:.3g}{unit}"
+    return str(number)
 
 def sessions(settings: Settings) -> URLSafeTimedSerializer:
     """Signs console sessions with a secret derived from the API key, never the key itself."""

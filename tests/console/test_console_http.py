@@ -84,3 +84,21 @@ def test_behind_a_tls_proxy_only_trusted_forwarded_headers_count(redis_server, r
         client.cookies.set("kvfleet_console", login.cookies["kvfleet_console"])
         cancel = client.post(f"/ui/batches/{batch_id}/cancel", headers={"Origin": "https://kvfleet.example"})
         assert cancel.status_code == (303 if is_https else 403)  # the browser's https origin is this site's
+
+
+def test_the_workers_page_shows_total_and_active_parameters(console_api, r):
+    from jobs import heartbeats
+
+    base = {"root": "m", "max_model_len": 512, "tensor_parallel_size": 1, "free_blocks": 10, "total_blocks": 16,
+            "running": 0, "waiting": 0, "unstarted": 0, "unstarted_blocks_needed": 0, "preemptions": 0,
+            "in_flight": 0, "draining": 0, "started_at": time.time(), "tokens_per_s": 0.0, "heartbeat_seconds": 1.0}
+    heartbeats.record_heartbeat(r, "w-moe", {**base, "models": ["moe"], "num_params": 30_532_122_624,
+                                            "num_active_params": 3_345_000_000}, 30)
+    heartbeats.record_heartbeat(r, "w-dense", {**base, "models": ["dense"], "num_params": 134_515_008,
+                                              "num_active_params": 134_515_008}, 30)
+    with httpx.Client(base_url=console_api.url, headers={"Authorization": f"Bearer {API_KEY}"}) as client:
+        page = client.get("/ui/workers").text
+    moe_row = page[page.index("w-moe"):].split("</tr>")[0]
+    dense_row = page[page.index("w-dense"):].split("</tr>")[0]
+    assert "30.5B" in moe_row and "(3.35B active)" in moe_row
+    assert "135M" in dense_row and "active" not in dense_row
