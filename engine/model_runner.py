@@ -134,6 +134,8 @@ class ModelRunner:
             return None
         memory = self.config.kv_cache_memory
         if memory is None and self.device.type == "cuda":
+            # After the weights (an MoE's experts are most of them): what loading left cached goes back first.
+            torch.cuda.empty_cache()
             free, _ = torch.cuda.mem_get_info(self.device)
             memory = int(free * CUDA_MEMORY_FRACTION)
         elif memory is None:
