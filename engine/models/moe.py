@@ -107,6 +107,7 @@ class FusedMoE(nn.Module):
         self.packed = ([reorder(w.detach(), batch_size_hint) for w in self.w13_weight],
                        [reorder(w.detach(), batch_size_hint) for w in self.w2_weight])
         self.w13_weight = self.w2_weight = None
+
     def _load_w13(self, param: torch.Tensor, source, part: tuple[int | None, str]) -> None:
         """source: one expert's gate or up weight [I, H] (bias [I]), or every expert's
         [E, I, H] (bias [E, I]) when part's expert is None; this rank's rows go in."""
