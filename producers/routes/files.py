@@ -51,8 +51,6 @@ def store_upload(r, file: UploadFile, purpose: str, settings: Settings) -> dict:
             if size > limit:
                 raise file_too_large(limit)
             yield chunk
-        if size == 0:  # as OpenAI: an empty upload is refused, not stored as a batch of nothing
-            raise APIError(400, "file is empty: a batch file holds one request per line", "empty_file", "file")
 
     file_id = new_file_id()
     try:
