@@ -4,7 +4,7 @@
     python scripts/gpu_check.py --out DIR --dry-run    # the same steps on the CPU, tiny sizes
 
 It needs only the engine's own dependencies (torch, triton, transformers, safetensors,
-tokenizers, pytest), which a GPU machine's image has; nothing is installed. Four parts,
+tokenizers, pytest), which a GPU machine's image has; nothing is installed. Five parts,
 each in its own process with its own timeout, so one failure loses nothing else:
 
   kernels       pytest tests/kernels on the GPU, without TRITON_INTERPRET
