@@ -18,10 +18,10 @@ from engine.models.moe import FusedMoE, TopKRouter, num_experts, per_expert_targ
 class SparseMoeBlock(nn.Module):
     """Router, then experts: `gate` and `experts`, the names Mixtral and Qwen3-MoE use."""
 
-    def __init__(self, config, intermediate_size: int, renormalize: bool) -> None:
+    def __init__(self, config, intermediate_size: int, renormalize: bool, fp32_weights: bool = False) -> None:
         super().__init__()
         self.gate = TopKRouter(config.hidden_size, num_experts(config), config.num_experts_per_tok,
-                               "softmax_topk", renormalize)
+                               "softmax_topk", renormalize, fp32_weights=fp32_weights)
         self.experts = FusedMoE(num_experts(config), config.hidden_size, intermediate_size, config.hidden_act)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -32,7 +32,7 @@ class SparseMoeBlock(nn.Module):
 
 class MixtralDecoderLayer(LlamaDecoderLayer):
     def make_mlp(self, config, layer_idx: int) -> nn.Module:
-        return SparseMoeBlock(config, config.intermediate_size, renormalize=True)
+        return SparseMoeBlock(config, config.intermediate_size, renormalize=True, fp32_weights=True)
 
 
 class MixtralForCausalLM(MistralForCausalLM):

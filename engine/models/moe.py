@@ -38,13 +38,16 @@ class TopKRouter(nn.Module):
     Ties go where torch.topk puts them, as in transformers."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, scoring: str, renormalize: bool,
-                 bias: bool = False) -> None:
+                 bias: bool = False, fp32_weights: bool = False) -> None:
         super().__init__()
         if scoring not in SCORING:
             raise ValueError(f"router scoring {scoring!r}; supported: {SCORING}")
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok {top_k} must be in [1, {num_experts}] (the number of experts)")
         self.top_k, self.scoring, self.renormalize = top_k, scoring, renormalize
+        # softmax_topk's weights stay fp32 (Mixtral) or are cast to the model's dtype (Qwen3-MoE):
+        # in bf16 the expert sum rounds differently, so each model keeps its own.
+        self.fp32_weights = fp32_weights
         # A plain parameter, not nn.Linear: the CPU path's linear swap must not touch it, so
         # the logits are bit for bit transformers' and no near-tie flips an expert.
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))  # [E, H], replicated
@@ -60,7 +63,7 @@ class TopKRouter(nn.Module):
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(logits.dtype), ids
+        return (weights if self.fp32_weights else weights.to(logits.dtype)), ids
 
 
 class FusedMoE(nn.Module):
