@@ -72,13 +72,17 @@ def peer_checkpoint(model: str, out_dir: str | Path) -> str:
     return str(out_dir)
 
 
-def matmul_probe_flops(size: int = 2048, repeats: int = 10) -> float:
-    """FLOP/s of a square fp32 matmul on this machine, right now."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
+def matmul_probe_flops(size: int = 2048, repeats: int = 10, device: str = "cpu",
+                       dtype: torch.dtype = torch.float32) -> float:
+    """FLOP/s of a square matmul in `dtype` on `device`, right now."""
+    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
     a @ b  # warm-up
+    synchronize = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    synchronize()
     start = time.perf_counter()
     for _ in range(repeats):
         a @ b
+    synchronize()
     return 2 * size**3 * repeats / (time.perf_counter() - start)
 
 

@@ -138,15 +138,8 @@ def probes(device: str, dtype: torch.dtype) -> tuple[float, float]:
     if torch.device(device).type == "cuda":
         from benchmarks.kernels_gpu import copy_bandwidth  # noqa: PLC0415
 
-        a = torch.randn(8192, 8192, device=device, dtype=dtype)
-        a @ a
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(10):
-            a @ a
-        torch.cuda.synchronize()
-        return 2 * 8192**3 * 10 / (time.perf_counter() - start), copy_bandwidth(device, 1 << 30) / 2
-    return matmul_probe_flops(), stream_read_probe_bytes_per_s()
+        return matmul_probe_flops(8192, 10, device, dtype), copy_bandwidth(device, 1 << 30) / 2
+    return matmul_probe_flops(dtype=dtype), stream_read_probe_bytes_per_s()
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -152,11 +152,17 @@ class OneDNNLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, in_features] -> [num_tokens, out_features]"""
-        num_rows = x.shape[0]
-        padded = bucket_rows(num_rows)
-        if padded != num_rows:  # few distinct shapes reach oneDNN, which keeps state per shape
-            x = torch.nn.functional.pad(x, (0, 0, 0, padded - num_rows))
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")[:num_rows]
+        return onednn_linear(x, self.packed_weight, self.bias)
+
+
+def onednn_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [rows, in] @ a weight packed by torch.ops.mkldnn._reorder_linear_weight -> [rows, out]
+    (OneDNNLinear, and each expert of an MoE layer on the CPU)."""
+    num_rows = x.shape[0]
+    padded = bucket_rows(num_rows)
+    if padded != num_rows:  # few distinct shapes reach oneDNN, which keeps state per shape
+        x = torch.nn.functional.pad(x, (0, 0, 0, padded - num_rows))
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")[:num_rows]
 
 
 def bucket_rows(num_rows: int) -> int:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import parallel
-from engine.models.layers import bucket_rows
+from engine.models.layers import onednn_linear
 from engine.models.parallel_layers import copy_checked, set_loader
 from kernels import reference
 
@@ -147,16 +147,6 @@ class FusedMoE(nn.Module):
         return parallel.all_reduce(out)
 
 
-def onednn_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [rows, in] @ a weight packed by torch.ops.mkldnn._reorder_linear_weight -> [rows, out].
-    Rows padded as OneDNNLinear pads them: few distinct shapes reach oneDNN's caches."""
-    num_rows = x.shape[0]
-    padded = bucket_rows(num_rows)
-    if padded != num_rows:
-        x = F.pad(x, (0, 0, 0, padded - num_rows))
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")[:num_rows]
-
-
 # experts.<e>.<projection>.weight: one expert's tensor, in Mixtral's and Qwen's checkpoints.
 PER_EXPERT_NAME = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<projection>\w+)\.weight$")
 
@@ -175,12 +165,8 @@ def per_expert_target(name: str, projections: dict[str, str]) -> tuple[str, tupl
 
 def active_parameter_fraction(hf_config) -> float:
     """top_k / num_experts: the share of a layer's expert weights one token reads."""
-    return moe_top_k(hf_config) / num_experts(hf_config)
+    return hf_config.num_experts_per_tok / num_experts(hf_config)
 
 
 def num_experts(hf_config) -> int:
     return getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None) or 0
-
-
-def moe_top_k(hf_config) -> int:
-    return hf_config.num_experts_per_tok
