@@ -39,6 +39,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--attention-backend", default=_DEFAULTS["attention_backend"],
                        choices=["auto", "cpu", "torch", "triton"],
                        help="auto: triton on CUDA; on the CPU the native kernel, else torch")
+    group.add_argument("--task", default=_DEFAULTS["task"], choices=["auto", "generate", "embed"],
+                       help="auto: embed for encoders (BertModel, XLMRobertaModel) and sentence-transformers "
+                            "folders, generate otherwise")
+    group.add_argument("--pooling", choices=["mean", "cls", "last"],
+                       help="embedding models: default the folder's sentence-transformers pooling, else mean "
+                            "(encoders) or last (decoders)")
+    group.add_argument("--normalize", action=argparse.BooleanOptionalAction,
+                       help="embedding models: L2-normalize; default as the folder's modules.json says")
     group.add_argument("--tensor-parallel-size", type=int, default=_DEFAULTS["tensor_parallel_size"])
     return parser
 

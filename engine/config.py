@@ -64,6 +64,15 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     """Run without a tokenizer: prompts must be token ids, outputs carry token ids and empty
     text, and stop strings are refused (as in vLLM)."""
+    task: str = "auto"
+    """generate, embed, or auto: embed for encoder checkpoints (BertModel, XLMRobertaModel) and
+    sentence-transformers folders (modules.json with a Pooling module), generate otherwise."""
+    pooling: str | None = None
+    """Embedding models: mean, cls or last; default: the folder's sentence-transformers pooling,
+    else mean for encoders and last for decoders."""
+    normalize: bool | None = None
+    """Embedding models: L2-normalize each embedding; default: as the folder's modules.json says
+    (a Normalize module), else no."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -86,5 +95,9 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be auto, torch, cpu or triton, got {self.attention_backend!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.task not in ("auto", "generate", "embed"):
+            raise ValueError(f"task must be auto, generate or embed, got {self.task!r}")
+        if self.pooling is not None and self.pooling not in ("mean", "cls", "last"):
+            raise ValueError(f"pooling must be mean, cls or last, got {self.pooling!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")

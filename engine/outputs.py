@@ -51,3 +51,23 @@ class RequestOutput:
     @property
     def logprobs(self) -> list[dict[int, float]] | None:
         return self.outputs[0].logprobs
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]  # pooled, truncated to the request's dimensions, normalized if the model is
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """An embedding request's vectors, one per input in order (vLLM's EmbeddingRequestOutput)."""
+
+    request_id: str
+    prompt_token_ids: list[list[int]]  # per input
+    outputs: list[EmbeddingOutput]
+    finished: bool = True
+    error: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(map(len, self.prompt_token_ids))

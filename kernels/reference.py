@@ -95,6 +95,51 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return out.view(num_kv_heads, group, num_queries, head_dim).permute(2, 0, 1, 3).reshape(query.shape)
 
 
+def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, seq_lens: list[int],
+                     scale: float, causal: bool) -> torch.Tensor:
+    """Attention within each sequence of a packed batch (no cache, no padding): the oracle.
+
+    query: [num_tokens, num_heads, head_dim]; key, value: [num_tokens, num_kv_heads, head_dim]
+    seq_lens: the sequences' lengths, back to back (summing to num_tokens)
+    causal: decoder embedding models; False: encoders (every token sees its whole sequence)
+    returns [num_tokens, num_heads, head_dim]
+    """
+    out = torch.empty_like(query)
+    start = 0
+    for seq_len in seq_lens:
+        rows = slice(start, start + seq_len)
+        out[rows] = F.scaled_dot_product_attention(query[rows].transpose(0, 1), key[rows].transpose(0, 1),
+                                                   value[rows].transpose(0, 1), is_causal=causal, scale=scale,
+                                                   enable_gqa=True).transpose(0, 1)
+        start += seq_len
+    return out
+
+
+def padded_varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, seq_lens: list[int],
+                            scale: float, causal: bool) -> torch.Tensor:
+    """varlen_attention as one batched SDPA call (the CPU path): the sequences are padded to
+    the longest for attention alone, with padded keys masked; shapes as varlen_attention's.
+    One call instead of one per sequence: the engine sorts inputs by length, so little is padded."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_seqs, longest = len(seq_lens), max(seq_lens)
+    lens = torch.tensor(seq_lens, device=query.device)
+    starts = torch.cumsum(lens, 0) - lens
+    offsets = torch.arange(longest, device=query.device)
+    valid = offsets[None, :] < lens[:, None]  # [N, L]
+    rows = torch.where(valid, starts[:, None] + offsets[None, :], num_tokens)  # padding reads a zero row
+
+    def padded(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [N, H, L, D]
+        x = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
+        return x[rows].transpose(1, 2)
+
+    mask = valid[:, None, None, :]  # [N, 1, 1, L]: padded keys are never seen
+    if causal:
+        mask = mask & (offsets[None, :] <= offsets[:, None])[None, None]
+    out = F.scaled_dot_product_attention(padded(query), padded(key), padded(value), attn_mask=mask, scale=scale,
+                                         enable_gqa=True)  # [N, H, L, D]
+    return out.transpose(1, 2)[valid]  # [T, H, D], in packed order
+
+
 def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
     """softmax over the last dim of scores [..., C], with sinks [..., 1] (broadcast like
     scores) as one more logit whose probability is dropped: the rows sum to below one."""
