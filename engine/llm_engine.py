@@ -79,6 +79,8 @@ class EngineStats:
 
 
 class LLMEngine:
+    task = "generate"  # what `GET /v1/models` reports; EmbeddingEngine says "embed"
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.hf_config = load_hf_config(config.model)

@@ -77,12 +77,14 @@ def is_known_model(r: redis.Redis, model: str, max_age_seconds: float) -> bool:
 
 
 def served_models(r: redis.Redis) -> dict[str, dict[str, Any]]:
-    """Model name -> {"max_model_len", "root", "num_workers", "created"} over the live workers."""
+    """Model name -> {"max_model_len", "root", "task", "num_workers", "created"} over the live workers
+    (task: generate or embed)."""
     models: dict[str, dict[str, Any]] = {}
     for worker in live_workers(r):
         for model in worker["models"]:
             entry = models.setdefault(model, {"max_model_len": worker.get("max_model_len"),
                                               "root": worker.get("root", model), "num_workers": 0,
+                                              "task": worker.get("task", "generate"),
                                               "created": int(float(worker.get("started_at") or 0))})
             entry["num_workers"] += 1
     return models

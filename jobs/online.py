@@ -13,7 +13,8 @@ Reply events are typed (`Delta`, `Done`, `Error`), encoded as JSON in the entry 
 "event" by `encode_event` and read back by `decode_events`, here alone:
 
     {"type": "delta", "attempt", "seq", "choices": [{"index", "text", "logprobs", "finish_reason", "token_ids"?}]}
-    {"type": "done", "attempt", "seq", "usage": {...}}               the last event of a success
+    {"type": "done", "attempt", "seq", "usage": {...}, "body"?}      the last event of a success; an
+                                                                     embeddings answer comes whole in "body"
     {"type": "error", "attempt", "seq", "status", "code", "message"}  the last event of a failure
 
 Sequence numbers. Events are numbered 1, 2, 3, ... within an attempt. A write that redis-py
@@ -61,7 +62,7 @@ def new_request_id() -> str:
 @dataclass
 class OnlineEntry:
     request_id: str
-    url: str  # /v1/completions or /v1/chat/completions
+    url: str  # /v1/completions, /v1/chat/completions or /v1/embeddings
     body: dict[str, Any]  # the batch-line body: no stream, stream_options or priority
     stream: bool
     priority: int
@@ -138,6 +139,7 @@ class Done:
     usage: dict[str, Any]  # OpenAI's usage object
     attempt: int = 1
     seq: int = 0
+    body: dict[str, Any] | None = None  # the whole response of an endpoint that is not streamed (embeddings)
     is_last: ClassVar[bool] = True
 
 
@@ -165,6 +167,8 @@ def encode_event(event: ReplyEvent) -> str:
         for choice in payload["choices"]:
             if choice["token_ids"] is None:
                 del choice["token_ids"]
+    if isinstance(event, Done) and event.body is None:
+        del payload["body"]
     return json.dumps(payload, separators=(",", ":"))
 
 

@@ -3,6 +3,8 @@ an error line, and the usage both count. Recording them is jobs/recording.py's."
 
 from __future__ import annotations
 
+import base64
+import struct
 import time
 import uuid
 from dataclasses import dataclass
@@ -45,6 +47,22 @@ def chat_completion_body(model: str, choices: list[Choice], usage: Usage) -> dic
             "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
                          "finish_reason": c.finish_reason, "logprobs": c.logprobs, **c.extra()}
                         for i, c in enumerate(choices)]}
+
+
+def encode_embedding(embedding: list[float], encoding_format: str | None) -> list[float] | str:
+    """A vector as OpenAI returns it: floats, or base64 of little-endian float32."""
+    if encoding_format == "base64":
+        return base64.b64encode(struct.pack(f"<{len(embedding)}f", *embedding)).decode("ascii")
+    return embedding
+
+
+def embedding_body(model: str, embeddings: list[list[float]], encoding_format: str | None,
+                   num_prompt_tokens: int) -> dict[str, Any]:
+    """OpenAI's embeddings response: one entry per input, in input order."""
+    return {"object": "list", "model": model,
+            "data": [{"object": "embedding", "index": i, "embedding": encode_embedding(e, encoding_format)}
+                     for i, e in enumerate(embeddings)],
+            "usage": {"prompt_tokens": num_prompt_tokens, "total_tokens": num_prompt_tokens}}
 
 
 def success_line(custom_id: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -11,15 +11,16 @@ number and the field's path.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, StrictBool, ValidationError, field_validator
 
 from jobs.constraints import ConstraintFields
 from jobs.constraints import StrictModel as _Strict
 
-COMPLETIONS, CHAT_COMPLETIONS = "/v1/completions", "/v1/chat/completions"
-ENDPOINTS = (COMPLETIONS, CHAT_COMPLETIONS)
+COMPLETIONS, CHAT_COMPLETIONS, EMBEDDINGS = "/v1/completions", "/v1/chat/completions", "/v1/embeddings"
+ENDPOINTS = (COMPLETIONS, CHAT_COMPLETIONS, EMBEDDINGS)
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on the inputs of one embeddings request
 MAX_PROMPT_CHARS = 1_000_000
 MAX_PROMPT_TOKENS = 1_000_000
 MAX_OUTPUT_TOKENS = 1_000_000
@@ -132,10 +133,55 @@ class ChatBody(SamplingFields):
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
 
+NonEmptyText = Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]
+
+
+class EmbeddingBody(_Strict):
+    """POST /v1/embeddings, OpenAI's fields and vLLM's truncate_prompt_tokens."""
+
+    model: ShortStr | None = None
+    input: NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)] \
+        | TokenIds | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: int | None = Field(None, ge=1, le=65536, description="Matryoshka models only")
+    user: ShortStr | None = None  # accepted from OpenAI clients, not used
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=MAX_PROMPT_TOKENS,
+                                               description="keep the first tokens of a longer input; -1: the model's "
+                                                           "limit (vLLM)")
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _check_input(cls, value):
+        """One message naming the four shapes, instead of one per union member."""
+        def is_ids(x) -> bool:
+            return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                           for t in x)
+        if isinstance(value, str):
+            shape_ok = bool(value)
+        elif isinstance(value, list) and value:
+            shape_ok = (all(isinstance(x, str) and x for x in value) or is_ids(value)
+                        or all(is_ids(x) for x in value))
+        else:
+            shape_ok = False
+        if not shape_ok:
+            raise ValueError("must be a non-empty string, a list of non-empty strings, a list of token ids "
+                             "(integers >= 0), or a list of such lists")
+        if isinstance(value, list) and not isinstance(value[0], int) and len(value) > MAX_EMBEDDING_INPUTS:
+            raise ValueError(f"at most {MAX_EMBEDDING_INPUTS} inputs per request")
+        return value
+
+    def inputs(self) -> list[str | list[int]]:
+        """One entry per input: a string or a list of token ids."""
+        if isinstance(self.input, str) or self.input and isinstance(self.input[0], int):
+            return [self.input]
+        return list(self.input)
+
+
 class BatchLine(_Strict):
     custom_id: Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]
     method: Literal["POST"]
-    url: Literal[COMPLETIONS, CHAT_COMPLETIONS]  # ENDPOINTS
+    url: Literal[COMPLETIONS, CHAT_COMPLETIONS, EMBEDDINGS]  # ENDPOINTS
     body: dict[str, Any]
 
 
@@ -168,6 +214,17 @@ class OnlineFields(_Strict):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
+class OnlineEmbeddingBody(EmbeddingBody):
+    """POST /v1/embeddings: `model` is required; never streamed."""
+
+    model: ShortStr
+    priority: int = Field(0, ge=MIN_PRIORITY, le=MAX_PRIORITY, description="lower runs first, as in vLLM")
+    stream: ClassVar[None] = None
+
+    def batch_body(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True, exclude={"priority"})
+
+
 class OnlineCompletionBody(OnlineFields, CompletionBody):
     """POST /v1/completions."""
 
@@ -183,8 +240,12 @@ class Request(BaseModel):
     url: str
     body: dict[str, Any]
 
-    def parsed_body(self) -> CompletionBody | ChatBody:
-        return (ChatBody if self.url == CHAT_COMPLETIONS else CompletionBody).model_validate(self.body)
+    def parsed_body(self) -> CompletionBody | ChatBody | EmbeddingBody:
+        return body_model(self.url).model_validate(self.body)
+
+
+def body_model(url: str) -> type[CompletionBody | ChatBody | EmbeddingBody]:
+    return {CHAT_COMPLETIONS: ChatBody, EMBEDDINGS: EmbeddingBody}.get(url, CompletionBody)
 
 
 def field_path(loc: tuple) -> list[str]:
@@ -215,9 +276,8 @@ def parse_line(text: str | bytes, line_number: int) -> Request:
     try:
         if "body" in record or "url" in record or "method" in record:
             line = BatchLine.model_validate(record)
-            body_model = ChatBody if line.url == CHAT_COMPLETIONS else CompletionBody
             try:
-                body = body_model.model_validate(line.body)
+                body = body_model(line.url).model_validate(line.body)
             except ValidationError as error:
                 raise LineError(line_number, *_first_error(error, "body.")) from None
             return Request(custom_id=line.custom_id, url=line.url, body=body.model_dump(exclude_none=True))

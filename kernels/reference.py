@@ -121,7 +121,7 @@ def padded_varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     the longest for attention alone, with padded keys masked; shapes as varlen_attention's.
     One call instead of one per sequence: the engine sorts inputs by length, so little is padded."""
     num_tokens, num_heads, head_dim = query.shape
-    num_seqs, longest = len(seq_lens), max(seq_lens)
+    longest = max(seq_lens)
     lens = torch.tensor(seq_lens, device=query.device)
     starts = torch.cumsum(lens, 0) - lens
     offsets = torch.arange(longest, device=query.device)

@@ -55,10 +55,8 @@ def _varlen_attention_kernel(
         dim_mask = dims < head_dim
         query = tl.load(query_ptr + (start + rows[:, None]) * query_token_stride + head * query_head_stride
                         + dims[None, :], mask=row_mask[:, None] & dim_mask[None, :], other=0.0)  # [M, D]
-        if IS_CAUSAL:  # keys past the block's last query are never visible
-            num_keys = tl.minimum((query_block + 1) * BLOCK_M, seq_len)
-        else:
-            num_keys = seq_len
+        # Causal: keys past the block's last query are never visible.
+        num_keys = tl.minimum((query_block + 1) * BLOCK_M, seq_len) if IS_CAUSAL else seq_len
         running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
         running_sum = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)

@@ -4,6 +4,7 @@
 
 Routes, one router module each under producers/routes/:
   online.py    POST /v1/completions and /v1/chat/completions (through the queue)
+  embeddings.py  POST /v1/embeddings (through the queue; one answer, never streamed)
   models.py    GET /v1/models (what live workers serve), GET /v1/models/{model}
   files.py     POST /v1/files, GET /v1/files/{id}, GET /v1/files/{id}/content
   batches.py   POST /v1/batches, GET /v1/batches, GET /v1/batches/{id}, POST /v1/batches/{id}/cancel,
@@ -35,7 +36,7 @@ from jobs.connection import REDIS_URL_HELP, connect, connect_async
 from jobs.preflight import StartupError, check_startup
 from producers.dependencies import ServedModels, Services, Settings
 from producers.errors import error_response, install_error_handlers, openai_style_schema
-from producers.routes import batches, console, files, health, models, online
+from producers.routes import batches, console, embeddings, files, health, models, online
 from producers.routes.files import file_too_large
 
 MULTIPART_OVERHEAD_BYTES = 64 * 1024  # room for the form's other fields and boundaries
@@ -46,7 +47,7 @@ def create_app(redis_url: str | None = None) -> FastAPI:
     app = FastAPI(title="kvfleet", description="OpenAI-compatible online completions, Files and Batches API")
     app.state.services = services = Services(r, connect_async(redis_url), ServedModels(r))
     app.state.metrics_registry = services.metrics_registry
-    for router in (online.router, models.router, files.router, batches.router, health.router, console.public,
+    for router in (online.router, embeddings.router, models.router, files.router, batches.router, health.router, console.public,
                    console.router):
         app.include_router(router)
     install_error_handlers(app)

@@ -16,7 +16,7 @@ import os
 import socket
 import sys
 
-from engine import LLMEngine
+from engine import create_engine
 from engine.arg_utils import add_engine_args, engine_config_from_args
 from jobs import keys
 from jobs.connection import REDIS_URL_HELP, connect
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.metrics_port:  # before the model loads: /livez answers while it does, /healthz says not ready
         serve(args.metrics_port, metrics.registry, health)
     try:
-        engine = LLMEngine(engine_config_from_args(args))
+        engine = create_engine(engine_config_from_args(args))
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -85,8 +85,10 @@ def main(argv: list[str] | None = None) -> int:
                             maintain_seconds=args.heartbeat_seconds)
     worker = Worker(engine, r, options, metrics, health)
     worker.install_signal_handlers()
-    logging.getLogger("kvfleet.worker").info("%s: serving %s from %s with %d KV blocks", args.name,
-                                             ", ".join(map(repr, names)), args.redis_url, engine.num_total_blocks)
+    capacity = (f"{engine.num_total_blocks} KV blocks" if engine.task == "generate"
+                else f"embeddings, {engine.config.max_num_batched_tokens} tokens a step")
+    logging.getLogger("kvfleet.worker").info("%s: serving %s from %s with %s", args.name,
+                                             ", ".join(map(repr, names)), args.redis_url, capacity)
     try:
         return worker.work()
     finally:

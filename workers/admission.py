@@ -86,3 +86,28 @@ class Admission:
             spare -= needed
             admitted += 1
         return admitted
+
+
+class TokenBudget:
+    """Embedding workers hold no KV blocks: they pull by tokens. Both lanes (online first)
+    pull while the engine's pending tokens are under `steps_ahead` steps of
+    max_num_batched_tokens, so the next step is always full and nothing waits long here:
+
+        k = max(1, (steps_ahead * max_num_batched_tokens - pending_tokens) // tokens_per_entry)
+            while pending_tokens < steps_ahead * max_num_batched_tokens, else 0
+
+    where tokens_per_entry is a running estimate over the entries seen (an entry is a
+    request of one or more inputs)."""
+
+    def __init__(self, max_num_batched_tokens: int, steps_ahead: int = 2, initial_tokens_per_entry: float = 64.0,
+                 smoothing: float = 0.2) -> None:
+        self.budget = steps_ahead * max_num_batched_tokens
+        self.tokens_per_entry = initial_tokens_per_entry
+        self.smoothing = smoothing
+
+    def observe(self, num_tokens: int) -> None:
+        self.tokens_per_entry += self.smoothing * (num_tokens - self.tokens_per_entry)
+
+    def count(self, num_pending_tokens: int) -> int:
+        room = self.budget - num_pending_tokens
+        return max(1, int(room // max(1.0, self.tokens_per_entry))) if room > 0 else 0

@@ -15,16 +15,16 @@ from dataclasses import dataclass
 
 import redis
 
-from engine import LLMEngine, RequestOutput
+from engine import LLMEngine, ProcessedRequest, RequestOutput
 from jobs import batches, keys
 from jobs.entries import BatchEntry, MalformedEntry
 from jobs.results import error_line
-from jobs.schemas import MAX_PRIORITY, LineError, parse_line
+from jobs.schemas import MAX_PRIORITY, LineError, Request, parse_line
 from workers import stream_ops
 from workers.flush import PendingResult, ResultFlusher
 from workers.lanes import Lane, LaneConfig, Work, engine_request_id
 from workers.served_streams import ServedStreams
-from workers.translate import RequestRejected, error_code, to_engine_request, to_result_line
+from workers.translate import EngineRequest, RequestRejected, error_code, to_engine_request, to_result_line
 
 MAX_CACHED_BATCHES = 1024
 BATCH_PRIORITY = MAX_PRIORITY + 1  # the engine priority of batch work: below every online priority
@@ -144,16 +144,21 @@ class BatchLane(Lane):
         if self._is_settled(stream, entry_id, fields, deliveries, entry):
             return None
         try:
-            request = to_engine_request(parse_line(entry.line, entry.line_number), self.engine.tokenizer,
-                                        self.engine.default_sampling_params)
-            processed = self.engine.process_request(engine_request_id(stream, entry_id), request.prompt_token_ids,
-                                                    request.params, priority=BATCH_PRIORITY)
+            request, processed = self.prepare(engine_request_id(stream, entry_id),
+                                              parse_line(entry.line, entry.line_number))
         except (LineError, RequestRejected, ValueError) as error:
             line = error_line(entry.custom_id, error_code(error), str(error))
             self.add_result(PendingResult(stream, entry_id, entry.batch_id, line))
             return None
         return BatchWork(stream, entry_id, fields, request, processed, entry.enqueued_at, entry.batch_id,
                          entry.custom_id)
+
+    def prepare(self, request_id: str, line: Request) -> tuple[EngineRequest, ProcessedRequest]:
+        """The engine's request for a line, validated (ValueError if it can never run here)."""
+        request = to_engine_request(line, self.engine.tokenizer, self.engine.default_sampling_params)
+        processed = self.engine.process_request(request_id, request.prompt_token_ids, request.params,
+                                                priority=BATCH_PRIORITY)
+        return request, processed
 
     def _is_settled(self, stream: str, entry_id: str, fields: dict, deliveries: int, entry: BatchEntry) -> bool:
         """Settle an entry that must not run: delivered too often, handed back too often, of a

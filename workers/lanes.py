@@ -1,4 +1,5 @@
-"""The one protocol every lane of a worker follows (batch, online; embeddings next).
+"""The one protocol every lane of a worker follows (online and batch; for an embedding
+model, their embeddings variants in workers/embeddings_lane.py).
 
 A lane owns its streams, the work it pulled from them and the state that work needs.
 The worker loop (workers/worker.py) calls only these methods, in this order:
@@ -32,7 +33,7 @@ import redis
 
 from engine import LLMEngine, ProcessedRequest, RequestOutput
 from workers import stream_ops
-from workers.admission import Admission
+from workers.admission import Admission, TokenBudget
 from workers.metrics import WorkerMetrics
 from workers.translate import EngineRequest
 
@@ -52,6 +53,7 @@ class LaneConfig:
     max_deliveries: int
     admission: Admission
     metrics: WorkerMetrics
+    token_budget: TokenBudget | None = None  # embedding workers: admission by tokens
 
 
 @dataclass

@@ -8,7 +8,7 @@ from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from engine import EngineStats, RequestOutput
+from engine import EmbeddingRequestOutput, EngineStats, RequestOutput
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
 TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5)
@@ -42,6 +42,7 @@ class WorkerMetrics:
         self.dead_letters = gauge("dead_letters", "Entries in the dead-letter streams of this worker's streams")
         self.prompt_tokens = per_lane(Counter, "prompt_tokens", "Prompt tokens of finished requests")
         self.generation_tokens = per_lane(Counter, "generation_tokens", "Generated tokens of finished requests")
+        self.embedding_inputs = counter("embedding_inputs", "Inputs embedded (an embeddings request holds one or more)")
         self.num_preemptions = counter("num_preemptions", "Sequences preempted by recompute")
         self.requeues = counter("requeues", "Pulled entries handed back to the stream for lack of room")
         self._success = Counter("kvfleet:request_success", "Finished requests by finish reason",
@@ -68,6 +69,14 @@ class WorkerMetrics:
             self._token_samples.popleft()
         start, tokens = self._token_samples[0]
         return (self.num_generation_tokens - tokens) / (now - start) if now > start else 0.0
+
+    def observe_embedded(self, output: EmbeddingRequestOutput, enqueued_at: float | None, lane: str) -> None:
+        """An embeddings request done: its tokens and inputs, and its time since the enqueue."""
+        self.prompt_tokens[lane].inc(output.num_prompt_tokens)
+        self.embedding_inputs.inc(len(output.outputs))
+        self._success.labels(**self._labels, lane=lane, finished_reason="stop").inc()
+        if enqueued_at is not None:
+            self.e2e_request_latency[lane].observe(max(0.0, time.time() - enqueued_at))
 
     def observe_finished(self, output: RequestOutput, enqueued_at: float | None, lane: str = "batch",
                          finish_reasons: list[str] | None = None, num_generated: int | None = None) -> None:

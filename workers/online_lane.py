@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 
 import redis
 
-from engine import LLMEngine, RequestOutput, RequestOutputKind
+from engine import LLMEngine, ProcessedRequest, RequestOutput, RequestOutputKind
 from jobs import keys, online
 from jobs.online import WORKER_LOST, Attempt, ChoiceDelta, Delta, Done, Error, OnlineEntry, ReplyEvent
 from jobs.results import Usage
 from jobs.schemas import LineError, Request
 from workers import stream_ops
 from workers.lanes import Lane, LaneConfig, Work, engine_request_id, suppress_outages
-from workers.translate import RequestRejected, error_code, openai_logprobs, to_engine_request
+from workers.translate import EngineRequest, RequestRejected, error_code, openai_logprobs, to_engine_request
 
 
 @dataclass
@@ -154,16 +154,21 @@ class OnlineLane(Lane):
             self.fail(stream, entry_id, entry.request_id, refusal)
             return None
         try:
-            request = to_engine_request(Request(custom_id=entry.request_id, url=entry.url, body=entry.body),
-                                        self.engine.tokenizer, self.engine.default_sampling_params)
-            params = dataclasses.replace(request.params, output_kind=RequestOutputKind.DELTA)
-            processed = self.engine.process_request(engine_request_id(stream, entry_id), request.prompt_token_ids,
-                                                    params, priority=entry.priority)
+            request, processed = self.prepare(engine_request_id(stream, entry_id), entry)
         except (LineError, RequestRejected, ValueError) as error:
             message = error.message if isinstance(error, LineError) else str(error)
             self.fail(stream, entry_id, entry.request_id, Error(400, error_code(error), message, attempt.number))
             return None
         return OnlineWork(stream, entry_id, fields, request, processed, entry.enqueued_at, entry, attempt.number)
+
+    def prepare(self, request_id: str, entry: OnlineEntry) -> tuple[EngineRequest, ProcessedRequest]:
+        """The engine's request for an entry, validated (ValueError if it can never run here);
+        its tokens come out step by step (DELTA)."""
+        request = to_engine_request(Request(custom_id=entry.request_id, url=entry.url, body=entry.body),
+                                    self.engine.tokenizer, self.engine.default_sampling_params)
+        params = dataclasses.replace(request.params, output_kind=RequestOutputKind.DELTA)
+        return request, self.engine.process_request(request_id, request.prompt_token_ids, params,
+                                                    priority=entry.priority)
 
     def emit(self, request_id: str, event: ReplyEvent, work: OnlineWork | None = None) -> None:
         """Queue an event, numbered within its attempt: a running `work`'s attempt and next

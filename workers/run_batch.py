@@ -4,7 +4,8 @@
     python -m workers.run_batch -i INPUT.jsonl -o - --model DIR         # results on stdout
 
 Lines are what `producers.submit` accepts (jobs.schemas): OpenAI batch lines for
-/v1/completions or /v1/chat/completions, or the short form. The whole file is
+/v1/completions or /v1/chat/completions, or the short form; with an embedding model
+(engine/tasks.py), /v1/embeddings lines. The whole file is
 validated first: an invalid line is printed as FILE:LINE: field: message and
 nothing runs (exit 1), unless --skip-invalid, which writes an error line for it.
 Each request then gets one line in OpenAI's batch output format, written the moment
@@ -25,11 +26,19 @@ from contextlib import nullcontext
 
 from tqdm import tqdm
 
-from engine import LLMEngine, ParallelGroupError
+from engine import EmbeddingEngine, LLMEngine, ParallelGroupError, create_engine
 from engine.arg_utils import add_engine_args, engine_config_from_args
-from jobs.results import error_line
+from jobs.results import error_line, success_line
 from jobs.schemas import MAX_REPORTED_ERRORS, LineError, custom_id_of, parse_line
-from workers.translate import EngineRequest, error_code, to_engine_request, to_result_line
+from workers.translate import (
+    EmbeddingRequest,
+    EngineRequest,
+    error_code,
+    to_embedding_request,
+    to_embedding_response,
+    to_engine_request,
+    to_result_line,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,9 +93,11 @@ def finished_custom_ids(path: str) -> set[str]:
 class Runner:
     """Feeds requests to the engine as it has room, and writes each result when it finishes."""
 
-    def __init__(self, engine: LLMEngine, model: str, out) -> None:
+    def __init__(self, engine: LLMEngine | EmbeddingEngine, model: str, out) -> None:
         self.engine, self.model, self.out = engine, model, out
-        self.pending: dict[str, tuple[str, EngineRequest]] = {}  # engine request id -> (custom_id, request)
+        self.is_embedding = engine.task == "embed"
+        # engine request id -> (custom_id, request)
+        self.pending: dict[str, tuple[str, EngineRequest | EmbeddingRequest]] = {}
         self.num_written = 0
 
     def write(self, line: dict) -> None:
@@ -97,22 +108,32 @@ class Runner:
     def add(self, line_number: int, raw: bytes) -> None:
         request = parse_line(raw, line_number)  # valid: the first pass checked it
         try:
-            work = to_engine_request(request, self.engine.tokenizer, self.engine.default_sampling_params)
-            self.engine.add_request(str(line_number), work.prompt_token_ids, work.params)
+            if self.is_embedding:
+                work = to_embedding_request(request)
+                self.engine.add_request(str(line_number), work.inputs, work.params)
+            else:
+                work = to_engine_request(request, self.engine.tokenizer, self.engine.default_sampling_params)
+                self.engine.add_request(str(line_number), work.prompt_token_ids, work.params)
         except ValueError as error:  # RequestRejected, or can never fit here
             self.write(error_line(request.custom_id, error_code(error), str(error)))
             return
         self.pending[str(line_number)] = (request.custom_id, work)
 
     def has_room(self) -> bool:
-        """Keep at most one step's worth of requests waiting, so memory stays bounded."""
+        """Keep at most one step's worth of requests waiting (of tokens, for embeddings), so
+        memory stays bounded."""
+        if self.is_embedding:
+            return self.engine.num_pending_tokens < self.engine.config.max_num_batched_tokens
         return self.engine.stats().num_waiting < self.engine.config.max_num_seqs
 
     def step(self) -> None:
         for output in self.engine.step():
             custom_id, work = self.pending.pop(output.request_id)
             model = work.body.model or self.model
-            self.write(to_result_line(custom_id, work, output, model, self.engine.tokenizer)[0])
+            if self.is_embedding:
+                self.write(success_line(custom_id, to_embedding_response(work, output, model)[0]))
+            else:
+                self.write(to_result_line(custom_id, work, output, model, self.engine.tokenizer)[0])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(errors)} of {num_lines} lines invalid; nothing ran", file=sys.stderr)
         return 1
     try:
-        engine = LLMEngine(engine_config_from_args(args))
+        engine = create_engine(engine_config_from_args(args))
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

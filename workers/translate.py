@@ -6,9 +6,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine import ContextLengthExceeded, RequestOutput, SamplingParams, StructuredOutputsParams
-from jobs.results import Choice, Usage, chat_completion_body, completion_body, success_line
-from jobs.schemas import CHAT_COMPLETIONS, ChatBody, CompletionBody, Request
+from engine import (
+    ContextLengthExceeded,
+    EmbeddingRequestOutput,
+    PoolingParams,
+    RequestOutput,
+    SamplingParams,
+    StructuredOutputsParams,
+)
+from jobs.results import Choice, Usage, chat_completion_body, completion_body, embedding_body, success_line
+from jobs.schemas import CHAT_COMPLETIONS, EMBEDDINGS, ChatBody, CompletionBody, EmbeddingBody, Request
 
 
 class RequestRejected(ValueError):
@@ -34,11 +41,40 @@ class EngineRequest:
     url: str
 
 
+@dataclass
+class EmbeddingRequest:
+    inputs: list[str | list[int]]
+    params: PoolingParams
+    body: EmbeddingBody
+    url: str = EMBEDDINGS
+
+
+def to_embedding_request(request: Request) -> EmbeddingRequest:
+    """An embeddings line or online body as the embedding engine's inputs and options; a
+    line of another endpoint is refused (this worker serves an embedding model)."""
+    if request.url != EMBEDDINGS:
+        raise RequestRejected("invalid_request", f"url: this model is an embedding model; it serves {EMBEDDINGS}, "
+                                                 f"not {request.url}")
+    body = request.parsed_body()
+    return EmbeddingRequest(body.inputs(), PoolingParams(body.dimensions, body.truncate_prompt_tokens), body)
+
+
+def to_embedding_response(request: EmbeddingRequest, output: EmbeddingRequestOutput, model: str) -> tuple[dict, Usage]:
+    """OpenAI's embeddings body for a finished request, and its usage (prompt tokens only)."""
+    usage = Usage(prompt_tokens=output.num_prompt_tokens)
+    body = embedding_body(model, [o.embedding for o in output.outputs], request.body.encoding_format,
+                          usage.prompt_tokens)
+    return body, usage
+
+
 def to_engine_request(request: Request, tokenizer, defaults: dict | None = None) -> EngineRequest:
     """`tokenizer` is None on a worker started with --skip-tokenizer-init: then only
     completions with token-id prompts can run. `defaults` (the engine's
     default_sampling_params, from the model's generation_config.json) fill what the
     request leaves unset; the request always wins."""
+    if request.url == EMBEDDINGS:
+        raise RequestRejected("invalid_request", f"url: this model generates text; {EMBEDDINGS} needs a worker "
+                                                 "serving an embedding model")
     body = request.parsed_body()
     try:
         constraint = body.constraint()

@@ -6,7 +6,8 @@
                      (workers/leases.py), whose thread renews it
         maintain()   heartbeat, lane.check() (cancel/expire), reclaim, trim (every ~second)
         admit()      lane.pull() for each lane, online first (workers/online_lane.py), then batch
-                     (workers/batch_lane.py): what fits the free KV blocks (workers/admission.py);
+                     (workers/batch_lane.py): what fits the free KV blocks (workers/admission.py),
+                     or for an embedding model the token budget (workers/embeddings_lane.py);
                      when idle, block until any served stream has new work
         step()       one engine iteration; each output goes to the lane that started its request
         settle()     lane.settle(): online events and acks (one round trip), batch results ->
@@ -35,8 +36,9 @@ import redis
 from engine import LLMEngine, ParallelGroupError
 from jobs import heartbeats
 from workers import stream_ops
-from workers.admission import Admission, default_online_reserve
+from workers.admission import Admission, TokenBudget, default_online_reserve
 from workers.batch_lane import BatchLane
+from workers.embeddings_lane import EmbeddingBatchLane, EmbeddingOnlineLane
 from workers.flush import ResultFlusher
 from workers.health import Health
 from workers.lanes import Lane, LaneConfig, suppress_outages
@@ -81,11 +83,15 @@ class Worker:
         reserve = options.online_reserve
         admission = Admission(max_num_seqs, online_reserve=default_online_reserve(max_num_seqs)
                               if reserve is None else reserve)
+        self.task = getattr(engine, "task", "generate")
+        token_budget = TokenBudget(engine.config.max_num_batched_tokens) if self.task == "embed" else None
         config = LaneConfig(options.name, int(options.lease_seconds * 1000), options.max_deliveries, admission,
-                            self.metrics)
-        self.online_lane = OnlineLane(r, engine, self.streams.online, config)
-        self.batch_lane = BatchLane(r, engine, self.streams, config, ResultFlusher(r, options.name, options.max_backoff_seconds),
-                                    options.max_requeues)
+                            self.metrics, token_budget)
+        online_cls, batch_cls = (EmbeddingOnlineLane, EmbeddingBatchLane) if self.task == "embed" else (OnlineLane,
+                                                                                                         BatchLane)
+        self.online_lane = online_cls(r, engine, self.streams.online, config)
+        self.batch_lane = batch_cls(r, engine, self.streams, config,
+                                    ResultFlusher(r, options.name, options.max_backoff_seconds), options.max_requeues)
         self.lanes: list[Lane] = [self.online_lane, self.batch_lane]  # pulled in this order
         # Renewed from a thread, so no engine step or storage put outlasts a lease; it stops with the worker.
         self.leases = LeaseKeeper(r, options.name, min(options.maintain_seconds, options.lease_seconds / 4))
@@ -213,7 +219,7 @@ class Worker:
     def _heartbeat(self) -> None:
         stats = self.engine.stats()
         self.metrics.update_engine(stats)
-        record = {"models": self.options.served_model_names, "root": self.engine.config.model,
+        record = {"models": self.options.served_model_names, "root": self.engine.config.model, "task": self.task,
                   "max_model_len": self.engine.max_model_len,
                   "tensor_parallel_size": self.engine.config.tensor_parallel_size,
                   "num_params": self.engine.num_params, "num_active_params": self.engine.num_active_params,
