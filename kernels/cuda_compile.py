@@ -42,6 +42,17 @@ KERNELS = {
           "HAS_SINKS": False},
          {"NUM_QUERIES_PER_KV": 8, "HEAD_DIM": 64, "BLOCK_SIZE": 32, "BLOCK_M": 16, "DOT_PRECISION": "tf32",
           "HAS_SINKS": True}]),
+    # Packed whole inputs of embedding models: an encoder's bidirectional attention at head size 32
+    # (all-MiniLM), a decoder's causal one at 128 (Qwen3-Embedding), and a padded head size (48).
+    "varlen_attention": ("kernels.varlen_attention", "_varlen_attention_kernel", {
+        "out_ptr": "*T", "query_ptr": "*T", "key_ptr": "*T", "value_ptr": "*T", "cu_seqlens_ptr": "*i32",
+        "scale": "fp32"},
+        [{"NUM_QUERIES_PER_KV": 1, "HEAD_DIM": 32, "BLOCK_M": 64, "BLOCK_N": 32, "IS_CAUSAL": False,
+          "DOT_PRECISION": "tf32"},
+         {"NUM_QUERIES_PER_KV": 2, "HEAD_DIM": 128, "BLOCK_M": 64, "BLOCK_N": 32, "IS_CAUSAL": True,
+          "DOT_PRECISION": "tf32"},
+         {"NUM_QUERIES_PER_KV": 4, "HEAD_DIM": 64, "BLOCK_M": 16, "BLOCK_N": 32, "IS_CAUSAL": False,
+          "DOT_PRECISION": "tf32"}]),
     # GEMM 1 (gate/up with the activation) and GEMM 2 (down, bias, routing weight) of a MoE layer.
     "fused_moe": ("kernels.fused_moe", "_fused_moe_kernel", {
         "a_ptr": "*T", "b_ptr": "*T", "bias_ptr": "*T", "c_ptr": "*T", "topk_weights_ptr": "*T",
