@@ -11,7 +11,14 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModel, AutoModelForCausalLM
 
-from engine import ContextLengthExceeded, EmbeddingEngine, EngineConfig, LLMEngine, PoolingParams, create_engine
+from engine import (
+    ContextLengthExceeded,
+    EmbeddingEngine,
+    EngineConfig,
+    LLMEngine,
+    PoolingParams,
+    create_engine,
+)
 from engine.pooling import load_pooler_config
 from tests.embedding_models import (
     MATRYOSHKA_DIMENSIONS,
