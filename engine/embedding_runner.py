@@ -13,7 +13,12 @@ from engine.loader import load_weights, model_weights
 from engine.model_runner import resolve_device, resolve_dtype
 from engine.models import MODEL_REGISTRY, get_model_class
 from engine.models.bert import BertModel, XLMRobertaModel
-from engine.models.layers import can_use_onednn_linear, use_onednn_linears, use_triton_layers
+from engine.models.layers import (
+    can_use_onednn_linear,
+    use_low_precision_linears,
+    use_onednn_linears,
+    use_triton_layers,
+)
 from engine.packed_attention import PackedAttentionMetadata, select_packed_backend
 from engine.pooling import pool
 
@@ -47,6 +52,10 @@ class EmbeddingModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, hf_config)
         model_cls, self.is_encoder = embedding_model_class(hf_config)
+        # Encoders in bf16/fp16: the matmuls and attention in it, LayerNorms and the residual
+        # stream in fp32 (engine/models/layers.py: LowPrecisionLinear says why).
+        self.is_mixed_precision = self.is_encoder and self.dtype != torch.float32
+        self.weights_dtype = torch.float32 if self.is_mixed_precision else self.dtype
         self.is_causal = not self.is_encoder
         self.default_pooling = BertModel.default_pooling if self.is_encoder else "last"
         self.max_input_tokens = (model_cls.max_input_tokens(hf_config) if self.is_encoder
@@ -59,12 +68,14 @@ class EmbeddingModelRunner:
         self.backend = select_packed_backend(config.attention_backend, self.device)
         if self.backend.name == "triton":
             use_triton_layers(self.model)
-        if config.onednn_linear and can_use_onednn_linear(self.device, self.dtype):
+        if self.is_mixed_precision:
+            use_low_precision_linears(self.model, self.dtype)
+        elif config.onednn_linear and can_use_onednn_linear(self.device, self.dtype):
             use_onednn_linears(self.model, batch_size_hint=config.max_num_batched_tokens)
 
     def _load_model(self, model_cls: type[nn.Module], hf_config) -> nn.Module:
         previous = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
+        torch.set_default_dtype(self.weights_dtype)
         try:
             with torch.device(self.device):
                 model = model_cls(hf_config, max_positions=hf_config.max_position_embeddings)
@@ -74,7 +85,7 @@ class EmbeddingModelRunner:
             model.lm_head = None  # hidden states are the output; a checkpoint's head is skipped
         rename = getattr(model_cls, "checkpoint_name", None) or (
             lambda name: None if name.startswith("lm_head.") else name)
-        weights = ((target, tensor) for name, tensor in model_weights(self.config.model, model, hf_config, self.dtype)
+        weights = ((target, tensor) for name, tensor in model_weights(self.config.model, model, hf_config, self.weights_dtype)
                    if (target := rename(name)) is not None)
         counts = load_weights(model, weights)
         self.num_params = counts.total

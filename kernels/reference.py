@@ -115,26 +115,60 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return out
 
 
+# Sequences padded together for one SDPA call differ in length by at most this factor, so
+# attention pads at most ~1/4 of its rows (inputs come sorted by length, so groups are few).
+PADDED_GROUP_RATIO = 1.25
+
+
+def padding_groups(seq_lens: list[int]) -> list[tuple[int, int]]:
+    """[start, end) runs of consecutive sequences whose lengths are within PADDED_GROUP_RATIO."""
+    groups, start = [], 0
+    for index in range(1, len(seq_lens) + 1):
+        run = seq_lens[start:index + 1]
+        if index == len(seq_lens) or max(run) > PADDED_GROUP_RATIO * min(run):
+            groups.append((start, index))
+            start = index
+    return groups
+
+
 def padded_varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, seq_lens: list[int],
                             scale: float, causal: bool) -> torch.Tensor:
-    """varlen_attention as one batched SDPA call (the CPU path): the sequences are padded to
-    the longest for attention alone, with padded keys masked; shapes as varlen_attention's.
-    One call instead of one per sequence: the engine sorts inputs by length, so little is padded."""
-    num_tokens, num_heads, head_dim = query.shape
+    """varlen_attention as a few batched SDPA calls (the CPU path): runs of sequences of
+    similar length (padding_groups) are padded to their longest for attention alone, with
+    padded keys masked; shapes as varlen_attention's. A few calls instead of one per
+    sequence: the engine sorts inputs by length, so little is padded."""
+    out = torch.empty_like(query)
+    starts = [0]
+    for seq_len in seq_lens:
+        starts.append(starts[-1] + seq_len)
+    for first, last in padding_groups(seq_lens):
+        rows = slice(starts[first], starts[last])
+        out[rows] = _padded_attention(query[rows], key[rows], value[rows], seq_lens[first:last], scale, causal)
+    return out
+
+
+def _padded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, seq_lens: list[int],
+                      scale: float, causal: bool) -> torch.Tensor:
+    """One SDPA call over `seq_lens` packed sequences padded to the longest."""
+    num_tokens = query.shape[0]
     longest = max(seq_lens)
     lens = torch.tensor(seq_lens, device=query.device)
     starts = torch.cumsum(lens, 0) - lens
     offsets = torch.arange(longest, device=query.device)
     valid = offsets[None, :] < lens[:, None]  # [N, L]
-    rows = torch.where(valid, starts[:, None] + offsets[None, :], num_tokens)  # padding reads a zero row
+    if bool(valid.all()):  # all of one length: a plain reshape
+        def padded(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [N, H, L, D]
+            return x.view(len(seq_lens), longest, *x.shape[1:]).transpose(1, 2)
+        mask = None
+    else:
+        rows = torch.where(valid, starts[:, None] + offsets[None, :], num_tokens)  # padding reads a zero row
 
-    def padded(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [N, H, L, D]
-        x = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
-        return x[rows].transpose(1, 2)
-
-    mask = valid[:, None, None, :]  # [N, 1, 1, L]: padded keys are never seen
+        def padded(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [N, H, L, D]
+            return torch.cat([x, x.new_zeros(1, *x.shape[1:])])[rows].transpose(1, 2)
+        mask = valid[:, None, None, :]  # [N, 1, 1, L]: padded keys are never seen
     if causal:
-        mask = mask & (offsets[None, :] <= offsets[:, None])[None, None]
+        causal_mask = (offsets[None, :] <= offsets[:, None])[None, None]
+        mask = causal_mask if mask is None else mask & causal_mask
     out = F.scaled_dot_product_attention(padded(query), padded(key), padded(value), attn_mask=mask, scale=scale,
                                          enable_gqa=True)  # [N, H, L, D]
     return out.transpose(1, 2)[valid]  # [T, H, D], in packed order

@@ -173,6 +173,36 @@ def bucket_rows(num_rows: int) -> int:
     return -(-num_rows // step) * step
 
 
+class LowPrecisionLinear(nn.Module):
+    """A linear whose matmul runs in a lower precision (bf16, fp16) than the model around it:
+    the input is cast down, the output stays in that precision (it feeds attention and the
+    activation), and whatever adds it to an fp32 residual goes back to fp32.
+
+    Why (encoder embedding models): bf16 matmuls run ~2.7x the fp32 rate on CPUs with
+    avx512_bf16, but all-MiniLM in bf16 throughout (residual stream and LayerNorms too)
+    drifts to a cosine of 0.99985 against its fp32 self; with the LayerNorms and the residual
+    stream in fp32 it stays above 0.9999 (benchmarks/embeddings.py)."""
+
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = nn.Parameter(linear.weight.detach().to(dtype), requires_grad=False)  # [out, in]
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(dtype),
+                                                                  requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [num_tokens, in_features] any float dtype -> [num_tokens, out_features] in the linear's"""
+        return torch.nn.functional.linear(x.to(self.weight.dtype), self.weight, self.bias)
+
+
+def use_low_precision_linears(model: nn.Module, dtype: torch.dtype) -> None:
+    """Swap every nn.Linear of `model` for a LowPrecisionLinear in `dtype`."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, LowPrecisionLinear(child, dtype))
+
+
 def can_use_onednn_linear(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available() \
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")

@@ -29,7 +29,7 @@ def packed(seq_lens, num_heads, num_kv_heads, head_dim, seed=0):
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (8, 2)])
 @pytest.mark.parametrize("head_dim", [32, 48, 64])  # 48: padded inside the kernel only
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("seq_lens", [[1], [17], [1, 7, 33, 64, 70, 2]])
+@pytest.mark.parametrize("seq_lens", [[1], [17], [16, 16, 16], [1, 7, 33, 64, 70, 2]])
 def test_varlen_attention_matches_reference(num_heads, num_kv_heads, head_dim, causal, seq_lens):
     query, key, value = packed(seq_lens, num_heads, num_kv_heads, head_dim)
     scale = 1 / math.sqrt(head_dim)
