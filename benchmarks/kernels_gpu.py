@@ -8,7 +8,9 @@ shuffled pool. Achieved bandwidth counts the K/V and query bytes read and the ou
 written, as a fraction of this device's device-to-device copy, measured in the same
 run (bytes read + written per second). Peer: torch's scaled_dot_product_attention on
 the same shapes with K/V already contiguous (no paging to pay for). Prefill: causal
-attention over 4 sequences of 1024 new tokens, TFLOP/s against SDPA. Also times
+attention over 4 sequences of 1024 new tokens, TFLOP/s against SDPA. Varlen (embedding
+models): bidirectional attention over 256 packed inputs of 1-256 tokens (log-normal
+around 60), against SDPA on the same inputs padded to the longest. Also times
 store_kv, rms_norm and rotary against their torch references. Goal: decode >= 70% of
 the measured copy bandwidth at batch 64, context 4096.
 
@@ -20,8 +22,11 @@ TRITON_INTERPRET=1): it proves the script, not the speed. Without CUDA and witho
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 import os
+import random
 import sys
 import time
 from functools import partial
@@ -115,6 +120,32 @@ def bench_prefill(device, dtype, sizes, num_seqs: int, seq_len: int) -> dict:
             "triton_tflops": flops / triton_s / 1e12, "sdpa_tflops": flops / sdpa_s / 1e12}
 
 
+def bench_varlen(device, dtype, sizes, seq_lens: list[int]) -> dict:
+    """Embedding models' packed attention (bidirectional, no cache, no padding) against SDPA
+    over the same inputs padded to the longest, as a padded batch would run them."""
+    from kernels.varlen_attention import varlen_attention
+
+    heads, kv_heads, dim = sizes
+    tokens, longest = sum(seq_lens), max(seq_lens)
+    query = torch.randn(tokens, heads, dim, device=device, dtype=dtype)  # [T, Hq, D]
+    key, value = (torch.randn(tokens, kv_heads, dim, device=device, dtype=dtype) for _ in range(2))
+    cu_seqlens = torch.tensor([0, *itertools.accumulate(seq_lens)], device=device, dtype=torch.int32)
+    scale = dim**-0.5
+    triton_s = timed(lambda: varlen_attention(query, key, value, cu_seqlens, longest, scale, False), device)
+    q = torch.randn(len(seq_lens), heads, longest, dim, device=device, dtype=dtype)  # [N, Hq, L, D] padded
+    k, v = (torch.randn(len(seq_lens), kv_heads, longest, dim, device=device, dtype=dtype) for _ in range(2))
+    sdpa_s = timed(lambda: F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True), device)
+    flops = 4 * heads * dim * sum(n * n for n in seq_lens)  # QK^T and PV within each input
+    return {"num_seqs": len(seq_lens), "tokens": tokens, "longest": longest, "triton_s": triton_s,
+            "padded_sdpa_s": sdpa_s, "triton_tflops": flops / triton_s / 1e12}
+
+
+def embedding_lengths(count: int, seed: int = 0) -> list[int]:
+    """Log-normal around 60 tokens, clipped to 1-256: benchmarks/embeddings.py's mix."""
+    rng = random.Random(seed)
+    return [min(256, max(1, round(rng.lognormvariate(math.log(60), 0.6)))) for _ in range(count)]
+
+
 def bench_small_kernels(device, dtype, tokens: int, sizes) -> dict:
     from kernels import reference
     from kernels.rms_norm import rms_norm
@@ -165,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     prefill_row = bench_prefill(device, dtype, sizes, *prefill)
     print(f"prefill {prefill[0]} x {prefill[1]} causal: triton {prefill_row['triton_tflops']:.1f} TFLOP/s, "
           f"sdpa {prefill_row['sdpa_tflops']:.1f} TFLOP/s")
+    varlen = bench_varlen(device, dtype, sizes, [5, 17, 9] if args.dry_run else embedding_lengths(256))
+    print(f"varlen (embeddings) {varlen['num_seqs']} inputs, {varlen['tokens']} tokens: triton "
+          f"{varlen['triton_s'] * 1e3:.3f} ms ({varlen['triton_tflops']:.1f} TFLOP/s), padded sdpa "
+          f"{varlen['padded_sdpa_s'] * 1e3:.3f} ms")
     small = bench_small_kernels(device, dtype, tokens, sizes)
     for kernel, times in small.items():
         print(f"{kernel:>18}: triton {times['triton_s'] * 1e3:.3f} ms, torch {times['torch_s'] * 1e3:.3f} ms, "
@@ -173,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     if goal is not None:
         print(f"decode at batch 64, context 4096: {goal:.0%} of the measured copy bandwidth (goal 70%)")
     report = {"device": name, "dtype": str(dtype), "dry_run": args.dry_run, "copy_bytes_per_s": bandwidth,
-              "decode": decode, "prefill": prefill_row, "small_kernels": small, "decode_goal_fraction": goal}
+              "decode": decode, "prefill": prefill_row, "varlen": varlen, "small_kernels": small, "decode_goal_fraction": goal}
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(report, handle, indent=2)

@@ -7,9 +7,10 @@ from collections.abc import Sequence as SequenceOf
 from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import EmbeddingRequestOutput, RequestOutput
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
+from engine.tasks import create_engine
 
 Prompt = str | list[int]
 
@@ -20,11 +21,14 @@ class LLM:
     >>> llm = LLM(model="out/demo-model", num_kv_blocks=256)
     >>> llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=8))[0].text
 
-    Options are EngineConfig's fields (e.g. num_kv_blocks, dtype, skip_tokenizer_init).
+    Options are EngineConfig's fields (e.g. num_kv_blocks, dtype, skip_tokenizer_init). An
+    embedding model (engine/tasks.py) embeds instead, as vLLM's LLM.embed:
+
+    >>> LLM(model="demo-embedding").embed(["a fleet of workers"])[0].outputs[0].embedding
     """
 
     def __init__(self, model: str, **options) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **options))
+        self.engine = create_engine(EngineConfig(model=model, **options))
         self._next_id = 0
 
     def shutdown(self) -> None:
@@ -44,6 +48,8 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Prompts are strings or token-id lists; one SamplingParams for all, or one each.
         Every request is validated before any runs; outputs come back in input order."""
+        if self.engine.task != "generate":
+            raise ValueError(f"generate: {self.engine.config.model} is an embedding model; use embed()")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -68,3 +74,29 @@ class LLM:
                     results[output.request_id] = output
                     progress.update(1)
         return [results[request_id] for request_id in request_ids]
+
+    def embed(self, prompts: Prompt | SequenceOf[Prompt], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One output per prompt (a string or token ids), in input order, its vector in
+        `outputs[0].embedding`. Every prompt is validated before any runs."""
+        if self.engine.task != "embed":
+            raise ValueError(f"embed: {self.engine.config.model} generates text; start LLM with task='embed' to "
+                             "run it as an embedding model")
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        processed = []
+        for index, prompt in enumerate(prompts):
+            try:
+                processed.append(self.engine.process_request(str(self._next_id + index), [prompt], pooling_params))
+            except ValueError as error:
+                raise type(error)(f"prompts[{index}]: {error}") from None  # same class, with the index
+        self._next_id += len(prompts)
+        for request in processed:
+            self.engine.add_processed_request(request)
+        results: dict[str, EmbeddingRequestOutput] = {}
+        with tqdm(total=len(prompts), desc="embed", disable=not use_tqdm) as progress:
+            while self.engine.has_unfinished():
+                for output in self.engine.step():
+                    results[output.request_id] = output
+                    progress.update(1)
+        return [results[request.request_id] for request in processed]

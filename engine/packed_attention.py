@@ -9,7 +9,7 @@ so the decoder models run unchanged as embedding models; the caches they pass ar
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +23,8 @@ class PackedAttentionMetadata:
     max_seqlen: int
     causal: bool  # decoder embedding models; encoders see their whole input
     seq_lens: torch.Tensor  # [T] each token's input length (read by longrope, as in AttentionMetadata)
+    # How the CPU path pads (kernels/reference.py: padding_plan), built by the first layer that needs it.
+    padding_plan: list[reference.PaddedGroup] | None = field(default=None, repr=False)
 
     @classmethod
     def build(cls, seq_lens: list[int], causal: bool, device: torch.device) -> PackedAttentionMetadata:
@@ -46,7 +48,10 @@ class TorchPackedAttention:
         binds: the embedding engine limits inputs to the smallest window."""
         if sinks is not None:
             raise ValueError("attention sinks are not supported in embedding models")
-        return reference.padded_varlen_attention(query, key, value, meta.seq_lens_list, scale, meta.causal)
+        if meta.padding_plan is None:
+            meta.padding_plan = reference.padding_plan(meta.seq_lens_list, meta.causal, query.device)
+        return reference.padded_varlen_attention(query, key, value, meta.seq_lens_list, scale, meta.causal,
+                                                 meta.padding_plan)
 
 
 class TritonPackedAttention(TorchPackedAttention):

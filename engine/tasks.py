@@ -15,27 +15,26 @@ from engine.pooling import sentence_transformers_pooling
 ENCODER_ARCHITECTURES = ("BertModel", "XLMRobertaModel")
 
 
-def resolve_task(config: EngineConfig, hf_config=None) -> str:
+def resolve_task(config: EngineConfig) -> str:
+    """generate or embed; a GGUF always generates (its config is costly to read twice)."""
     if config.task != "auto":
         return config.task
-    hf_config = hf_config if hf_config is not None else load_hf_config(config.model)
+    checkpoint = resolve_checkpoint(config.model)
+    if checkpoint.gguf_file is not None:
+        return "generate"
+    hf_config = load_hf_config(config.model)
     if any(name in ENCODER_ARCHITECTURES for name in getattr(hf_config, "architectures", None) or []):
         return "embed"
-    checkpoint = resolve_checkpoint(config.model)
-    if checkpoint.gguf_file is None:
-        pooling, _, _ = sentence_transformers_pooling(checkpoint.folder)
-        if pooling is not None:
-            return "embed"
-    return "generate"
+    pooling, _, _ = sentence_transformers_pooling(checkpoint.folder)
+    return "embed" if pooling is not None else "generate"
 
 
 def create_engine(config: EngineConfig):
     """The engine `config`'s task runs: an LLMEngine or an EmbeddingEngine."""
-    hf_config = load_hf_config(config.model)
-    if resolve_task(config, hf_config) == "embed":
+    if resolve_task(config) == "embed":
         from engine.embedding_engine import EmbeddingEngine  # noqa: PLC0415
 
-        return EmbeddingEngine(config, hf_config)
+        return EmbeddingEngine(config, load_hf_config(config.model))
     from engine.llm_engine import LLMEngine  # noqa: PLC0415
 
     return LLMEngine(config)

@@ -8,6 +8,8 @@ block_table[p // block_size] * block_size + p % block_size.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -131,47 +133,59 @@ def padding_groups(seq_lens: list[int]) -> list[tuple[int, int]]:
     return groups
 
 
+@dataclass
+class PaddedGroup:
+    """Sequences [first, last) of a packed batch, padded together for one SDPA call."""
+
+    rows: slice  # their rows in the packed batch
+    num_seqs: int
+    longest: int
+    gather: torch.Tensor | None  # [N, L] packed row of each padded slot (padding: a zero row); None if all equal
+    valid: torch.Tensor | None  # [N, L] bool: a real token
+    mask: torch.Tensor | None  # [N, 1, L or 1, L] bool for SDPA, or None
+
+
+def padding_plan(seq_lens: list[int], causal: bool, device: torch.device) -> list[PaddedGroup]:
+    """How padded_varlen_attention pads `seq_lens`: built once a step, read by every layer."""
+    plan, start = [], 0
+    for first, last in padding_groups(seq_lens):
+        lens_list = seq_lens[first:last]
+        num_tokens, longest = sum(lens_list), max(lens_list)
+        offsets = torch.arange(longest, device=device)
+        causal_mask = (offsets[None, :] <= offsets[:, None])[None, None] if causal else None
+        if min(lens_list) == longest:  # all of one length: a plain reshape, no key mask
+            gather = valid = None
+            mask = causal_mask
+        else:
+            lens = torch.tensor(lens_list, device=device)
+            valid = offsets[None, :] < lens[:, None]  # [N, L]
+            gather = torch.where(valid, (torch.cumsum(lens, 0) - lens)[:, None] + offsets[None, :], num_tokens)
+            mask = valid[:, None, None, :] if causal_mask is None else valid[:, None, None, :] & causal_mask
+        plan.append(PaddedGroup(slice(start, start + num_tokens), last - first, longest, gather, valid, mask))
+        start += num_tokens
+    return plan
+
+
 def padded_varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, seq_lens: list[int],
-                            scale: float, causal: bool) -> torch.Tensor:
+                            scale: float, causal: bool, plan: list[PaddedGroup] | None = None) -> torch.Tensor:
     """varlen_attention as a few batched SDPA calls (the CPU path): runs of sequences of
     similar length (padding_groups) are padded to their longest for attention alone, with
     padded keys masked; shapes as varlen_attention's. A few calls instead of one per
     sequence: the engine sorts inputs by length, so little is padded."""
-    out = torch.empty_like(query)
-    starts = [0]
-    for seq_len in seq_lens:
-        starts.append(starts[-1] + seq_len)
-    for first, last in padding_groups(seq_lens):
-        rows = slice(starts[first], starts[last])
-        out[rows] = _padded_attention(query[rows], key[rows], value[rows], seq_lens[first:last], scale, causal)
-    return out
+    plan = plan if plan is not None else padding_plan(seq_lens, causal, query.device)
+    outputs = []
+    for group in plan:
+        q, k, v = query[group.rows], key[group.rows], value[group.rows]
 
+        def padded(x: torch.Tensor, group: PaddedGroup = group) -> torch.Tensor:  # [T, H, D] -> [N, H, L, D]
+            if group.gather is None:
+                return x.view(group.num_seqs, group.longest, *x.shape[1:]).transpose(1, 2)
+            return torch.cat([x, x.new_zeros(1, *x.shape[1:])])[group.gather].transpose(1, 2)
 
-def _padded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, seq_lens: list[int],
-                      scale: float, causal: bool) -> torch.Tensor:
-    """One SDPA call over `seq_lens` packed sequences padded to the longest."""
-    num_tokens = query.shape[0]
-    longest = max(seq_lens)
-    lens = torch.tensor(seq_lens, device=query.device)
-    starts = torch.cumsum(lens, 0) - lens
-    offsets = torch.arange(longest, device=query.device)
-    valid = offsets[None, :] < lens[:, None]  # [N, L]
-    if bool(valid.all()):  # all of one length: a plain reshape
-        def padded(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [N, H, L, D]
-            return x.view(len(seq_lens), longest, *x.shape[1:]).transpose(1, 2)
-        mask = None
-    else:
-        rows = torch.where(valid, starts[:, None] + offsets[None, :], num_tokens)  # padding reads a zero row
-
-        def padded(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [N, H, L, D]
-            return torch.cat([x, x.new_zeros(1, *x.shape[1:])])[rows].transpose(1, 2)
-        mask = valid[:, None, None, :]  # [N, 1, 1, L]: padded keys are never seen
-    if causal:
-        causal_mask = (offsets[None, :] <= offsets[:, None])[None, None]
-        mask = causal_mask if mask is None else mask & causal_mask
-    out = F.scaled_dot_product_attention(padded(query), padded(key), padded(value), attn_mask=mask, scale=scale,
-                                         enable_gqa=True)  # [N, H, L, D]
-    return out.transpose(1, 2)[valid]  # [T, H, D], in packed order
+        out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=group.mask, scale=scale,
+                                             enable_gqa=True).transpose(1, 2)  # [N, L, H, D]
+        outputs.append(out.reshape(q.shape) if group.valid is None else out[group.valid])
+    return torch.cat(outputs)  # [T, H, D]: the groups are consecutive in packed order
 
 
 def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:

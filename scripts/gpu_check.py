@@ -12,7 +12,7 @@ each in its own process with its own timeout, so one failure loses nothing else:
                 tiny checkpoints of every architecture; bf16 under vLLM's check_logprobs_close
                 rule; the triton backend with preemption and with prefix caching
   kernel_bench  benchmarks/kernels_gpu.py: decode attention against the measured copy
-                bandwidth, prefill TFLOP/s, SDPA as the peer
+                bandwidth, prefill TFLOP/s, embeddings' packed (varlen) attention, SDPA as the peer
   engine_bench  benchmarks/engine_gpu.py: a ~1.1B random Llama in bf16 against transformers
   moe_bench     benchmarks/moe.py: a ~103M Qwen3-MoE (a quarter active) in bf16 against
                 transformers, its decode steps against the touched weights' roofline and the

@@ -16,6 +16,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from engine.attention import ForwardContext
+from engine.models.layers import LowPrecisionLinear
 from engine.models.parallel_layers import ColumnParallelLinear
 
 # Checkpoint tensors an encoder used for embeddings never reads: the pretraining heads, the
@@ -82,6 +83,13 @@ class BertIntermediate(nn.Module):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
         self.act = ACT2FN[config.hidden_act]
+        self.is_exact_gelu = config.hidden_act == "gelu"  # transformers' "gelu" is the erf form
+
+    def use_low_precision(self, dtype: torch.dtype) -> None:
+        """The matmul in `dtype`, with the exact GELU fused into it (engine/models/layers.py)."""
+        self.dense = LowPrecisionLinear(self.dense, dtype, "gelu" if self.is_exact_gelu else None)
+        if self.is_exact_gelu:
+            self.act = nn.Identity()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.act(self.dense(hidden))

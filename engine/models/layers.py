@@ -155,14 +155,20 @@ class OneDNNLinear(nn.Module):
         return onednn_linear(x, self.packed_weight, self.bias)
 
 
-def onednn_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def onednn_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
+                  activation: str | None = None) -> torch.Tensor:
     """x [rows, in] @ a weight packed by torch.ops.mkldnn._reorder_linear_weight -> [rows, out]
-    (OneDNNLinear, and each expert of an MoE layer on the CPU)."""
+    (OneDNNLinear, each expert of an MoE layer on the CPU, LowPrecisionLinear); `activation`
+    "gelu" (exact, erf) is fused into the matmul."""
     num_rows = x.shape[0]
-    padded = bucket_rows(num_rows)
-    if padded != num_rows:  # few distinct shapes reach oneDNN, which keeps state per shape
-        x = torch.nn.functional.pad(x, (0, 0, 0, padded - num_rows))
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")[:num_rows]
+    padded = bucket_rows(num_rows)  # few distinct shapes reach oneDNN, which keeps state per shape
+    if padded != num_rows or x.dtype != packed_weight.dtype:  # pad and cast in one copy, zeroing only the tail
+        staged = x.new_empty((padded, x.shape[1]), dtype=packed_weight.dtype)
+        staged[:num_rows].copy_(x)
+        staged[num_rows:].zero_()
+        x = staged
+    attr, algorithm = ("gelu", "none") if activation == "gelu" else ("none", "")
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, attr, [], algorithm)[:num_rows]
 
 
 def bucket_rows(num_rows: int) -> int:
@@ -176,27 +182,44 @@ def bucket_rows(num_rows: int) -> int:
 class LowPrecisionLinear(nn.Module):
     """A linear whose matmul runs in a lower precision (bf16, fp16) than the model around it:
     the input is cast down, the output stays in that precision (it feeds attention and the
-    activation), and whatever adds it to an fp32 residual goes back to fp32.
+    activation), and whatever adds it to an fp32 residual goes back to fp32. On the CPU the
+    weight is packed once for oneDNN, and `activation` ("gelu", the exact erf form) is fused
+    into the matmul.
 
     Why (encoder embedding models): bf16 matmuls run ~2.7x the fp32 rate on CPUs with
     avx512_bf16, but all-MiniLM in bf16 throughout (residual stream and LayerNorms too)
     drifts to a cosine of 0.99985 against its fp32 self; with the LayerNorms and the residual
-    stream in fp32 it stays above 0.9999 (benchmarks/embeddings.py)."""
+    stream in fp32 it stays above 0.9999 (benchmarks/embeddings.py). Packing and the fused
+    GELU add ~11% on all-MiniLM here."""
 
-    def __init__(self, linear: nn.Linear, dtype: torch.dtype) -> None:
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype, activation: str | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = nn.Parameter(linear.weight.detach().to(dtype), requires_grad=False)  # [out, in]
+        weight = linear.weight.detach().to(dtype)  # [out, in]
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(dtype),
                                                                   requires_grad=False)
+        self.activation = activation
+        self.packed_weight = None
+        if weight.device.type == "cpu" and dtype == torch.bfloat16 and hasattr(torch.ops.mkldnn,
+                                                                                "_reorder_linear_weight"):
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1024)  # opaque blocked order
+        else:
+            self.weight = nn.Parameter(weight, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, in_features] any float dtype -> [num_tokens, out_features] in the linear's"""
-        return torch.nn.functional.linear(x.to(self.weight.dtype), self.weight, self.bias)
+        if self.packed_weight is not None:
+            return onednn_linear(x, self.packed_weight, self.bias, self.activation)  # cast with the row padding
+        out = torch.nn.functional.linear(x.to(self.weight.dtype), self.weight, self.bias)
+        return torch.nn.functional.gelu(out) if self.activation == "gelu" else out
 
 
 def use_low_precision_linears(model: nn.Module, dtype: torch.dtype) -> None:
-    """Swap every nn.Linear of `model` for a LowPrecisionLinear in `dtype`."""
+    """Swap every nn.Linear of `model` for a LowPrecisionLinear in `dtype`; a module with
+    `use_low_precision(dtype)` (one that fuses its activation) swaps its own first."""
+    for module in model.modules():
+        if hasattr(module, "use_low_precision"):
+            module.use_low_precision(dtype)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):

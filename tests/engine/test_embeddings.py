@@ -220,3 +220,18 @@ def test_pooler_config_flags_and_refusals(tmp_path, tiny_tokenizer):
         load_pooler_config(folder, None, None, None, "cls")
     with pytest.raises(ValueError, match="tensor_parallel_size: embedding models run on one device"):
         create_engine(EngineConfig(model="demo-embedding", tensor_parallel_size=2))
+
+
+def test_llm_embed_is_vllm_s_offline_api(sentence_transformer):
+    from engine import LLM  # noqa: PLC0415
+
+    llm = LLM("demo-embedding", dtype="bfloat16")
+    batch = texts(200)
+    outputs = llm.embed(batch, PoolingParams(truncate_prompt_tokens=-1), use_tqdm=False)
+    got = torch.tensor([o.outputs[0].embedding for o in outputs])
+    expected = sentence_transformer.encode(batch, convert_to_tensor=True, batch_size=64)
+    assert F.cosine_similarity(got, expected).min() >= COSINE  # bf16 matmuls, fp32 LayerNorms and residuals
+    with pytest.raises(ValueError, match=r"prompts\[1\]: input: .* exceed this model's limit of 256"):
+        llm.embed(["fine", "word " * 300])
+    with pytest.raises(ValueError, match="is an embedding model; use embed"):
+        llm.generate(["x"])

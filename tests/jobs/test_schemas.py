@@ -39,6 +39,20 @@ def test_short_form_defaults_custom_id_to_line_number():
     assert parse_line(line(custom_id="doc-9", prompt="x"), 1).custom_id == "doc-9"
 
 
+@pytest.mark.parametrize("raw_input, inputs", [
+    ("one text", ["one text"]),
+    (["a", "b"], ["a", "b"]),
+    ([5, 6, 7], [[5, 6, 7]]),
+    ([[5], [6, 7]], [[5], [6, 7]]),
+])
+def test_embeddings_line_in_each_input_shape(raw_input, inputs):
+    request = parse_line(batch_line("/v1/embeddings", model="m", input=raw_input, encoding_format="base64",
+                                    dimensions=64, truncate_prompt_tokens=-1, user="u"), 2)
+    body = request.parsed_body()
+    assert request.url == "/v1/embeddings" and body.inputs() == inputs
+    assert (body.encoding_format, body.dimensions, body.truncate_prompt_tokens) == ("base64", 64, -1)
+
+
 @pytest.mark.parametrize("text, field, message", [
     ("not json", "line", "not valid JSON"),
     ("[1, 2]", "line", "must be a JSON object"),
@@ -53,7 +67,18 @@ def test_short_form_defaults_custom_id_to_line_number():
     (line(prompt="x" * (MAX_PROMPT_CHARS + 1)), "prompt", "at most"),
     (line(custom_id="x" * 600, prompt="x"), "custom_id", "at most 512"),
     (line(custom_id="a", method="GET", url="/v1/completions", body={}), "method", "'POST'"),
-    (line(custom_id="a", method="POST", url="/v1/embeddings", body={}), "url", "/v1/completions"),
+    (line(custom_id="a", method="POST", url="/v1/moderations", body={}), "url", "/v1/embeddings"),
+    (batch_line("/v1/embeddings"), "body.input", "Field required"),
+    (batch_line("/v1/embeddings", input=[]), "body.input", "a list of token ids"),
+    (batch_line("/v1/embeddings", input=["ok", ""]), "body.input", "non-empty string"),
+    (batch_line("/v1/embeddings", input=[1, "a"]), "body.input", "or a list of such lists"),
+    (batch_line("/v1/embeddings", input=[[1], [-2]]), "body.input", "integers >= 0"),
+    (batch_line("/v1/embeddings", input=["x"] * 2049), "body.input", "at most 2048 inputs"),
+    (batch_line("/v1/embeddings", input="x", encoding_format="hex"), "body.encoding_format", "'float' or 'base64'"),
+    (batch_line("/v1/embeddings", input="x", dimensions=0), "body.dimensions", "greater than or equal to 1"),
+    (batch_line("/v1/embeddings", input="x", truncate_prompt_tokens=-2), "body.truncate_prompt_tokens",
+     "greater than or equal to -1"),
+    (batch_line("/v1/embeddings", input="x", max_tokens=3), "body.max_tokens", "Extra inputs"),
     (batch_line(model="m"), "body.prompt", "Field required"),
     (batch_line("/v1/chat/completions", messages=[]), "body.messages", "at least 1"),
     (batch_line("/v1/chat/completions", messages=[{"role": "robot", "content": "x"}]), "body.messages.0.role",

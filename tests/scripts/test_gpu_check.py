@@ -38,6 +38,7 @@ def test_the_dry_run_runs_every_part_and_writes_the_report(tmp_path):
     assert parity["triton_prefix_cache"]["identical"] and parity["triton_prefix_cache"]["cached_tokens"] > 0
     bench = parts["kernel_bench"]["result"]
     assert bench["copy_bytes_per_s"] > 0 and len(bench["decode"]) == 2 and bench["prefill"]["triton_s"] > 0
+    assert bench["varlen"]["tokens"] == 31 and bench["varlen"]["triton_s"] > 0
     engine = parts["engine_bench"]["result"]
     assert set(engine["ratios"]) == {"kvfleet_over_transformers_static", "kvfleet_over_transformers_continuous"}
     assert engine["results"]["kvfleet"]["num_decode_steps"] > 0

@@ -129,3 +129,37 @@ def test_sigint_keeps_the_finished_lines_and_resume_completes_the_rest(tiny_llam
     assert resumed.returncode == 0, resumed.stderr
     custom_ids = [line["custom_id"] for line in read_jsonl(out)]
     assert sorted(custom_ids) == sorted(f"r{i}" for i in range(num_requests))  # each once
+
+
+def test_embeddings_lines_on_an_embedding_model(tmp_path):
+    """An embedding model runs /v1/embeddings lines (several inputs a line, base64 too) into
+    OpenAI's embeddings bodies; a completion line gets its own error line."""
+    import base64  # noqa: PLC0415
+
+    import numpy as np  # noqa: PLC0415
+
+    from engine import EngineConfig, PoolingParams, create_engine  # noqa: PLC0415
+
+    source = write_jsonl(tmp_path / "in.jsonl", [
+        {"custom_id": "one", "method": "POST", "url": "/v1/embeddings", "body": {"input": "a fleet of workers"}},
+        {"custom_id": "two", "method": "POST", "url": "/v1/embeddings",
+         "body": {"model": "minilm", "input": ["first", "second text"], "encoding_format": "base64"}},
+        {"custom_id": "long", "method": "POST", "url": "/v1/embeddings", "body": {"input": "word " * 300}},
+        {"custom_id": "completion", "prompt": "hello", "max_tokens": 2},
+    ])
+    out = tmp_path / "out.jsonl"
+    assert main([str(source), "-o", str(out), "--model", "demo-embedding"]) == 0
+    lines = {line["custom_id"]: line for line in read_jsonl(out)}
+    engine = create_engine(EngineConfig(model="demo-embedding"))
+    engine.add_request("x", ["a fleet of workers", "first", "second text"], PoolingParams())
+    (expected,) = engine.step()
+    one = lines["one"]["response"]["body"]
+    assert one["object"] == "list" and one["model"] == "demo-embedding" and one["usage"]["prompt_tokens"] == 6
+    assert np.allclose(one["data"][0]["embedding"], expected.outputs[0].embedding, atol=1e-6)
+    two = lines["two"]["response"]["body"]
+    assert two["model"] == "minilm" and [d["index"] for d in two["data"]] == [0, 1]
+    decoded = [np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4") for d in two["data"]]
+    assert all(np.allclose(v, e.embedding, atol=1e-6) for v, e in zip(decoded, expected.outputs[1:]))
+    assert lines["long"]["error"]["code"] == "context_length_exceeded"
+    assert lines["completion"]["error"]["code"] == "invalid_request"
+    assert "this model is an embedding model" in lines["completion"]["error"]["message"]
