@@ -150,26 +150,19 @@ class EmbeddingBody(_Strict):
                                                description="keep the first tokens of a longer input; -1: the model's "
                                                            "limit (vLLM)")
 
-    @field_validator("input", mode="before")
+    @field_validator("input", mode="wrap")
     @classmethod
-    def _check_input(cls, value):
-        """One message naming the four shapes, instead of one per union member."""
-        def is_ids(x) -> bool:
-            return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                                           for t in x)
-        if isinstance(value, str):
-            shape_ok = bool(value)
-        elif isinstance(value, list) and value:
-            shape_ok = (all(isinstance(x, str) and x for x in value) or is_ids(value)
-                        or all(is_ids(x) for x in value))
-        else:
-            shape_ok = False
-        if not shape_ok:
-            raise ValueError("must be a non-empty string, a list of non-empty strings, a list of token ids "
-                             "(integers >= 0), or a list of such lists")
-        if isinstance(value, list) and not isinstance(value[0], int) and len(value) > MAX_EMBEDDING_INPUTS:
+    def _check_input(cls, value, handler):
+        """pydantic's own rules for the four shapes, with one message naming them instead of
+        one per union member."""
+        if isinstance(value, list) and len(value) > MAX_EMBEDDING_INPUTS and not all(
+                isinstance(x, int) for x in value):
             raise ValueError(f"at most {MAX_EMBEDDING_INPUTS} inputs per request")
-        return value
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError("must be a non-empty string, a list of non-empty strings, a list of token ids "
+                             "(integers >= 0), or a list of such lists") from None
 
     def inputs(self) -> list[str | list[int]]:
         """One entry per input: a string or a list of token ids."""

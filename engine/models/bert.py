@@ -115,7 +115,7 @@ class BertEncoder(nn.Module):
 
 class BertModel(nn.Module):
     is_causal = False  # every token sees its whole input
-    default_pooling = "cls"  # transformers' own pooler reads [CLS]; sentence-transformers folders say theirs
+    default_pooling = "mean"  # what sentence-transformers does with a bare folder; its files say otherwise
     packed_modules = {"query": ("qkv_proj", 0), "key": ("qkv_proj", 1), "value": ("qkv_proj", 2)}
     checkpoint_prefixes = ("bert.",)  # BertForMaskedLM and friends nest the encoder
 

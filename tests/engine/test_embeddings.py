@@ -235,3 +235,18 @@ def test_llm_embed_is_vllm_s_offline_api(sentence_transformer):
         llm.embed(["fine", "word " * 300])
     with pytest.raises(ValueError, match="is an embedding model; use embed"):
         llm.generate(["x"])
+
+
+@pytest.mark.parametrize("pipeline", [None, {"pooling": "cls_token", "normalize": True, "max_seq_length": 32}],
+                         ids=["bare-folder", "cls-normalize"])
+def test_defaults_are_what_sentence_transformers_does_on_the_folder(tmp_path, tiny_tokenizer, pipeline):
+    """A bare folder: mean pooling, no normalization; a pipeline's files: theirs (and its limit)."""
+    from sentence_transformers import SentenceTransformer  # noqa: PLC0415
+
+    folder = write_embedding_checkpoint("bert", tmp_path / "b", tiny_tokenizer, pipeline)
+    engine = create_engine(EngineConfig(model=str(folder)))
+    batch = texts(12, seed=6, longest_words=60)
+    got = embed(engine, batch, PoolingParams(truncate_prompt_tokens=-1))
+    expected = SentenceTransformer(str(folder), device="cpu").encode(batch, convert_to_tensor=True)
+    assert F.cosine_similarity(got, expected).min() >= TINY_COSINE
+    assert torch.allclose(got, expected, atol=1e-4)
