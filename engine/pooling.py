@@ -24,6 +24,8 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 POOLING_TYPES = ("mean", "cls", "last")
+# The sentence-transformers modules kvfleet runs: the model itself, its pooling, the L2 norm.
+SENTENCE_TRANSFORMERS_MODULES = ("Transformer", "Pooling", "Normalize")
 # 1_Pooling/config.json's flags -> kvfleet's pooling type (max and mean-sqrt-len are refused).
 _SENTENCE_TRANSFORMERS_MODES = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls",
                                 "pooling_mode_lasttoken": "last"}
@@ -59,6 +61,10 @@ def sentence_transformers_pooling(folder: Path) -> tuple[str | None, bool | None
     if not isinstance(modules, list):
         return None, None, None
     types = {str(m.get("type", "")).rsplit(".", 1)[-1]: m for m in modules if isinstance(m, dict)}
+    unknown = sorted(set(types) - set(SENTENCE_TRANSFORMERS_MODULES))
+    if unknown:  # a Dense projection, say: ignoring it would return other vectors than the model's
+        raise ValueError(f"model: {folder / 'modules.json'} has modules kvfleet does not run: {', '.join(unknown)}; "
+                         f"supported: {', '.join(SENTENCE_TRANSFORMERS_MODULES)}")
     normalize = "Normalize" in types
     if "Pooling" not in types:
         return None, normalize, None

@@ -77,6 +77,9 @@ def write_embedding_checkpoint(name: str, out_dir: Path, tokenizer, sentence_tra
                 param.normal_(0, 0.1)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+    # Embedding models' tokenizers have no chat template; with one, sentence-transformers 6 reads
+    # a text as a chat message and renders it through the template.
+    (out_dir / "chat_template.jinja").unlink(missing_ok=True)
     if sentence_transformers is not None:
         write_sentence_transformers_files(out_dir, config.hidden_size, **sentence_transformers)
     return out_dir

@@ -6,6 +6,8 @@ Matryoshka dimensions and bad input."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -217,6 +219,11 @@ def test_pooler_config_flags_and_refusals(tmp_path, tiny_tokenizer):
     assert load_pooler_config(folder, None, "mean", True, "cls").pooling_type == "mean"  # flags win
     (folder / "1_Pooling" / "config.json").write_text('{"pooling_mode_max_tokens": true}')
     with pytest.raises(ValueError, match="asks for a pooling kvfleet does not run"):
+        load_pooler_config(folder, None, None, None, "cls")
+    modules = json.loads((folder / "modules.json").read_text())
+    (folder / "modules.json").write_text(json.dumps(modules + [
+        {"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"}]))
+    with pytest.raises(ValueError, match="has modules kvfleet does not run: Dense"):
         load_pooler_config(folder, None, None, None, "cls")
     with pytest.raises(ValueError, match="tensor_parallel_size: embedding models run on one device"):
         create_engine(EngineConfig(model="demo-embedding", tensor_parallel_size=2))

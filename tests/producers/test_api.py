@@ -118,7 +118,11 @@ def test_errors_have_openai_shape_and_codes(api, r, monkeypatch):
         client.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h")
     uploaded = client.files.create(file=("r.jsonl", chat_lines(1)), purpose="batch")
     with pytest.raises(openai.BadRequestError):
-        client.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h")
+        client.batches.create(input_file_id=uploaded.id, endpoint="/v1/moderations", completion_window="24h")
+    mismatched = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h")
+    assert mismatched.status == "failed"  # OpenAI's way: the batch exists, with each line's error
+    assert mismatched.errors.data[0].message == "must match the batch endpoint /v1/embeddings"
+    assert mismatched.errors.data[0].param == "url" and mismatched.errors.data[0].line == 1
     response = httpx.post(f"{api.url}/v1/batches", json={"endpoint": "/v1/completions"})
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "input_file_id"
