@@ -13,6 +13,7 @@ memory) with the cuobjdump Triton also ships. Run it without TRITON_INTERPRET.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import os
 import re
 import subprocess
@@ -124,10 +125,13 @@ def main(argv: list[str] | None = None) -> int:
     failures = 0
     cases = [(kernel, variant, arch, dtype) for kernel in args.kernel for variant in range(len(KERNELS[kernel][3]))
              for arch in args.arch for dtype in args.dtype]
-    for kernel, variant, arch, dtype in cases:
+    # Each case is independent LLVM and ptxas work: compile them on every core, report in order.
+    with concurrent.futures.ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
+        futures = [pool.submit(compile_kernel, *case) for case in cases]
+    for (kernel, variant, arch, dtype), future in zip(cases, futures):
         name = f"{kernel}#{variant}"
         try:
-            c = compile_kernel(kernel, variant, arch, dtype)
+            c = future.result()
         except Exception as error:  # noqa: BLE001 (report every kernel, then fail)
             failures += 1
             print(f"FAIL   {name:20s} sm_{arch} {dtype}: {type(error).__name__}: {error}")

@@ -147,7 +147,7 @@ def test_a_permanently_broken_sink_fails_alone_while_the_other_batch_completes(f
 def test_a_batch_for_a_model_nobody_serves_ends_expired_on_time(fleet, r):
     fleet.start_finalizer("--sweep-seconds", "1", "--grace-seconds", "3")
     records = requests(20, seed=7)
-    batch_id = submit_lines(r, records, model="nobody-serves-this", completion_window="30s")
+    batch_id = submit_lines(r, records, model="nobody-serves-this", completion_window="10s")
     expires_at = batches.batch_object(r, batch_id)["expires_at"]
     wait_terminal(r, [batch_id], timeout=60, fleet=fleet)
     ended = time.time()

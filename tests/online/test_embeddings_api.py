@@ -121,3 +121,28 @@ def test_a_2000_line_batch_equals_the_online_answers(embed_worker, client, redis
     assert body["object"] == "list" and body["model"] == MODEL and body["data"][0]["object"] == "embedding"
     assert batch.usage.input_tokens == sum(line["response"]["body"]["usage"]["prompt_tokens"]
                                            for line in lines.values())
+
+
+def test_200_texts_with_dimensions_and_base64_match_sentence_transformers(tmp_path, redis_server, api):
+    """all-MiniLM declared Matryoshka: 200 texts from 1 word to past the limit (truncated),
+    `dimensions` 128 as base64, through the queue, against sentence-transformers truncated
+    and normalized again."""
+    import httpx  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+    import torch.nn.functional as F  # noqa: PLC0415
+    from sentence_transformers import SentenceTransformer  # noqa: PLC0415
+
+    from tests.embedding_models import matryoshka_minilm, minilm_folder  # noqa: PLC0415
+
+    engine = create_engine(EngineConfig(model=str(matryoshka_minilm(tmp_path / "m"))))
+    batch = texts(200)
+    with WorkerThread(engine, redis_server.url, name="matryoshka-worker", served_model_names=["m"]) as running:
+        running._heartbeat()
+        answer = httpx.post(f"{api.url}/v1/embeddings", timeout=120, json={
+            "model": "m", "input": batch, "dimensions": 128, "encoding_format": "base64",
+            "truncate_prompt_tokens": -1}).json()
+    got = torch.tensor(np.stack([np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4")
+                                 for d in answer["data"]]))
+    full = SentenceTransformer(str(minilm_folder()), device="cpu").encode(batch, convert_to_tensor=True)
+    assert got.shape == (200, 128)
+    assert F.cosine_similarity(got, F.normalize(full[:, :128], dim=1)).min() >= 0.9999
