@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = [(kernel, variant, arch, dtype) for kernel in args.kernel for variant in range(len(KERNELS[kernel][3]))
              for arch in args.arch for dtype in args.dtype]
     # Each case is independent LLVM and ptxas work: compile them on every core, report in order.
-    with concurrent.futures.ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
+    with concurrent.futures.ProcessPoolExecutor() as pool:
         futures = [pool.submit(compile_kernel, *case) for case in cases]
     for (kernel, variant, arch, dtype), future in zip(cases, futures):
         name = f"{kernel}#{variant}"

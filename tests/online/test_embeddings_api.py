@@ -42,6 +42,11 @@ def offline(engine: EmbeddingEngine, inputs, **params) -> np.ndarray:
     return np.array([o.embedding for o in outputs[0].outputs])
 
 
+def from_base64(embedding: str) -> np.ndarray:
+    """An `encoding_format: "base64"` embedding: little-endian float32, as OpenAI sends it."""
+    return np.frombuffer(base64.b64decode(embedding), dtype="<f4")
+
+
 def test_openai_client_embeddings_with_list_inputs(embed_worker, client, embedding_engine):
     inputs = texts(20, seed=1, longest_words=150)
     response = client.embeddings.create(model=MODEL, input=inputs)  # the client asks for base64 and decodes it
@@ -61,7 +66,7 @@ def test_floats_base64_and_token_ids(embed_worker, client, api, embedding_engine
     floats = client.embeddings.create(model=MODEL, input="a fleet of workers", encoding_format="float")
     raw = httpx.post(f"{api.url}/v1/embeddings", json={"model": MODEL, "input": "a fleet of workers",
                                                         "encoding_format": "base64"}).json()
-    decoded = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4")
+    decoded = from_base64(raw["data"][0]["embedding"])
     assert decoded.tolist() == floats.data[0].embedding  # float32 both ways: bit for bit
     ids = embedding_engine.tokenizer("a fleet of workers")["input_ids"]
     by_ids = client.embeddings.create(model=MODEL, input=ids, encoding_format="float")
@@ -141,8 +146,7 @@ def test_200_texts_with_dimensions_and_base64_match_sentence_transformers(tmp_pa
         answer = httpx.post(f"{api.url}/v1/embeddings", timeout=120, json={
             "model": "m", "input": batch, "dimensions": 128, "encoding_format": "base64",
             "truncate_prompt_tokens": -1}).json()
-    got = torch.tensor(np.stack([np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4")
-                                 for d in answer["data"]]))
+    got = torch.tensor(np.stack([from_base64(d["embedding"]) for d in answer["data"]]))
     full = SentenceTransformer(str(minilm_folder()), device="cpu").encode(batch, convert_to_tensor=True)
     assert got.shape == (200, 128)
     assert F.cosine_similarity(got, F.normalize(full[:, :128], dim=1)).min() >= 0.9999
