@@ -36,6 +36,24 @@ def make_workload(num_requests: int, vocab_size: int, seed: int = 0, prompt_rang
     return Workload(prompts, [rng.randint(*output_range) for _ in range(num_requests)])
 
 
+def make_chat_workload(vocab_size: int, seed: int = 0, num_requests: int = 96) -> Workload:
+    """Chat-shaped: prompts of 32-512 tokens, answers of 64-256."""
+    return make_workload(num_requests, vocab_size, seed, prompt_range=(32, 512), output_range=(64, 256))
+
+
+def make_document_workload(vocab_size: int, seed: int = 0, num_requests: int = 24) -> Workload:
+    """Document-shaped: one 256-token instruction shared by every request (the prefix cache
+    holds it), then a 600-1,800-token document of its own; answers of 16-128 tokens."""
+    rng = random.Random(seed)
+    instruction = [rng.randrange(3, vocab_size) for _ in range(256)]
+    prompts = [instruction + [rng.randrange(3, vocab_size) for _ in range(rng.randint(600, 1800))]
+               for _ in range(num_requests)]
+    return Workload(prompts, [rng.randint(16, 128) for _ in range(num_requests)])
+
+
+WORKLOADS = {"chat": make_chat_workload, "document": make_document_workload}
+
+
 def llama_50m_config() -> LlamaConfig:
     """About 56M parameters: 8 layers of width 512, GQA 8/4 heads, a 32k vocabulary."""
     return LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,

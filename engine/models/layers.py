@@ -226,8 +226,14 @@ def use_low_precision_linears(model: nn.Module, dtype: torch.dtype) -> None:
                 setattr(parent, name, LowPrecisionLinear(child, dtype))
 
 
+def cpu_has_native_bf16() -> bool:
+    """avx512_bf16 or AMX: the CPUs where bf16 matmuls beat fp32 (vLLM-cpu's rule for bf16)."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
 def can_use_onednn_linear(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available() \
+    supported = dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_has_native_bf16())
+    return device.type == "cpu" and supported and torch.backends.mkldnn.is_available() \
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
