@@ -137,6 +137,14 @@ def workload_flops(config: LlamaConfig, workload: Workload) -> float:
     return total
 
 
+def step_flops(config: LlamaConfig, rows: list[tuple[int, int]]) -> float:
+    """FLOPs of one engine step; rows: (new tokens, tokens computed before) per sequence.
+    Every new token runs every linear layer and attends over its context (itself included);
+    each sequence samples one token through the LM head."""
+    linear, lm_head, attention = flops_per_token(config)
+    return sum(linear * n + lm_head + attention * (n * before + n * (n + 1) / 2) for n, before in rows)
+
+
 def decode_step_flops(config: LlamaConfig, context_lens: list[int]) -> float:
     """FLOPs of one decode step: a new token per sequence over its context (new token included)."""
     linear, lm_head, attention = flops_per_token(config)

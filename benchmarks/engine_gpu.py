@@ -27,8 +27,8 @@ import torch
 from transformers import LlamaConfig
 
 from benchmarks.common import ensure_model, make_workload
-from benchmarks.engine_throughput import run_hf_continuous, run_hf_static, synchronize
 from benchmarks.kernels_gpu import copy_bandwidth
+from benchmarks.peers import run_hf_continuous, run_hf_static, synchronize
 from engine import LLM, SamplingParams
 
 

@@ -38,7 +38,7 @@ import torch
 from transformers import Qwen3MoeConfig
 
 from benchmarks.common import ensure_model, make_workload, matmul_probe_flops, stream_read_probe_bytes_per_s
-from benchmarks.engine_throughput import run_hf_static, run_vllm, synchronize
+from benchmarks.peers import run_hf_static, run_vllm, synchronize
 from engine import LLM, SamplingParams
 from engine.loader import iterate_weights
 from engine.models.moe import TopKRouter

@@ -3,7 +3,8 @@
 
     .bench-venv/bin/python benchmarks/vllm_peer.py MODEL_DIR WORKLOAD.json
 
-WORKLOAD.json: {"prompts": [[token ids]...], "output_lens": [...], "max_num_seqs": N}.
+WORKLOAD.json: {"prompts": [[token ids]...], "output_lens": [...], "max_num_seqs": N, and
+optionally "dtype" (float32), "max_model_len" (1024), "enable_prefix_caching" (false)}.
 Token-id prompts, no tokenizer, greedy, ignore_eos. Prints the result as a line
 `KVFLEET_RESULT {"seconds", "output_tokens"}` (vLLM logs to stdout too). Imports
 nothing from kvfleet.
@@ -20,8 +21,10 @@ def main() -> None:
 
     with open(workload_path) as handle:
         workload = json.load(handle)
-    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", gpu_memory_utilization=0.3,
-              max_num_seqs=workload["max_num_seqs"], max_model_len=1024, seed=0)
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype=workload.get("dtype", "float32"),
+              gpu_memory_utilization=0.3, max_num_seqs=workload["max_num_seqs"],
+              max_model_len=workload.get("max_model_len", 1024),
+              enable_prefix_caching=workload.get("enable_prefix_caching", False), seed=0)
     prompts = [{"prompt_token_ids": ids} for ids in workload["prompts"]]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
               for n in workload["output_lens"]]

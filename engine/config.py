@@ -43,7 +43,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prompt prefixes (hash-chained full blocks)."""
     dtype: str = "auto"
-    """float32, bfloat16, float16, or auto (the checkpoint's dtype)."""
+    """float32, bfloat16, float16, or auto: bf16 on CPUs with avx512_bf16 or AMX, else fp32;
+    the checkpoint's dtype on CUDA (engine/model_runner.py: resolve_dtype)."""
     device: str = "auto"
     """cpu, cuda, cuda:N, or auto (cuda when available)."""
     attention_backend: str = "auto"

@@ -50,7 +50,7 @@ class EmbeddingModelRunner:
                              "start one worker per device instead")
         self.config = config
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, hf_config)
+        self.dtype = resolve_dtype(config.dtype, hf_config, self.device, config.attention_backend)
         model_cls, self.is_encoder = embedding_model_class(hf_config)
         # Encoders in bf16/fp16: the matmuls and attention in it, LayerNorms and the residual
         # stream in fp32 (engine/models/layers.py: LowPrecisionLinear says why).

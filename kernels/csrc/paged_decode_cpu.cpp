@@ -16,6 +16,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -63,6 +64,20 @@ inline float reduce_add(vfloat v) {  // a tree of halves: log2(16) dependent add
   std::memcpy(&b, reinterpret_cast<const char*>(&low) + sizeof a, sizeof b);
   a += b;
   return (a[0] + a[2]) + (a[1] + a[3]);
+}
+
+// The largest of x[0:n], n >= 1: 16 lanes at a time, then the tail.
+inline float max_of(const float* x, int64_t n) {
+  vfloat best16 = vfloat{} - std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const vfloat v = load16(x + i);
+    best16 = v > best16 ? v : best16;
+  }
+  float best = best16[0];
+  for (int lane = 1; lane < kLanes; ++lane) best = std::max(best, best16[lane]);
+  for (; i < n; ++i) best = std::max(best, x[i]);
+  return best;
 }
 
 // e^x for x <= 0 (scores minus their row max), 16 lanes at once: x = n ln2 + r with
@@ -122,6 +137,51 @@ inline void weighted_rows_add(float* acc, const float* weights, const scalar_t* 
   }
 }
 
+// Lane j of the result is the sum of v[j]'s lanes: 16 dot products finished at once. Each
+// round pairs vectors and halves the lanes each one's partial sums take (8, 4, 2, 1), so
+// the whole reduction is 15 shuffle pairs and adds, where 16 separate reduce_add trees
+// (and their scalar stores) cost about three times as many instructions.
+inline vfloat transpose_sum16(const vfloat* v) {
+  vfloat w[8], u[4], t[2];
+  for (int i = 0; i < 8; ++i)
+    w[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    u[i] = __builtin_shufflevector(w[2 * i], w[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(w[2 * i], w[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    t[i] = __builtin_shufflevector(u[2 * i], u[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(u[2 * i], u[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(t[0], t[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(t[0], t[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// scores[0:16] = q . rows[i] for the 16 rows rows[i] = first + i * row_stride (HEAD_DIM a
+// multiple of 16): one partial-sum register per row, then one transposed reduction.
+template <int HEAD_DIM, typename scalar_t>
+inline vfloat dot16(const float* q, const scalar_t* first, int64_t row_stride) {
+  vfloat partial[kLanes];
+  for (int i = 0; i < kLanes; ++i) {
+    const scalar_t* row = first + i * row_stride;
+    partial[i] = load16(q) * load16(row);
+    for (int d = kLanes; d < HEAD_DIM; d += kLanes) partial[i] += load16(q + d) * load16(row + d);
+  }
+  return transpose_sum16(partial);
+}
+
+// The rows [lo, hi) of one KV head of a cache block, widened to fp32 once into `dst`
+// ([block_size, head_dim]) so that the GQA group's query rows read them without
+// converting each again; fp32 caches are read in place instead.
+template <typename scalar_t>
+inline void widen_rows(float* dst, const scalar_t* rows, int64_t row_stride, int64_t lo, int64_t hi,
+                       int64_t head_dim) {
+  for (int64_t i = lo; i < hi; ++i) {
+    int64_t d = 0;
+    for (; d + kLanes <= head_dim; d += kLanes) store16(dst + i * head_dim + d, load16(rows + i * row_stride + d));
+    for (; d < head_dim; ++d) dst[i * head_dim + d] = static_cast<float>(rows[i * row_stride + d]);
+  }
+}
+
 // A work item is one sequence and a span of its KV heads. With many sequences the span is
 // every head, so each cache block [block_size, num_kv_heads, head_dim] is one contiguous
 // read (22% faster than a head at a time at batch 64 here); with few, items are single
@@ -159,6 +219,7 @@ void decode_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_cac
     std::vector<float> queries(rows * head_dim);    // [rows, head_dim], fp32, pre-scaled
     std::vector<float> acc(rows * head_dim);        // [rows, head_dim]
     std::vector<float> row_max(rows), inv_sum(rows);
+    std::vector<float> widened(block_size * head_dim);  // [block_size, head_dim], one KV head's rows in fp32
     for (int64_t work = begin; work < end; ++work) {
       const int64_t seq = work / spans_per_seq, first_kv_head = (work % spans_per_seq) * span;
       const int64_t len = context_lens[seq];
@@ -168,32 +229,44 @@ void decode_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_cac
         const scalar_t* q = query + seq * st.query_seq + (first_kv_head * group + r) * st.query_head;
         for (int64_t d = 0; d < head_dim; ++d) queries[r * head_dim + d] = static_cast<float>(q[d]) * scale;
       }
-      std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<float>::infinity());
 
-      // Calls visit(rows_of_head, r, start, lo, hi) for every block of [first, len) and every
-      // query row r: rows_of_head points at slot 0 of r's KV head in that block, straight in
-      // the paged cache, and slots [lo, hi) of the block are in range.
+      // Calls visit(rows, row_stride, r, start, lo, hi) for every block of [first, len) and
+      // every query row r: rows points at slot 0 of r's KV head in that block, and slots
+      // [lo, hi) are in range. fp32 rows are read straight from the paged cache; bf16 and
+      // fp16 ones are widened once per KV head into `widened` for the whole GQA group.
       auto for_each_block_row = [&](const scalar_t* cache, auto&& visit) {
         for (int64_t start = first - first % block_size; start < len; start += block_size) {
           const scalar_t* block = cache + table[start / block_size] * st.cache_block + first_kv_head * st.cache_head;
           const int64_t lo = std::max<int64_t>(first - start, 0), hi = std::min(len - start, block_size);
-          for (int64_t r = 0; r < rows; ++r) visit(block + (r / group) * st.cache_head, r, start, lo, hi);
+          for (int64_t head = 0; head < span; ++head) {
+            const scalar_t* rows_of_head = block + head * st.cache_head;
+            if constexpr (std::is_same_v<scalar_t, float>) {
+              for (int64_t r = head * group; r < (head + 1) * group; ++r)
+                visit(rows_of_head, st.cache_slot, r, start, lo, hi);
+            } else {
+              widen_rows(widened.data(), rows_of_head, st.cache_slot, lo, hi, head_dim);
+              for (int64_t r = head * group; r < (head + 1) * group; ++r)
+                visit(static_cast<const float*>(widened.data()), head_dim, r, start, lo, hi);
+            }
+          }
         }
       };
-      for_each_block_row(key_cache, [&](const scalar_t* keys, int64_t r, int64_t start, int64_t lo, int64_t hi) {
+      for_each_block_row(key_cache, [&](const auto* keys, int64_t stride, int64_t r, int64_t start, int64_t lo,
+                                        int64_t hi) {
         const float* q = queries.data() + r * head_dim;
         float* s = scores.data() + r * max_context + start;
-        float best = row_max[r];
-        for (int64_t slot = lo; slot < hi; ++slot) {
-          s[slot] = dot<HEAD_DIM>(q, keys + slot * st.cache_slot, head_dim);
-          best = std::max(best, s[slot]);
+        int64_t slot = lo;
+        if constexpr (HEAD_DIM > 0 && HEAD_DIM % kLanes == 0) {
+          for (; slot + kLanes <= hi; slot += kLanes)  // whole runs of 16 slots: one transposed reduction
+            store16(s + slot, dot16<HEAD_DIM>(q, keys + slot * stride, stride));
         }
-        row_max[r] = best;
+        for (; slot < hi; ++slot) s[slot] = dot<HEAD_DIM>(q, keys + slot * stride, head_dim);
       });
       // Softmax numerators in place; the 1/sum is applied once to the output. A sink (gpt-oss)
       // is one more logit in the max and the sum that adds nothing to the output.
       for (int64_t r = 0; r < rows; ++r) {
         float* s = scores.data() + r * max_context;
+        row_max[r] = max_of(s + first, len - first);
         const float sink = sinks ? sinks[first_kv_head * group + r] : 0.f;
         if (sinks) row_max[r] = std::max(row_max[r], sink);
         const vfloat max16 = vfloat{} + row_max[r];
@@ -212,9 +285,10 @@ void decode_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_cac
         inv_sum[r] = 1.f / total;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_block_row(value_cache, [&](const scalar_t* values, int64_t r, int64_t start, int64_t lo, int64_t hi) {
+      for_each_block_row(value_cache, [&](const auto* values, int64_t stride, int64_t r, int64_t start, int64_t lo,
+                                          int64_t hi) {
         weighted_rows_add<HEAD_DIM>(acc.data() + r * head_dim, scores.data() + r * max_context + start + lo,
-                                    values + lo * st.cache_slot, st.cache_slot, hi - lo, head_dim);
+                                    values + lo * stride, stride, hi - lo, head_dim);
       });
       for (int64_t r = 0; r < rows; ++r) {
         scalar_t* o = out + seq * st.out_seq + (first_kv_head * group + r) * st.out_head;

@@ -41,7 +41,8 @@ class Fleet:
             "-m", "workers", "--model", self.model_dir, *names, "--redis-url",
             self.redis_url, "--name", name, "--num-kv-blocks", str(num_kv_blocks), "--max-num-seqs",
             str(max_num_seqs), "--lease-seconds", str(lease_seconds), "--drain-seconds", str(drain_seconds),
-            "--metrics-port", str(port), "--heartbeat-seconds", "0.2", "--log-level", "WARNING", *extra])
+            "--metrics-port", str(port), "--heartbeat-seconds", "0.2", "--log-level", "WARNING",
+            "--dtype", "float32", *extra])  # fp32: the tests compare with in-process engines (tests/conftest.py)
 
     def start_finalizer(self, *extra: str) -> subprocess.Popen:
         return self._spawn("finalizer", ["-m", "workers.finalizer", "--redis-url", self.redis_url, *extra])
