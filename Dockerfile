@@ -8,8 +8,10 @@ ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 HOME=/cache TRITON_CACHE_DIR=/cache/tr
 WORKDIR /app
 
 # A C/C++ compiler: Triton builds its launcher with it on GPUs, and the CPU attention
-# kernel (kernels/csrc) is compiled on a worker's first start.
-RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
+# kernel (kernels/csrc) is compiled on a worker's first start. tcmalloc: a worker restarts
+# itself with it preloaded (engine/cpu_runtime.py; KVFLEET_MALLOC=glibc opts out).
+RUN apt-get update && apt-get install -y --no-install-recommends g++ libtcmalloc-minimal4 \
+    && rm -rf /var/lib/apt/lists/*
 
 # torch first (the CUDA build from PyPI), so the project install does not re-resolve it.
 RUN pip install "torch>=2.5,<2.15"

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import random
 
 import torch
@@ -19,12 +18,14 @@ from engine import parallel
 from engine.attention import AttentionMetadata, ForwardContext, PrefillSpan, select_backend
 from engine.checkpoint import load_hf_config
 from engine.config import EngineConfig
+from engine.cpu_runtime import pin_threads
 from engine.kv_cache import KVGroup, kv_groups, pool_sizes
 from engine.loader import load_weights, model_weights
 from engine.models import get_model_class
 from engine.models.layers import (
     can_use_onednn_linear,
     cpu_has_native_bf16,
+    use_cpu_layers,
     use_onednn_linears,
     use_triton_layers,
 )
@@ -112,6 +113,8 @@ class ModelRunner:
         self.backend = select_backend(config.attention_backend, self.device)
         if self.backend.name == "triton":
             use_triton_layers(self.model)
+        elif self.backend.name == "cpu" and self.dtype != torch.float32:  # the native library is built
+            use_cpu_layers(self.model)
         if config.onednn_linear and can_use_onednn_linear(self.device, self.dtype):
             use_onednn_linears(self.model, batch_size_hint=config.max_num_seqs)
         # longrope: tokens past this use the long factors (engine/models/layers.py); else None
@@ -366,8 +369,8 @@ def run_shard(config_json: str, rank: int, init_method: str) -> None:
     """The main of ranks 1..N-1: load the shard, then run steps until rank 0 says exit.
     Any failure ends the process with an error, which fails rank 0's next collective."""
     config = EngineConfig(**json.loads(config_json))
-    if not torch.cuda.is_available():  # the ranks share the host's cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
+    if not torch.cuda.is_available():  # the ranks share the host's cores: each pins its own share
+        pin_threads("cpu", config.tensor_parallel_size, rank)
     runner = ModelRunner(config, load_hf_config(config.model), set(), rank=rank,
                          init_method=init_method)
     with torch.inference_mode():

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
+# One library, kvfleet_cpu: the decode kernel, and the CPU layers beside it (kernels/cpu_layers.py).
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode_cpu.cpp", "cpu_layers.cpp")]
 # -fopenmp: at::parallel_for is inlined OpenMP, sharing torch's own libgomp thread pool.
 # The math flags let g++ vectorise the dot-product reductions; not -ffast-math, whose
 # finite-math assumption would break the -inf masking.
@@ -54,7 +55,7 @@ def _build() -> str | None:
             # hold it no other build runs here and a leftover torch lock is stale.
             fcntl.flock(guard, fcntl.LOCK_EX)
             (build_dir / "lock").unlink(missing_ok=True)
-            cpp_extension.load(name="kvfleet_cpu_ops", sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
+            cpp_extension.load(name="kvfleet_cpu_ops", sources=[str(source) for source in _SOURCES], extra_cflags=_CFLAGS,
                                extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
                                is_python_module=False, verbose=False)
     except Exception as error:  # noqa: BLE001 (no compiler, no ninja, a build error: all mean "not here")

@@ -18,6 +18,7 @@ import sys
 
 from engine import create_engine
 from engine.arg_utils import add_engine_args, engine_config_from_args
+from engine.cpu_runtime import pin_threads, reexec_with_allocator
 from jobs import keys
 from jobs.connection import REDIS_URL_HELP, connect
 from jobs.preflight import StartupError, check_startup
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     metrics, health = WorkerMetrics(args.name, names[0]), Health(args.stall_seconds)
     if args.metrics_port:  # before the model loads: /livez answers while it does, /healthz says not ready
         serve(args.metrics_port, metrics.registry, health)
+    pin_threads(args.device, args.tensor_parallel_size)  # rank 0's share of the cores; other ranks pin theirs
     try:
         engine = create_engine(engine_config_from_args(args))
     except ValueError as error:
@@ -96,4 +98,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    reexec_with_allocator()  # a CLI start only: LD_PRELOAD is read when a process starts
     sys.exit(main())

@@ -46,12 +46,20 @@ class ProcessGroup:
         self.processes: dict[str, subprocess.Popen] = {}
         self.env = env
 
-    def start(self, name: str, module_args: list[str], log: Path | None = None) -> subprocess.Popen:
-        """`python -m MODULE ARGS...`; output to `log`, or to this process's own."""
+    def start(self, name: str, module_args: list[str], log: Path | None = None,
+              cpus: set[int] | None = None) -> subprocess.Popen:
+        """`python -m MODULE ARGS...`; output to `log`, or to this process's own; on `cpus`
+        only, when given (engine/cpu_runtime.py: core_plan)."""
         output = open(log, "wb") if log else None  # noqa: SIM115 (kept open for the process's life)
+
+        def before_exec() -> None:
+            _die_with_parent()
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+
         process = subprocess.Popen([sys.executable, "-m", *module_args], stdout=output,
                                    stderr=subprocess.STDOUT if output else None, env=self.env,
-                                   preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                                   preexec_fn=before_exec if sys.platform == "linux" else None,
                                    start_new_session=True)  # a Ctrl-C reaches the parent only: it stops us in order
         self.processes[name] = process
         return process

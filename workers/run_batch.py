@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from engine import EmbeddingEngine, LLMEngine, ParallelGroupError, create_engine
 from engine.arg_utils import add_engine_args, engine_config_from_args
+from engine.cpu_runtime import pin_threads, reexec_with_allocator
 from jobs.results import error_line, success_line
 from jobs.schemas import MAX_REPORTED_ERRORS, LineError, custom_id_of, parse_line
 from workers.translate import (
@@ -154,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     if errors and not args.skip_invalid:
         print(f"{len(errors)} of {num_lines} lines invalid; nothing ran", file=sys.stderr)
         return 1
+    pin_threads(args.device, args.tensor_parallel_size)
     try:
         engine = create_engine(engine_config_from_args(args))
     except ValueError as error:
@@ -199,4 +201,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    reexec_with_allocator()  # a CLI start only: LD_PRELOAD is read when a process starts
     sys.exit(main())

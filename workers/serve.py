@@ -14,12 +14,14 @@ worker unchanged (`python -m workers --help`).
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from engine.cpu_runtime import core_plan
 from jobs.connection import connect
 from jobs.local_redis import RedisServer
 from workers import __main__ as worker_cli
@@ -67,13 +69,17 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     group, own_redis, exit_code = ProcessGroup(), None, 0
     try:
+        # The API, finalizer and Redis off the worker's cores once there are enough of them.
+        worker_cpus, service_cpus = core_plan(os.sched_getaffinity(0))
         redis_url = reachable_redis(args.redis_url)
         if redis_url is None:
             own_redis = RedisServer(Path(tempfile.mkdtemp(prefix="kvfleet-redis-"))).start()
+            os.sched_setaffinity(own_redis.process.pid, service_cpus)
             redis_url = own_redis.url
-        group.start("worker", ["workers", *worker_argv(argv), "--redis-url", redis_url])
-        group.start("finalizer", ["workers.finalizer", "--redis-url", redis_url])
-        group.start("api", ["producers.api", "--host", args.host, "--port", str(args.port), "--redis-url", redis_url])
+        group.start("worker", ["workers", *worker_argv(argv), "--redis-url", redis_url], cpus=worker_cpus)
+        group.start("finalizer", ["workers.finalizer", "--redis-url", redis_url], cpus=service_cpus)
+        group.start("api", ["producers.api", "--host", args.host, "--port", str(args.port), "--redis-url", redis_url],
+                    cpus=service_cpus)
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
         group.wait_for_http(f"http://{host}:{args.port}/healthz")
         group.wait_for_model(connect(redis_url), model)

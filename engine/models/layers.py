@@ -126,6 +126,17 @@ def use_triton_layers(model: nn.Module) -> None:
             module.use_triton_kernel()
 
 
+def use_cpu_layers(model: nn.Module) -> None:
+    """Route every RMSNorm of a bf16 or fp16 model through the native CPU kernel that fuses
+    it with its residual add (kernels/cpu_layers.py): one pass per row, where the torch
+    path makes eight over the whole step and allocates a temporary for each."""
+    from kernels.cpu_layers import add_rms_norm  # noqa: PLC0415 (builds the native library)
+
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.kernel = add_rms_norm
+
+
 class OneDNNLinear(nn.Module):
     """nn.Linear with its weight reordered once into oneDNN's blocked layout (CPU, fp32).
 

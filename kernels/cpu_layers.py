@@ -1,0 +1,24 @@
+"""CPU layers in native code (csrc/cpu_layers.cpp, in the library kernels/cpu_paged_attention.py
+builds): RMSNorm fused with the residual add before it, for bf16 and fp16 models."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.cpu_paged_attention import load_error
+
+
+def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """Same contract as kernels.reference.rms_norm, in one pass per row: x, residual [..., hidden]
+    bf16 or fp16, weight [hidden]. Returns normed, or (normed, x + residual) with `residual`."""
+    error = load_error()
+    if error is not None:
+        raise RuntimeError(f"the native CPU kernels could not be built: {error}")
+    shape = x.shape  # [..., hidden]: Qwen3's q/k norms pass [T, heads, head_dim]
+    rows = x.reshape(-1, shape[-1])
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    out = torch.empty(rows.shape, dtype=x.dtype)
+    residual_out = None if residual is None else torch.empty(rows.shape, dtype=x.dtype)
+    residual_rows = None if residual is None else residual.reshape(rows.shape).contiguous()
+    torch.ops.kvfleet_cpu.add_rms_norm(out, residual_out, rows, residual_rows, weight, eps)
+    return out.view(shape) if residual is None else (out.view(shape), residual_out.view(shape))

@@ -1,0 +1,83 @@
+"""The CPU worker's process: cores for its threads and for serve's services, and the
+allocator the launchers preload."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from engine import cpu_runtime
+from engine.cpu_runtime import allocator_env, core_plan, find_allocator, physical_cores
+
+TWO_WAY_SMT = {cpu: {cpu % 4, cpu % 4 + 4} for cpu in range(8)}  # 4 cores, CPUs n and n + 4 siblings
+
+
+@pytest.fixture
+def smt_host(monkeypatch):
+    monkeypatch.setattr(cpu_runtime, "first_sibling", lambda cpu, cpus: min(TWO_WAY_SMT[cpu] & cpus | {cpu}))
+
+
+def test_one_thread_per_physical_core(smt_host):
+    assert physical_cores(set(range(8))) == [0, 1, 2, 3]
+    assert physical_cores({1, 5, 6}) == [1, 6]  # 6's sibling 2 is not ours: 6 stands for its core
+
+
+def test_serve_gives_the_services_the_last_core_from_four_cores(smt_host):
+    assert core_plan(set(range(8))) == ({0, 1, 2, 4, 5, 6}, {3, 7})
+    assert core_plan({0, 1, 4, 5}) == ({0, 1, 4, 5}, {0, 1, 4, 5})  # two cores: everything shares
+
+
+def test_this_host_has_its_own_cpus_as_cores():
+    cpus = os.sched_getaffinity(0)
+    cores = physical_cores(cpus)
+    assert cores and set(cores) <= cpus
+
+
+def test_allocator_env_preloads_once_and_obeys_kvfleet_malloc(monkeypatch):
+    monkeypatch.setattr(cpu_runtime, "find_allocator", lambda name: f"/lib/lib{name}.so")
+    env = allocator_env({"LD_PRELOAD": "/lib/other.so"})
+    assert env["LD_PRELOAD"] == "/lib/libtcmalloc.so:/lib/other.so"
+    assert allocator_env(env) == env  # already there: unchanged, so a re-exec happens once
+    assert allocator_env({"KVFLEET_MALLOC": "jemalloc"})["LD_PRELOAD"] == "/lib/libjemalloc.so"
+    assert "LD_PRELOAD" not in allocator_env({"KVFLEET_MALLOC": "glibc"})
+    with pytest.raises(ValueError, match="KVFLEET_MALLOC must be glibc, tcmalloc or jemalloc"):
+        allocator_env({"KVFLEET_MALLOC": "mimalloc"})
+
+
+def test_no_allocator_installed_leaves_the_env_alone(monkeypatch):
+    monkeypatch.setattr(cpu_runtime, "find_allocator", lambda name: None)
+    assert allocator_env({"PATH": "/bin"}) == {"PATH": "/bin"}
+
+
+@pytest.mark.skipif(find_allocator("tcmalloc") is None, reason="libtcmalloc-minimal4 is not installed")
+def test_a_cli_restarts_itself_on_tcmalloc():
+    code = ("from engine.cpu_runtime import reexec_with_allocator, preloaded_allocator; "
+            "reexec_with_allocator(); print(preloaded_allocator())")
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "KVFLEET_MALLOC")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert done.stdout.strip() == "tcmalloc", done.stderr
+    glibc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env={**env, "KVFLEET_MALLOC": "glibc"}, timeout=60)
+    assert glibc.stdout.strip() == "glibc malloc"
+
+
+def test_pin_threads_runs_one_pinned_openmp_thread_per_core():
+    code = """
+import json, os, torch
+from engine.cpu_runtime import pin_threads
+cores = pin_threads("cpu")
+torch.ones(1 << 22).sum()  # a parallel region: every OpenMP thread exists
+allowed = [open(f"/proc/self/task/{t}/status").read().split("Cpus_allowed_list:")[1].split()[0]
+           for t in os.listdir("/proc/self/task")]
+print(json.dumps({"cores": cores, "threads": torch.get_num_threads(), "allowed": allowed}))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["cores"] == physical_cores(os.sched_getaffinity(0))
+    assert found["threads"] == len(found["cores"])
+    assert {str(core) for core in found["cores"]} <= set(found["allowed"])  # one thread pinned to each core
