@@ -46,7 +46,7 @@ from benchmarks.common import (
     stream_read_probe_bytes_per_s,
 )
 from engine.checkpoint import load_hf_config
-from engine.cpu_runtime import find_allocator
+from workers.allocator import find_allocator
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 # max_model_len per workload: the longest prompt plus its output, rounded up.

@@ -1,4 +1,5 @@
-"""The process around a CPU worker: which cores its threads run on, and which malloc.
+"""The process around a CPU worker: which cores its threads run on (the malloc it runs on
+is chosen before torch loads: workers/allocator.py).
 
 Threads: one OpenMP thread per physical core the process may use (a second hyperthread
 shares the core's AVX-512 and AMX units, so it adds contention, not FLOPs), each pinned to
@@ -6,71 +7,17 @@ its core. Unpinned threads migrate mid-step, and every parallel region waits for
 slowest thread. `workers.serve` keeps the API, the finalizer and Redis off the worker's
 cores once there are SERVICE_CORE_FROM cores: they share the last one; below that, giving
 them a core would cost the worker more than their interruptions do.
-
-The allocator: each CPU step allocates and frees activations of a few MB to a few hundred
-MB per layer; glibc malloc hands big blocks back to the OS and faults them in again, where
-tcmalloc and jemalloc keep them. benchmarks/engine_throughput.py measures the three; the
-launchers preload PREFERRED_ALLOCATOR when it is installed (Debian: libtcmalloc-minimal4),
-as vLLM's CPU guide advises. KVFLEET_MALLOC=glibc|tcmalloc|jemalloc overrides the choice.
 """
 
 from __future__ import annotations
 
-import glob
 import logging
 import os
-import platform
-import sys
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-# Shared objects per allocator, in order of preference; the first installed one is used.
-ALLOCATOR_LIBRARIES = {"tcmalloc": ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"),
-                       "jemalloc": ("libjemalloc.so.2",)}
-LIBRARY_DIRS = (f"/usr/lib/{platform.machine()}-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
-PREFERRED_ALLOCATOR = "tcmalloc"
 SERVICE_CORE_FROM = 4
-
-
-def find_allocator(name: str) -> str | None:
-    """The path of allocator `name` (tcmalloc, jemalloc) on this machine, or None."""
-    for library in ALLOCATOR_LIBRARIES[name]:
-        for directory in LIBRARY_DIRS:
-            found = glob.glob(f"{directory}/{library}")
-            if found:
-                return found[0]
-    return None
-
-
-def allocator_env(env: dict[str, str]) -> dict[str, str]:
-    """`env` with the chosen allocator in LD_PRELOAD (a process reads it when it starts)."""
-    name = env.get("KVFLEET_MALLOC", PREFERRED_ALLOCATOR)
-    if name == "glibc":
-        return env
-    if name not in ALLOCATOR_LIBRARIES:
-        raise ValueError(f"KVFLEET_MALLOC must be glibc, tcmalloc or jemalloc, not {name!r}")
-    path = find_allocator(name)
-    preloaded = env.get("LD_PRELOAD", "")
-    if path is None or path in preloaded.split(":"):
-        return env
-    return {**env, "LD_PRELOAD": ":".join(filter(None, [path, preloaded]))}
-
-
-def reexec_with_allocator() -> None:
-    """Start this process again with the allocator preloaded, unless it already is (or
-    none is installed, or KVFLEET_MALLOC=glibc). For CLIs, before anything else runs."""
-    env = allocator_env(dict(os.environ))
-    if env.get("LD_PRELOAD") != os.environ.get("LD_PRELOAD") and sys.platform == "linux":
-        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
-
-
-def preloaded_allocator() -> str:
-    """What this process runs on, for its start-up log line."""
-    for name, libraries in ALLOCATOR_LIBRARIES.items():
-        if any(library in os.environ.get("LD_PRELOAD", "") for library in libraries):
-            return name
-    return "glibc malloc"
 
 
 def physical_cores(cpus: set[int]) -> list[int]:
@@ -114,9 +61,8 @@ def pin_threads(device: str = "cpu", num_shares: int = 1, share: int = 0) -> lis
 
     if load_error() is None:
         torch.ops.kvfleet_cpu.bind_threads(mine)
-        logger.info("%d OpenMP threads pinned to cores %s; allocator: %s", len(mine), mine, preloaded_allocator())
+        logger.info("%d OpenMP threads pinned to cores %s", len(mine), mine)
     else:
         torch.set_num_threads(len(mine))
-        logger.info("%d OpenMP threads (not pinned: no native kernel); allocator: %s", len(mine),
-                    preloaded_allocator())
+        logger.info("%d OpenMP threads (not pinned: no native kernel)", len(mine))
     return mine

@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args, rest = build_parser().parse_known_args(sys.argv[1:] if argv is None else argv)
     if argv is None and args.command in ("worker", "run-batch"):
-        from engine.cpu_runtime import reexec_with_allocator  # noqa: PLC0415 (loads torch: these two only)
+        from workers.allocator import reexec_with_allocator  # noqa: PLC0415 (these two only)
 
         reexec_with_allocator()  # as `python -m workers` does: LD_PRELOAD is read when a process starts
     module = importlib.import_module(COMMANDS[args.command][0])

@@ -10,21 +10,27 @@ The worker serves the stream of each served model name; the default name is the
 
 from __future__ import annotations
 
-import argparse
-import logging
-import os
-import socket
-import sys
+if __name__ == "__main__":  # a CLI start: restart on the chosen malloc before torch loads (stdlib only)
+    from workers.allocator import reexec_with_allocator
 
-from engine import create_engine
-from engine.arg_utils import add_engine_args, engine_config_from_args
-from engine.cpu_runtime import pin_threads, reexec_with_allocator
-from jobs import keys
-from jobs.connection import REDIS_URL_HELP, connect
-from jobs.preflight import StartupError, check_startup
-from workers.health import DEFAULT_STALL_SECONDS, Health, serve
-from workers.metrics import WorkerMetrics
-from workers.worker import Worker, WorkerOptions
+    reexec_with_allocator()
+
+import argparse  # noqa: E402
+import logging  # noqa: E402
+import os  # noqa: E402
+import socket  # noqa: E402
+import sys  # noqa: E402
+
+from engine import create_engine  # noqa: E402
+from engine.arg_utils import add_engine_args, engine_config_from_args  # noqa: E402
+from engine.cpu_runtime import pin_threads  # noqa: E402
+from jobs import keys  # noqa: E402
+from jobs.connection import REDIS_URL_HELP, connect  # noqa: E402
+from jobs.preflight import StartupError, check_startup  # noqa: E402
+from workers.allocator import preloaded_allocator  # noqa: E402
+from workers.health import DEFAULT_STALL_SECONDS, Health, serve  # noqa: E402
+from workers.metrics import WorkerMetrics  # noqa: E402
+from workers.worker import Worker, WorkerOptions  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,8 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     worker.install_signal_handlers()
     capacity = (f"{engine.num_total_blocks} KV blocks" if engine.task == "generate"
                 else f"embeddings, {engine.config.max_num_batched_tokens} tokens a step")
-    logging.getLogger("kvfleet.worker").info("%s: serving %s from %s with %s", args.name,
-                                             ", ".join(map(repr, names)), args.redis_url, capacity)
+    logging.getLogger("kvfleet.worker").info("%s: serving %s from %s with %s; %s", args.name,
+                                             ", ".join(map(repr, names)), args.redis_url, capacity,
+                                             preloaded_allocator())
     try:
         return worker.work()
     finally:
@@ -98,5 +105,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    reexec_with_allocator()  # a CLI start only: LD_PRELOAD is read when a process starts
     sys.exit(main())

@@ -17,21 +17,26 @@ own error line. An interrupted run (Ctrl-C, SIGTERM) keeps every finished line;
 
 from __future__ import annotations
 
-import argparse
-import json
-import signal
-import sys
-from collections.abc import Iterator
-from contextlib import nullcontext
+if __name__ == "__main__":  # a CLI start: restart on the chosen malloc before torch loads (stdlib only)
+    from workers.allocator import reexec_with_allocator
 
-from tqdm import tqdm
+    reexec_with_allocator()
 
-from engine import EmbeddingEngine, LLMEngine, ParallelGroupError, create_engine
-from engine.arg_utils import add_engine_args, engine_config_from_args
-from engine.cpu_runtime import pin_threads, reexec_with_allocator
-from jobs.results import error_line, success_line
-from jobs.schemas import MAX_REPORTED_ERRORS, LineError, custom_id_of, parse_line
-from workers.translate import (
+import argparse  # noqa: E402
+import json  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from contextlib import nullcontext  # noqa: E402
+
+from tqdm import tqdm  # noqa: E402
+
+from engine import EmbeddingEngine, LLMEngine, ParallelGroupError, create_engine  # noqa: E402
+from engine.arg_utils import add_engine_args, engine_config_from_args  # noqa: E402
+from engine.cpu_runtime import pin_threads  # noqa: E402
+from jobs.results import error_line, success_line  # noqa: E402
+from jobs.schemas import MAX_REPORTED_ERRORS, LineError, custom_id_of, parse_line  # noqa: E402
+from workers.translate import (  # noqa: E402
     EmbeddingRequest,
     EngineRequest,
     error_code,
@@ -200,5 +205,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    reexec_with_allocator()  # a CLI start only: LD_PRELOAD is read when a process starts
     sys.exit(main())

@@ -11,7 +11,9 @@ import sys
 import pytest
 
 from engine import cpu_runtime
-from engine.cpu_runtime import allocator_env, core_plan, find_allocator, physical_cores
+from engine.cpu_runtime import core_plan, physical_cores
+from workers import allocator
+from workers.allocator import allocator_env, find_allocator
 
 TWO_WAY_SMT = {cpu: {cpu % 4, cpu % 4 + 4} for cpu in range(8)}  # 4 cores, CPUs n and n + 4 siblings
 
@@ -38,7 +40,7 @@ def test_this_host_has_its_own_cpus_as_cores():
 
 
 def test_allocator_env_preloads_once_and_obeys_kvfleet_malloc(monkeypatch):
-    monkeypatch.setattr(cpu_runtime, "find_allocator", lambda name: f"/lib/lib{name}.so")
+    monkeypatch.setattr(allocator, "find_allocator", lambda name: f"/lib/lib{name}.so")
     env = allocator_env({"LD_PRELOAD": "/lib/other.so"})
     assert env["LD_PRELOAD"] == "/lib/libtcmalloc.so:/lib/other.so"
     assert allocator_env(env) == env  # already there: unchanged, so a re-exec happens once
@@ -49,13 +51,13 @@ def test_allocator_env_preloads_once_and_obeys_kvfleet_malloc(monkeypatch):
 
 
 def test_no_allocator_installed_leaves_the_env_alone(monkeypatch):
-    monkeypatch.setattr(cpu_runtime, "find_allocator", lambda name: None)
+    monkeypatch.setattr(allocator, "find_allocator", lambda name: None)
     assert allocator_env({"PATH": "/bin"}) == {"PATH": "/bin"}
 
 
 @pytest.mark.skipif(find_allocator("tcmalloc") is None, reason="libtcmalloc-minimal4 is not installed")
 def test_a_cli_restarts_itself_on_tcmalloc():
-    code = ("from engine.cpu_runtime import reexec_with_allocator, preloaded_allocator; "
+    code = ("from workers.allocator import reexec_with_allocator, preloaded_allocator; "
             "reexec_with_allocator(); print(preloaded_allocator())")
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "KVFLEET_MALLOC")}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
