@@ -147,8 +147,7 @@ def step_flops(config: LlamaConfig, rows: list[tuple[int, int]]) -> float:
 
 def decode_step_flops(config: LlamaConfig, context_lens: list[int]) -> float:
     """FLOPs of one decode step: a new token per sequence over its context (new token included)."""
-    linear, lm_head, attention = flops_per_token(config)
-    return (linear + lm_head) * len(context_lens) + attention * sum(context_lens)
+    return step_flops(config, [(1, context - 1) for context in context_lens])
 
 
 def decode_step_roofline_seconds(config: LlamaConfig, context_lens: list[int], matmul_flops: float,

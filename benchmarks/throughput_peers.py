@@ -24,8 +24,6 @@ from benchmarks.common import Workload
 from benchmarks.peers import run_hf_continuous, run_hf_static
 from engine import LLM, SamplingParams
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
 
 def run_kvfleet(model: str, run: dict) -> dict:
     llm = LLM(model, dtype=run["dtype"], max_num_seqs=run["max_num_seqs"], max_model_len=run["max_model_len"],
@@ -60,7 +58,7 @@ def run_transformers(run_peer):
     batch carries short requests through its longest one; that padding does not count)."""
     def run(model_dir: str, run: dict) -> dict:
         workload = Workload(run["prompts"], run["output_lens"])
-        result = run_peer(model_dir, workload, run["max_num_seqs"], dtype=DTYPES[run["dtype"]])
+        result = run_peer(model_dir, workload, run["max_num_seqs"], dtype=getattr(torch, run["dtype"]))
         return {"seconds": result["seconds"], "output_tokens": result.get("output_tokens", workload.num_output_tokens)}
     return run
 

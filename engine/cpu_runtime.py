@@ -15,6 +15,8 @@ import logging
 import os
 from pathlib import Path
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 SERVICE_CORE_FROM = 4
@@ -50,8 +52,6 @@ def pin_threads(device: str = "cpu", num_shares: int = 1, share: int = 0) -> lis
     """On the CPU (`device` cpu, or auto without CUDA): pin this process's OpenMP threads,
     one per physical core of its share (tensor-parallel rank `share` of `num_shares` on one
     host), and return those cores; elsewhere nothing, []."""
-    import torch  # noqa: PLC0415 (the launchers' start-up; this module stays light)
-
     if device not in ("cpu", "auto") or (device == "auto" and torch.cuda.is_available()):
         return []
     cores = physical_cores(os.sched_getaffinity(0))
