@@ -154,29 +154,36 @@ class TritonAttentionBackend:
         return out
 
 
-def select_backend(name: str, device: torch.device):
-    """auto: triton on CUDA; on the CPU the native kernel, or torch where it cannot be built."""
+def resolve_backend_name(name: str, device: torch.device) -> str:
+    """The kernels an attention_backend setting runs on `device`: "cpu" (native), "torch" or
+    "triton". auto: triton on CUDA; on the CPU the native kernels, or torch where they cannot
+    be built. Shared by the paged backends and the packed ones (engine/packed_attention.py)."""
     if name in ("auto", "cpu") and device.type == "cpu":
         from kernels.cpu_paged_attention import load_error  # noqa: PLC0415
 
         error = load_error()
         if error is None:
-            return CpuAttentionBackend()
+            return "cpu"
         if name == "cpu":
             raise ValueError(f"attention_backend='cpu' needs its native kernel, which could not be built "
                              f"(a C++ compiler and ninja are required): {error}")
         logger.warning("native CPU attention unavailable, using the torch path: %s", error)
-        return TorchAttentionBackend()
+        return "torch"
     if name == "cpu":
         raise ValueError(f"attention_backend='cpu' runs on the CPU only, not on {device.type}")
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        return "triton" if device.type == "cuda" else "torch"
     if name == "torch":
-        return TorchAttentionBackend()
+        return "torch"
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("attention_backend='triton' needs a CUDA device; on the CPU it runs only under "
                          "TRITON_INTERPRET=1 (set before kernels are imported), which is for tests")
-    return TritonAttentionBackend()
+    return "triton"
+
+
+def select_backend(name: str, device: torch.device):
+    backends = {"cpu": CpuAttentionBackend, "torch": TorchAttentionBackend, "triton": TritonAttentionBackend}
+    return backends[resolve_backend_name(name, device)]()
 
 
 @dataclass

@@ -14,6 +14,7 @@ from engine.model_runner import resolve_device, resolve_dtype
 from engine.models import MODEL_REGISTRY, get_model_class
 from engine.models.bert import BertModel, XLMRobertaModel
 from engine.models.layers import (
+    bucket_rows,
     can_use_onednn_linear,
     use_low_precision_linears,
     use_onednn_linears,
@@ -70,8 +71,14 @@ class EmbeddingModelRunner:
             use_triton_layers(self.model)
         if self.is_mixed_precision:
             use_low_precision_linears(self.model, self.dtype)
+            if self.backend.name == "cpu":  # the native library is built: LayerNorms write both dtypes
+                self.model.use_native_layer_norms(self.dtype)
         elif config.onednn_linear and can_use_onednn_linear(self.device, self.dtype):
             use_onednn_linears(self.model, batch_size_hint=config.max_num_batched_tokens)
+        # The native attention reads the inputs in place, so the batch can be padded once to the
+        # row count the oneDNN matmuls run at (layers.py: bucket_rows) instead of copied into it
+        # at each matmul. Pad rows belong to no input: they attend to nothing and are never pooled.
+        self.pad_rows = self.backend.name == "cpu"
 
     def _load_model(self, model_cls: type[nn.Module], hf_config) -> nn.Module:
         previous = torch.get_default_dtype()
@@ -95,11 +102,14 @@ class EmbeddingModelRunner:
     def embed(self, token_ids: list[list[int]], pooling_type: str) -> torch.Tensor:
         """Inputs' token ids -> pooled hidden states [num_inputs, hidden] fp32 (not normalized)."""
         seq_lens = [len(ids) for ids in token_ids]
-        input_ids = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.long, device=self.device)
-        meta = PackedAttentionMetadata.build(seq_lens, self.is_causal, self.device)
-        lens = torch.tensor(seq_lens, device=self.device)
-        starts = torch.repeat_interleave(meta.cu_seqlens[:-1].long(), lens)  # [T]: each token's input start
-        positions = torch.arange(input_ids.shape[0], device=self.device) - starts  # [T]: 0.. within each input
+        num_tokens = sum(seq_lens)
+        num_rows = bucket_rows(num_tokens) if self.pad_rows else num_tokens
+        input_ids = torch.zeros(num_rows, dtype=torch.long)  # [R]: the tokens, then pad rows of id 0
+        input_ids[:num_tokens] = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.long)
+        meta = PackedAttentionMetadata.build(seq_lens, self.is_causal, self.device, num_rows)
+        lens = torch.tensor(seq_lens)
+        positions = torch.zeros(num_rows, dtype=torch.long)  # [R]: 0.. within each input, 0 on pad rows
+        positions[:num_tokens] = torch.arange(num_tokens) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
         ctx = ForwardContext(meta, [(None, None)] * self.num_layers, self.backend)
-        hidden = self.model(input_ids, positions, ctx)  # [T, hidden]
-        return pool(hidden, seq_lens, pooling_type)
+        hidden = self.model(input_ids.to(self.device), positions.to(self.device), ctx)  # [R, hidden]
+        return pool(hidden[:num_tokens], seq_lens, pooling_type)

@@ -8,11 +8,11 @@ so the decoder models run unchanged as embedding models; the caches they pass ar
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
 
+from engine.attention import resolve_backend_name
 from kernels import reference
 
 
@@ -22,22 +22,25 @@ class PackedAttentionMetadata:
     cu_seqlens: torch.Tensor  # [num_seqs + 1] int32 on the device: each input's first row, then the total
     max_seqlen: int
     causal: bool  # decoder embedding models; encoders see their whole input
-    seq_lens: torch.Tensor  # [T] each token's input length (read by longrope, as in AttentionMetadata)
+    seq_lens: torch.Tensor  # [R] each row's input length (read by longrope, as in AttentionMetadata); 1 on pad rows
     # How the CPU path pads (kernels/reference.py: padding_plan), built by the first layer that needs it.
     padding_plan: list[reference.PaddedGroup] | None = field(default=None, repr=False)
 
     @classmethod
-    def build(cls, seq_lens: list[int], causal: bool, device: torch.device) -> PackedAttentionMetadata:
+    def build(cls, seq_lens: list[int], causal: bool, device: torch.device,
+              num_rows: int | None = None) -> PackedAttentionMetadata:
+        """num_rows: the batch's rows R when it carries pad rows after the inputs (CPU only)."""
         lens = torch.tensor(seq_lens, dtype=torch.int32)
         cu_seqlens = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
         torch.cumsum(lens, 0, out=cu_seqlens[1:])
-        return cls(seq_lens, cu_seqlens.to(device), max(seq_lens), causal,
-                   torch.repeat_interleave(lens, lens).to(device))
+        row_lens = torch.ones(num_rows or int(cu_seqlens[-1]), dtype=torch.int32)
+        row_lens[:int(cu_seqlens[-1])] = torch.repeat_interleave(lens, lens)
+        return cls(seq_lens, cu_seqlens.to(device), max(seq_lens), causal, row_lens.to(device))
 
 
 class TorchPackedAttention:
     """One batched SDPA over the inputs padded for attention alone (kernels/reference.py:
-    padded_varlen_attention); the CPU path."""
+    padded_varlen_attention); the CPU path where the native kernel cannot be built."""
 
     name = "torch"
 
@@ -52,6 +55,22 @@ class TorchPackedAttention:
             meta.padding_plan = reference.padding_plan(meta.seq_lens_list, meta.causal, query.device)
         return reference.padded_varlen_attention(query, key, value, meta.seq_lens_list, scale, meta.causal,
                                                  meta.padding_plan)
+
+
+class CpuPackedAttention(TorchPackedAttention):
+    """The native varlen kernel (kernels/cpu_varlen_attention.py); the CPU path. It reads the
+    inputs in place, so the batch may carry rows past the last input (padding for the matmuls,
+    engine/embedding_runner.py): their output is zero."""
+
+    name = "cpu"
+
+    def forward(self, query, key, value, key_cache, value_cache, meta: PackedAttentionMetadata, scale: float,
+                sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        from kernels.cpu_varlen_attention import varlen_attention  # noqa: PLC0415 (builds on first use)
+
+        if sinks is not None:
+            raise ValueError("attention sinks are not supported in embedding models")
+        return varlen_attention(query, key, value, meta.cu_seqlens, scale, meta.causal)
 
 
 class TritonPackedAttention(TorchPackedAttention):
@@ -72,13 +91,6 @@ class TritonPackedAttention(TorchPackedAttention):
 
 
 def select_packed_backend(name: str, device: torch.device) -> TorchPackedAttention:
-    """auto: triton on CUDA, torch on the CPU (`cpu` names the same torch path: its native
-    kernel is for paged decode, which embeddings never run)."""
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    if name in ("torch", "cpu"):
-        return TorchPackedAttention()
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("attention_backend='triton' needs a CUDA device; on the CPU it runs only under "
-                         "TRITON_INTERPRET=1 (set before kernels are imported), which is for tests")
-    return TritonPackedAttention()
+    """The paged backends' rule (engine/attention.py: resolve_backend_name)."""
+    backends = {"cpu": CpuPackedAttention, "torch": TorchPackedAttention, "triton": TritonPackedAttention}
+    return backends[resolve_backend_name(name, device)]()

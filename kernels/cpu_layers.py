@@ -1,5 +1,6 @@
 """CPU layers in native code (csrc/cpu_layers.cpp, in the library kernels/cpu_paged_attention.py
-builds): RMSNorm fused with the residual add before it, for bf16 and fp16 models."""
+builds): RMSNorm fused with the residual add before it, for bf16 and fp16 models, and
+LayerNorm fused with it for encoders whose matmuls run in bf16 around an fp32 residual stream."""
 
 from __future__ import annotations
 
@@ -22,3 +23,19 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
     residual_rows = None if residual is None else residual.reshape(rows.shape).contiguous()
     torch.ops.kvfleet_cpu.add_rms_norm(out, residual_out, rows, residual_rows, weight, eps)
     return out.view(shape) if residual is None else (out.view(shape), residual_out.view(shape))
+
+
+def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
+                   eps: float, low_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """LayerNorm(x + residual) in fp32, and its copy in `low_dtype` (bf16 or fp16), in one pass:
+    x [rows, hidden] fp32/bf16/fp16, residual fp32 like it or None, weight and bias fp32 [hidden].
+    Returns (normed fp32, normed in low_dtype)."""
+    error = load_error()
+    if error is not None:
+        raise RuntimeError(f"the native CPU kernels could not be built: {error}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty(x.shape, dtype=torch.float32)
+    out_low = torch.empty(x.shape, dtype=low_dtype)
+    torch.ops.kvfleet_cpu.add_layer_norm(out, out_low, x, None if residual is None else residual.contiguous(),
+                                         weight, bias, eps)
+    return out, out_low

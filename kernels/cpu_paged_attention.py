@@ -11,17 +11,23 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import hashlib
 import os
 from pathlib import Path
 
 import torch
 
-# One library, kvfleet_cpu: the decode kernel, and the CPU layers beside it (kernels/cpu_layers.py).
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode_cpu.cpp", "cpu_layers.cpp")]
+# One library, kvfleet_cpu: the decode kernel, the packed attention of embedding models
+# (kernels/cpu_varlen_attention.py) and the CPU layers (kernels/cpu_layers.py).
+_SOURCES = [Path(__file__).parent / "csrc" / name
+            for name in ("paged_decode_cpu.cpp", "varlen_attention_cpu.cpp", "cpu_layers.cpp")]
 # -fopenmp: at::parallel_for is inlined OpenMP, sharing torch's own libgomp thread pool.
 # The math flags let g++ vectorise the dot-product reductions; not -ffast-math, whose
 # finite-math assumption would break the -inf masking.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-funsafe-math-optimizations"]
+# cpp_extension rebuilds when a source or a flag changes, not when a header does: the shared
+# header's digest rides in a flag so that editing it rebuilds the library too.
+_HEADER = Path(__file__).parent / "csrc" / "cpu_vec.h"
 
 
 def _put_ninja_on_path() -> None:
@@ -55,7 +61,9 @@ def _build() -> str | None:
             # hold it no other build runs here and a leftover torch lock is stale.
             fcntl.flock(guard, fcntl.LOCK_EX)
             (build_dir / "lock").unlink(missing_ok=True)
-            cpp_extension.load(name="kvfleet_cpu_ops", sources=[str(source) for source in _SOURCES], extra_cflags=_CFLAGS,
+            digest = hashlib.sha256(_HEADER.read_bytes()).hexdigest()[:16]
+            cpp_extension.load(name="kvfleet_cpu_ops", sources=[str(source) for source in _SOURCES],
+                               extra_cflags=[*_CFLAGS, f"-DKVFLEET_CPU_VEC_H={digest}"],
                                extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
                                is_python_module=False, verbose=False)
     except Exception as error:  # noqa: BLE001 (no compiler, no ninja, a build error: all mean "not here")

@@ -7,6 +7,10 @@ checkpoint's names map one to one; q/k/v are fused into one matmul (`packed_modu
 
     embeddings: word + position (+ XLM-R's padding offset) + token type 0 -> LayerNorm
     each layer: x = LN(x + out(attention(x)));  x = LN(x + down(act(up(x))))
+
+The hidden state travels as a pair: the fp32 residual stream and the matmuls' input. They are
+one tensor unless the matmuls run in bf16/fp16 (`use_low_precision`); then every LayerNorm
+writes both at once on the CPU (kernels/cpu_layers.py: add_layer_norm).
 """
 
 from __future__ import annotations
@@ -19,9 +23,27 @@ from engine.attention import ForwardContext
 from engine.models.layers import LowPrecisionLinear
 from engine.models.parallel_layers import ColumnParallelLinear
 
+# (residual stream, matmul input): the same tensor, or fp32 and its bf16/fp16 copy.
+Hidden = tuple[torch.Tensor, torch.Tensor]
+
 # Checkpoint tensors an encoder used for embeddings never reads: the pretraining heads, the
 # pooler (sentence-transformers pools itself), and a buffer some checkpoints save.
 _UNUSED_PREFIXES = ("pooler.", "cls.", "lm_head.", "embeddings.position_ids")
+
+
+class AddLayerNorm(nn.LayerNorm):
+    """LayerNorm(x + residual) -> Hidden. Once `low_dtype` is set (bf16/fp16 matmuls on the
+    CPU) it also returns the copy in that dtype, from the same native pass."""
+
+    low_dtype: torch.dtype | None = None
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> Hidden:
+        if self.low_dtype is not None:
+            from kernels.cpu_layers import add_layer_norm  # noqa: PLC0415 (builds the native library)
+
+            return add_layer_norm(x, residual, self.weight, self.bias, self.eps, self.low_dtype)
+        out = self(x + residual)
+        return out, out
 
 
 class BertEmbeddings(nn.Module):
@@ -30,14 +52,13 @@ class BertEmbeddings(nn.Module):
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
-        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.LayerNorm = AddLayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.position_offset = position_offset
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Hidden:
         """input_ids, positions [T] -> [T, hidden]; every token is of type 0 (single inputs)."""
         hidden = self.word_embeddings(input_ids) + self.token_type_embeddings.weight[0]
-        hidden = hidden + self.position_embeddings(positions + self.position_offset)
-        return self.LayerNorm(hidden)
+        return self.LayerNorm.add_norm(hidden, self.position_embeddings(positions + self.position_offset))
 
 
 class BertSelfAttention(nn.Module):
@@ -62,10 +83,10 @@ class BertSelfOutput(nn.Module):
     def __init__(self, in_features: int, config) -> None:
         super().__init__()
         self.dense = nn.Linear(in_features, config.hidden_size)
-        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.LayerNorm = AddLayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.dense(hidden) + residual)
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor) -> Hidden:
+        return self.LayerNorm.add_norm(self.dense(hidden), residual)
 
 
 class BertAttention(nn.Module):
@@ -74,8 +95,9 @@ class BertAttention(nn.Module):
         self.self = BertSelfAttention(config)
         self.output = BertSelfOutput(config.hidden_size, config)
 
-    def forward(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return self.output(self.self(hidden, ctx), hidden)
+    def forward(self, hidden: Hidden, ctx: ForwardContext) -> Hidden:
+        residual, matmul_input = hidden
+        return self.output(self.self(matmul_input, ctx), residual)
 
 
 class BertIntermediate(nn.Module):
@@ -102,9 +124,9 @@ class BertLayer(nn.Module):
         self.intermediate = BertIntermediate(config)
         self.output = BertSelfOutput(config.intermediate_size, config)
 
-    def forward(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        hidden = self.attention(hidden, ctx)
-        return self.output(self.intermediate(hidden), hidden)
+    def forward(self, hidden: Hidden, ctx: ForwardContext) -> Hidden:
+        residual, matmul_input = self.attention(hidden, ctx)
+        return self.output(self.intermediate(matmul_input), residual)
 
 
 class BertEncoder(nn.Module):
@@ -150,7 +172,13 @@ class BertModel(nn.Module):
         hidden = self.embeddings(input_ids, positions)
         for layer in self.encoder.layer:
             hidden = layer(hidden, ctx)
-        return hidden
+        return hidden[0]
+
+    def use_native_layer_norms(self, low_dtype: torch.dtype) -> None:
+        """Every LayerNorm also writes its output in `low_dtype`, the matmuls' (CPU only)."""
+        for module in self.modules():
+            if isinstance(module, AddLayerNorm):
+                module.low_dtype = low_dtype
 
 
 class XLMRobertaModel(BertModel):

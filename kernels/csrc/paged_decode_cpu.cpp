@@ -10,6 +10,8 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include "cpu_vec.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -21,87 +23,11 @@
 
 namespace {
 
+using namespace kvfleet_cpu;  // NOLINT: the vector helpers are this kernel's vocabulary
+
 struct Strides {
   int64_t query_seq, query_head, out_seq, out_head, table_seq, cache_block, cache_slot, cache_head;
 };
-
-// 16 fp32 lanes: one AVX-512 register, or two AVX2 / four NEON ones, as g++ lowers it.
-using vfloat = float __attribute__((vector_size(64)));
-constexpr int kLanes = 16;
-
-// 16 consecutive elements widened to fp32 (memcpy: unaligned, no aliasing assumptions).
-inline vfloat load16(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline vfloat load16(const at::BFloat16* p) {  // bf16 is the top half of an fp32
-  using u16x16 = uint16_t __attribute__((vector_size(32)));
-  using u32x16 = uint32_t __attribute__((vector_size(64)));
-  u16x16 raw;
-  std::memcpy(&raw, p, sizeof raw);
-  const u32x16 wide = __builtin_convertvector(raw, u32x16) << 16;
-  vfloat v;
-  std::memcpy(&v, &wide, sizeof v);
-  return v;
-}
-inline vfloat load16(const at::Half* p) {
-  using f16x16 = _Float16 __attribute__((vector_size(32)));
-  f16x16 raw;
-  std::memcpy(&raw, p, sizeof raw);
-  return __builtin_convertvector(raw, vfloat);
-}
-inline void store16(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
-inline float reduce_add(vfloat v) {  // a tree of halves: log2(16) dependent adds, not 15
-  using v8 = float __attribute__((vector_size(32)));
-  using v4 = float __attribute__((vector_size(16)));
-  v8 low, high;
-  std::memcpy(&low, &v, sizeof low);
-  std::memcpy(&high, reinterpret_cast<const char*>(&v) + sizeof low, sizeof high);
-  low += high;
-  v4 a, b;
-  std::memcpy(&a, &low, sizeof a);
-  std::memcpy(&b, reinterpret_cast<const char*>(&low) + sizeof a, sizeof b);
-  a += b;
-  return (a[0] + a[2]) + (a[1] + a[3]);
-}
-
-// The largest of x[0:n], n >= 1: 16 lanes at a time, then the tail.
-inline float max_of(const float* x, int64_t n) {
-  vfloat best16 = vfloat{} - std::numeric_limits<float>::infinity();
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    const vfloat v = load16(x + i);
-    best16 = v > best16 ? v : best16;
-  }
-  float best = best16[0];
-  for (int lane = 1; lane < kLanes; ++lane) best = std::max(best, best16[lane]);
-  for (; i < n; ++i) best = std::max(best, x[i]);
-  return best;
-}
-
-// e^x for x <= 0 (scores minus their row max), 16 lanes at once: x = n ln2 + r with
-// |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error < 2e-7), 2^n
-// through the exponent bits. Scalar std::exp was a third of the kernel's compute time.
-inline vfloat exp16(vfloat x) {
-  const vfloat floor_x = vfloat{} - 87.0f;  // e^-87 ~ 1.6e-38: n stays above -126, a normal float
-  x = x < floor_x ? floor_x : x;
-  using i32x16 = int32_t __attribute__((vector_size(64)));
-  const i32x16 n = __builtin_convertvector(x * 1.44269504f - 0.5f, i32x16);  // round(x / ln2), x <= 0
-  const vfloat nf = __builtin_convertvector(n, vfloat);
-  const vfloat r = (x - nf * 0.693145752f) - nf * 1.42860677e-6f;  // ln2 split in two for precision
-  vfloat poly = 1.f / 720 + r * 0.f;
-  poly = poly * r + 1.f / 120;
-  poly = poly * r + 1.f / 24;
-  poly = poly * r + 1.f / 6;
-  poly = poly * r + 0.5f;
-  poly = poly * r + 1.f;
-  poly = poly * r + 1.f;
-  const i32x16 bits = (n + 127) << 23;
-  vfloat two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  return poly * two_n;
-}
 
 // q . k over head_dim; q is fp32, k a cache row. Vector code when HEAD_DIM is a fixed
 // multiple of 16 (64 and 128 are instantiated), a plain loop otherwise.

@@ -11,8 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from engine import EngineConfig, create_engine
+from engine.models.layers import bucket_rows
 from engine.packed_attention import PackedAttentionMetadata
 from kernels import reference
+from kernels.cpu_paged_attention import load_error
+from kernels.cpu_varlen_attention import varlen_attention as cpu_varlen_attention
 from kernels.varlen_attention import varlen_attention
 from tests.embedding_models import write_embedding_checkpoint
 
@@ -39,6 +42,31 @@ def test_varlen_attention_matches_reference(num_heads, num_kv_heads, head_dim, c
     assert (got - expected).abs().max() <= TOLERANCE
     padded = reference.padded_varlen_attention(query, key, value, seq_lens, scale, causal)
     assert (padded - expected).abs().max() <= TOLERANCE
+    if query.device.type == "cpu" and load_error() is None:
+        native = cpu_varlen_attention(query, key, value, meta.cu_seqlens, scale, causal)
+        assert (native - expected).abs().max() <= TOLERANCE
+
+
+@pytest.mark.skipif(load_error() is not None, reason="no C++ compiler: the native kernels cannot build")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_native_cpu_kernel_reads_a_fused_projection_in_low_precision(dtype, causal):
+    """q/k/v as views of one [T, 3, H, D] projection (row stride 3*H*D), as bert.py passes them,
+    with pad rows after the last input: fp32 accumulation, one rounding of the output, and
+    zero on the pad rows."""
+    seq_lens, num_heads, head_dim = [3, 60, 1, 129, 16], 12, 32
+    total, padded_rows = sum(seq_lens), sum(seq_lens) + 11
+    qkv = torch.randn(padded_rows, 3, num_heads, head_dim, generator=torch.Generator().manual_seed(7)).to(dtype)
+    query, key, value = qkv.unbind(1)
+    meta = PackedAttentionMetadata.build(seq_lens, causal, query.device, padded_rows)
+    got = cpu_varlen_attention(query, key, value, meta.cu_seqlens, 0.2, causal)
+    assert got.shape == query.shape and got.dtype == dtype
+    expected = reference.varlen_attention(*(x[:total].float() for x in (query, key, value)), seq_lens, 0.2, causal)
+    # One rounding to the dtype (half an ulp: 2^-9 relative in bf16, 2^-12 in fp16) on fp32 sums.
+    rtol = 2 ** -8 if dtype == torch.bfloat16 else 2 ** -11
+    torch.testing.assert_close(got[:total].float(), expected, rtol=rtol, atol=1e-5)
+    assert not got[total:].any()
+    assert meta.seq_lens.tolist() == [n for n in seq_lens for _ in range(n)] + [1] * 11
 
 
 def test_each_sequence_sees_only_itself():
@@ -53,16 +81,23 @@ def test_each_sequence_sees_only_itself():
     assert not torch.allclose(before[5:14], after[5:14])
 
 
-@pytest.mark.parametrize("name, extra", [("xlm_roberta", {}), ("qwen3_embedding", {"pooling": "last"})])
-def test_embedding_engine_on_triton_matches_torch(tmp_path, tiny_tokenizer, name, extra):
+@pytest.mark.parametrize("name, extra", [("xlm_roberta", {}), ("qwen3_embedding", {"pooling": "last"}),
+                                         ("bert", {"dtype": "bfloat16"})])
+def test_embedding_engine_on_triton_and_native_cpu_matches_torch(tmp_path, tiny_tokenizer, name, extra):
+    """The same embeddings from the torch path, the Triton kernel and the native CPU kernel (the
+    CPU default, with the batch padded to the matmuls' row buckets; in bf16, with the native
+    LayerNorms too)."""
     folder = str(write_embedding_checkpoint(name, tmp_path / name, tiny_tokenizer))
     generator = torch.Generator().manual_seed(3)
-    inputs = [torch.randint(3, 500, (n,), generator=generator).tolist() for n in (1, 9, 40, 64, 17)]
+    inputs = [torch.randint(3, 500, (n,), generator=generator).tolist() for n in (1, 9, 40, 64, 17, 70)]
     results = {}
-    for backend in ("torch", "triton"):
+    backends = ("torch", "auto") if extra.get("dtype") == "bfloat16" else ("torch", "triton", "auto")
+    for backend in backends:
         engine = create_engine(EngineConfig(model=folder, attention_backend=backend, task="embed", **extra))
-        assert engine.model_runner.backend.name == backend
+        assert engine.model_runner.backend.name == {"auto": "cpu"}.get(backend, backend)
         engine.add_request("r", inputs)
         (output,) = engine.step()
         results[backend] = torch.tensor([o.embedding for o in output.outputs])
-    assert F.cosine_similarity(results["triton"], results["torch"]).min() >= 0.99999
+    assert engine.model_runner.pad_rows and sum(map(len, inputs)) != bucket_rows(sum(map(len, inputs)))
+    for backend in backends[1:]:
+        assert F.cosine_similarity(results[backend], results["torch"]).min() >= 0.99999
