@@ -7,11 +7,12 @@ from engine.llm_engine import ContextLengthExceeded, EngineStats, LLMEngine, Pro
 from engine.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from engine.parallel import ParallelGroupError
 from engine.pooling import PoolingParams
+from engine.resume import SampleProgress
 from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from engine.tasks import create_engine, resolve_task
 
 __all__ = ["LLM", "LLMEngine", "ContextLengthExceeded", "EngineConfig", "EngineStats", "SamplingParams", "RequestOutputKind",
-           "ProcessedRequest",
+           "ProcessedRequest", "SampleProgress",
            "RequestOutput", "CompletionOutput", "ParallelGroupError",
            "StructuredOutputsParams", "EmbeddingEngine", "ProcessedEmbeddingRequest", "EmbeddingOutput",
            "EmbeddingRequestOutput", "PoolingParams", "create_engine", "resolve_task"]

@@ -19,6 +19,7 @@ from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.postprocess import DeltaTracker, StopChecker, make_request_output, request_metrics
+from engine.resume import SampleProgress, check_progress, progress_of, resumed_sequence
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
@@ -158,8 +159,10 @@ class LLMEngine:
         priority scheduling); equal priorities run in arrival order."""
         self.add_processed_request(self.process_request(request_id, prompt, params, arrival_time, priority))
 
-    def add_processed_request(self, request: ProcessedRequest) -> None:
-        """Queue a request `process_request` validated (a worker validates before it admits)."""
+    def add_processed_request(self, request: ProcessedRequest, resume: list[SampleProgress] | None = None) -> None:
+        """Queue a request `process_request` validated (a worker validates before it admits).
+        `resume`: its samples' progress from an earlier run (engine/resume.py), continued
+        where they stopped; ValueError (and nothing queued) if it cannot be."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already running")
         params = request.params
@@ -167,13 +170,28 @@ class LLMEngine:
                        priority=request.priority)
         if params.structured_outputs is not None:
             seq.grammar = self._structured().start(params.structured_outputs)  # compiles in the background
+        seqs = [seq]
+        if resume:
+            check_progress(resume, params.n, params.max_tokens, self.hf_config.vocab_size)
+            seqs = [resumed_sequence(seq, sample, self.tokenizer) for sample in sorted(resume, key=lambda p: p.index)]
         deltas = DeltaTracker() if params.output_kind is RequestOutputKind.DELTA else None
-        self.requests[request.request_id] = _Request(request.prompt, [seq], deltas)
-        self.scheduler.add(seq)
+        self.requests[request.request_id] = _Request(request.prompt, seqs, deltas)
+        for sample in seqs:
+            if not sample.is_finished:
+                self.scheduler.add(sample)
+
+    def num_output_tokens(self, request_id: str) -> int:
+        """Tokens a running request's samples have generated so far (0 once it is gone)."""
+        request = self.requests.get(request_id)
+        return 0 if request is None else sum(seq.num_output_tokens for seq in request.seqs)
+
+    def progress(self, request_id: str) -> list[SampleProgress] | None:
+        """A running request's samples so far, to checkpoint (None: nothing to resume yet)."""
+        request = self.requests.get(request_id)
+        return None if request is None else progress_of(request.seqs)
 
     def abort(self, request_id: str) -> None:
-        for seq in self.scheduler.abort(request_id):
-            self.model_runner.release(seq)
+        self.scheduler.abort(request_id)
         self.requests.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
@@ -211,10 +229,8 @@ class LLMEngine:
                              [CompletionOutput(0, "", [], "error")], error=seq.grammar.error())
 
     def _collect_outputs(self, sampled_seqs: list[Sequence], finished_seqs: list[Sequence]) -> list[RequestOutput]:
-        """Release each finished sample; a request is done once all n of its samples are.
-        Finished samples were sampled this step, so `sampled_seqs` names every request."""
-        for seq in finished_seqs:
-            self.model_runner.release(seq)
+        """A request is done once all n of its samples are. Finished samples were sampled this
+        step, so `sampled_seqs` names every request."""
         outputs, now = [], time.monotonic()
         for request_id in dict.fromkeys(seq.request_id for seq in sampled_seqs):  # once each, in order
             request = self.requests[request_id]

@@ -30,7 +30,7 @@ from engine.models.layers import (
     use_triton_layers,
 )
 from engine.models.moe import active_parameter_fraction
-from engine.sampler import Sampler, SamplerOutput, SamplerRow
+from engine.sampler import Sampler, SamplerOutput, SamplerRow, token_seed
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 from engine.shard import StepInputs, free_init_method, send_exit, start_shards
@@ -126,7 +126,6 @@ class ModelRunner:
         self._allocate_kv_cache(kv_groups(attention_layers))
         self.sampler = Sampler()
         self.structured = None  # engine.structured_outputs.StructuredOutputs, set with the first constraint
-        self.generators: dict[str, torch.Generator] = {}
 
     def _load_model(self, hf_config) -> torch.nn.Module:
         model_cls = get_model_class(hf_config)
@@ -344,17 +343,11 @@ class ModelRunner:
             suppressed = list(params.stop_token_ids) + ([] if params.ignore_eos else sorted(self.eos_token_ids))
         generator = None
         if not params.is_greedy:
-            generator = self.generators.get(seq.seq_id)
-            if generator is None:
-                seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
-                if seq.sample_index:
-                    seed = hash((seed, seq.sample_index)) & (2**63 - 1)
-                generator = torch.Generator(device=self.device).manual_seed(seed)
-                self.generators[seq.seq_id] = generator
+            if seq.sampling_seed is None:  # unseeded: drawn once, then kept with the sequence
+                seq.sampling_seed = self._seed_source.getrandbits(63)
+            seed = token_seed(seq.sampling_seed, seq.sample_index, seq.num_output_tokens)
+            generator = torch.Generator(device=self.device).manual_seed(seed)
         return SamplerRow(seq, generator, suppressed)
-
-    def release(self, seq: Sequence) -> None:
-        self.generators.pop(seq.seq_id, None)
 
 
 def padded_tables(tables: list[list[int]]) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Turns the logits of one step into next tokens, for a batch whose rows each have
-their own sampling parameters. Vectorised over rows; only seeded or randomly
-sampled rows touch their own torch.Generator.
+their own sampling parameters. Vectorised over rows; each randomly sampled row draws
+from a generator seeded for that one token (token_seed).
 
 Order, as in vLLM: logprobs (of the raw model distribution) -> min_tokens ->
 penalties -> greedy, or temperature -> top-k -> top-p -> min-p -> sample.
@@ -14,6 +14,26 @@ import torch
 
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
+
+_MASK64 = 2**64 - 1
+
+
+def _splitmix64(x: int) -> int:
+    """A 64-bit integer hash (Steele et al.'s SplitMix64 finalizer): nearby inputs, far outputs."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def token_seed(sampling_seed: int, sample_index: int, position: int) -> int:
+    """The seed of the draw for output token `position` of sample `sample_index`.
+
+    A function of those three alone, not of a generator's running state: the token drawn at
+    a position is the same in any batch, after a preemption, and on another worker that
+    resumes the sequence from a checkpoint of its tokens. An unseeded request draws its
+    sampling_seed once (engine/model_runner.py) and keeps it on the Sequence."""
+    return _splitmix64(_splitmix64(sampling_seed ^ _splitmix64(sample_index)) ^ position) & (2**63 - 1)
 
 
 @dataclass

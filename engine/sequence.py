@@ -57,6 +57,9 @@ class Sequence:
         self.last_token_time: float | None = None
         self.inter_token_latencies: list[float] = []
         self.grammar = None  # engine.structured_outputs.SequenceGrammar of a constrained request
+        # The seed each sampled token's draw derives from (engine/sampler.py: token_seed): the
+        # request's, or one the model runner draws at the first sample and keeps here.
+        self.sampling_seed: int | None = params.seed
 
     @property
     def seq_id(self) -> str:
@@ -108,6 +111,7 @@ class Sequence:
         child.first_scheduled_time = self.first_scheduled_time
         child.status = self.status
         child.grammar = self.grammar.fork() if self.grammar is not None else None
+        child.sampling_seed = self.sampling_seed  # its own draws still differ: token_seed mixes in the sample
         return child
 
     def __repr__(self) -> str:

@@ -69,6 +69,18 @@ class SequenceGrammar:
             self._matcher = xgrammar.GrammarMatcher(self.compiled.result())
         return self._matcher
 
+    def replay(self, token_ids: list[int]) -> None:
+        """A resumed sequence (engine/resume.py): advance past the tokens it generated before.
+        Waits for the compile (resumes are rare; the cache usually holds the grammar), so a
+        token the grammar rejects is a ValueError when the request is added, not mid-step."""
+        try:
+            self.compiled.result(timeout=max(0.0, COMPILE_TIMEOUT_SECONDS - (time.monotonic() - self.started_at)))
+        except Exception as error:  # noqa: BLE001 (a failed or slow compile: the request fails as a fresh one would)
+            raise ValueError(f"structured_outputs: the grammar did not compile: {clean_error(error)}") from None
+        for token_id in token_ids:
+            if not self.matcher.accept_token(token_id):
+                raise ValueError(f"resume: generated token {token_id} does not follow the grammar")
+
     def accept(self, token_id: int) -> bool:
         return self.matcher.accept_token(token_id)
 

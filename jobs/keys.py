@@ -106,6 +106,13 @@ def partition_counts(batch_id: str, partition: int) -> str:
     return f"{PREFIX}:counts:{{p{partition}}}:{batch_id}"
 
 
+def checkpoint(owner: str, name: str) -> str:
+    """A running generation's checkpoint (workers/checkpoints.py). A batch line's: owner =
+    batch id, name = custom_id (unique in its batch); an online request's: its request id
+    twice. The hash tag keeps a batch's checkpoints in one slot."""
+    return f"{PREFIX}:ckpt:{{{owner}}}:{name}"
+
+
 def dead_letters(stream_key: str) -> str:
     """The dead-letter stream of a stream: the same hash tag, so moving an entry is one MULTI."""
     return f"{PREFIX}:dead:{{{hash_tag(stream_key)}}}"

@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     fleet.add_argument("--max-requeues", type=int, default=100,
                        help="times an entry may be handed back for lack of room; then it fails with cannot_fit")
     fleet.add_argument("--drain-seconds", type=float, default=30.0, help="SIGTERM: time to finish in-flight work")
+    fleet.add_argument("--checkpoint-tokens", type=int, default=16,
+                       help="save a running batch request's generated tokens in Redis every this many, so that "
+                            "a worker taking it over after a crash continues it; 0: never")
     fleet.add_argument("--online-reserve", type=int,
                        help="seats (and their blocks) batch work leaves free for online requests; "
                             "default: one in sixteen of --max-num-seqs, at least one")
@@ -70,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.online_reserve is not None and args.online_reserve < 0:
         parser.error("--online-reserve must be >= 0")
+    if args.checkpoint_tokens < 0:
+        parser.error("--checkpoint-tokens must be >= 0")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     names = served_model_names(args)
     r = connect(args.redis_url)
@@ -90,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     options = WorkerOptions(name=args.name, served_model_names=names, lease_seconds=args.lease_seconds,
                             max_deliveries=args.max_deliveries, max_requeues=args.max_requeues,
                             drain_seconds=args.drain_seconds, online_reserve=args.online_reserve,
+                            checkpoint_tokens=args.checkpoint_tokens,
                             maintain_seconds=args.heartbeat_seconds)
     worker = Worker(engine, r, options, metrics, health)
     worker.install_signal_handlers()

@@ -27,6 +27,7 @@ from workers.served_streams import ServedStreams
 from workers.translate import EngineRequest, RequestRejected, error_code, to_engine_request, to_result_line
 
 MAX_CACHED_BATCHES = 1024
+CHECKPOINT_GRACE_SECONDS = 3600  # a checkpoint outlives its batch's window by this, then expires
 BATCH_PRIORITY = MAX_PRIORITY + 1  # the engine priority of batch work: below every online priority
 
 
@@ -64,6 +65,7 @@ class BatchLane(Lane):
         self.served.rotate()  # every partition gets read
         entries = self.pull_entries(count, reclaim)
         accepted = [work for entry in entries if (work := self.accept_or_dead_letter(*entry)) is not None]
+        self.load_checkpoints(accepted)
         needed = [self.engine.num_blocks_needed(len(work.processed.prompt_token_ids)) for work in accepted]
         for blocks in needed:
             admission.observe(blocks)
@@ -77,6 +79,8 @@ class BatchLane(Lane):
 
     def on_output(self, output: RequestOutput) -> None:
         work = self.in_flight.pop(output.request_id)  # batch outputs arrive finished (FINAL_ONLY)
+        if work.checkpoint_key is not None:
+            self.finished_checkpoints.append(work.checkpoint_key)
         self.config.metrics.observe_finished(output, work.enqueued_at)
         if output.error is not None:  # it never ran (its grammar did not compile)
             line = error_line(work.custom_id, "structured_outputs_error", output.error)
@@ -97,6 +101,7 @@ class BatchLane(Lane):
                 continue
             for work in [w for w in self.in_flight.values() if w.batch_id == batch_id]:
                 self.drop(work)
+                self.finished_checkpoints.append(work.checkpoint_key)
                 self.add_result(PendingResult(work.stream, work.entry_id, batch_id, error_line(work.custom_id,
                                                                                                *reason)))
 
@@ -150,8 +155,11 @@ class BatchLane(Lane):
             line = error_line(entry.custom_id, error_code(error), str(error))
             self.add_result(PendingResult(stream, entry_id, entry.batch_id, line))
             return None
-        return BatchWork(stream, entry_id, fields, request, processed, entry.enqueued_at, entry.batch_id,
-                         entry.custom_id)
+        return BatchWork(stream, entry_id, fields, request, processed, entry.enqueued_at,
+                         checkpoint_key=keys.checkpoint(entry.batch_id, entry.custom_id),
+                         checkpoint_expires_at=float((self.batch(entry.batch_id) or {}).get("expires_at", time.time()))
+                         + CHECKPOINT_GRACE_SECONDS,
+                         batch_id=entry.batch_id, custom_id=entry.custom_id)
 
     def prepare(self, request_id: str, line: Request) -> tuple[EngineRequest, ProcessedRequest]:
         """The engine's request for a line, validated (ValueError if it can never run here)."""

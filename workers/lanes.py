@@ -15,9 +15,13 @@ The worker loop (workers/worker.py) calls only these methods, in this order:
     held()               every (stream, entry id) the lane has not acknowledged: the worker
                          keeps their leases (workers/leases.py)
     lose(stream, id)     another worker took that entry over: abort it, never settle it
+    checkpoint()         save the progress of running generations in Redis (every
+                         `checkpoint_tokens` tokens; workers/checkpoints.py), so that a worker
+                         that takes an entry over continues it (once per loop, after settle)
     release()            after a failed engine step: drop everything unacknowledged; it
                          returns to the fleet after the lease, each delivery counted
-    hand_back()          on exit: abort what still runs and put it back on its stream
+    hand_back()          on exit: checkpoint what still runs, abort it and put it back on
+                         its stream
 
 NOTE: a lane's in-flight request ids are `engine_request_id(stream, entry_id)`; entry ids
 are unique only within a stream.
@@ -27,12 +31,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import redis
 
-from engine import LLMEngine, ProcessedRequest, RequestOutput
-from workers import stream_ops
+from engine import LLMEngine, ProcessedRequest, RequestOutput, SampleProgress
+from workers import checkpoints, stream_ops
 from workers.admission import Admission, TokenBudget
 from workers.metrics import WorkerMetrics
 from workers.translate import EngineRequest
@@ -54,6 +59,7 @@ class LaneConfig:
     admission: Admission
     metrics: WorkerMetrics
     token_budget: TokenBudget | None = None  # embedding workers: admission by tokens
+    checkpoint_tokens: int = 0  # generated tokens between checkpoints; 0: none (embedding workers)
 
 
 @dataclass
@@ -66,6 +72,10 @@ class Work:
     request: EngineRequest
     processed: ProcessedRequest  # validated by the engine, ready to start
     enqueued_at: float | None  # wall-clock seconds, for the queue-time metric
+    checkpoint_key: str | None = None  # where its progress is saved; None: never checkpointed
+    checkpoint_expires_at: float = 0.0  # wall-clock: when its checkpoint is of no more use
+    resume: list[SampleProgress] | None = field(default=None, repr=False)  # a checkpoint to continue from
+    checkpointed_tokens: int = 0  # output tokens at its last checkpoint
 
     @property
     def request_id(self) -> str:
@@ -78,6 +88,7 @@ class Lane:
     def __init__(self, r: redis.Redis, engine: LLMEngine, streams: list[str], config: LaneConfig) -> None:
         self.r, self.engine, self.streams, self.config = r, engine, streams, config
         self.in_flight: dict[str, Work] = {}  # engine request id -> work
+        self.finished_checkpoints: list[str] = []  # keys of finished work, deleted at the next checkpoint()
 
     # -- the protocol; each lane implements these -------------------------------
     def pull(self, reclaim: bool) -> int:
@@ -117,6 +128,8 @@ class Lane:
         return work is not None
 
     def hand_back(self) -> None:
+        with suppress_outages():  # the next worker continues from here instead of from zero
+            self.checkpoint(force=True)
         for work in list(self.in_flight.values()):
             self.drop(work)
             try:
@@ -134,8 +147,47 @@ class Lane:
         return self.owns(engine_request_id(stream, entry_id))
 
     def start(self, work: Work) -> None:
-        self.engine.add_processed_request(work.processed)
+        """Run `work`; from its checkpoint if it has one the engine can continue."""
+        if work.resume:
+            try:
+                self.engine.add_processed_request(work.processed, resume=work.resume)
+                work.checkpointed_tokens = sum(len(sample.token_ids) for sample in work.resume)
+                self.config.metrics.observe_resumed(work.checkpointed_tokens)
+            except ValueError as error:
+                log.warning("%s: cannot resume %s (%s); it starts again", self.config.consumer, work.entry_id, error)
+                self.engine.add_processed_request(work.processed)
+        else:
+            self.engine.add_processed_request(work.processed)
         self.in_flight[work.request_id] = work
+
+    def load_checkpoints(self, works: list[Work]) -> None:
+        """Attach each work's saved progress, if any (one round trip for them all)."""
+        keyed = [work for work in works if work.checkpoint_key is not None]
+        if self.config.checkpoint_tokens and keyed:
+            for work, progress in zip(keyed, checkpoints.load_many(self.r, [w.checkpoint_key for w in keyed])):
+                work.resume = progress
+
+    def checkpoint(self, force: bool = False) -> None:
+        """Save the progress of each running request that generated `checkpoint_tokens` more
+        tokens since its last checkpoint (`force`: any more), and forget finished ones."""
+        every = self.config.checkpoint_tokens
+        if not every:
+            return
+        due = [(work, num_tokens) for work in self.in_flight.values() if work.checkpoint_key is not None
+               and (num_tokens := self.engine.num_output_tokens(work.request_id)) - work.checkpointed_tokens
+               >= (1 if force else every)]
+        if not due and not self.finished_checkpoints:
+            return
+        pipe, now = self.r.pipeline(transaction=False), time.time()
+        for work, num_tokens in due:
+            progress = self.engine.progress(work.request_id)
+            if progress is not None:
+                checkpoints.save(pipe, work.checkpoint_key, progress, int(work.checkpoint_expires_at - now))
+                work.checkpointed_tokens = num_tokens
+        for checkpoint_key in self.finished_checkpoints:  # one key a command: they may sit in other slots
+            pipe.delete(checkpoint_key)
+        pipe.execute()
+        self.finished_checkpoints.clear()
 
     def drop(self, work: Work) -> None:
         """Stop running `work` here, and forget it (its entry is settled or handed back by the caller)."""

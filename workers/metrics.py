@@ -45,6 +45,9 @@ class WorkerMetrics:
         self.embedding_inputs = counter("embedding_inputs", "Inputs embedded (an embeddings request holds one or more)")
         self.num_preemptions = counter("num_preemptions", "Sequences preempted by recompute")
         self.requeues = counter("requeues", "Pulled entries handed back to the stream for lack of room")
+        self.resumed_requests = counter("resumed_requests", "Requests continued from a checkpoint another run saved")
+        self.resumed_tokens = counter("resumed_tokens", "Generated tokens resumed requests did not have to generate "
+                                      "again (they are prefilled instead)")
         self._success = Counter("kvfleet:request_success", "Finished requests by finish reason",
                                 [*names, "lane", "finished_reason"], registry=self.registry)
         self._labels = labels
@@ -69,6 +72,10 @@ class WorkerMetrics:
             self._token_samples.popleft()
         start, tokens = self._token_samples[0]
         return (self.num_generation_tokens - tokens) / (now - start) if now > start else 0.0
+
+    def observe_resumed(self, num_tokens: int) -> None:
+        self.resumed_requests.inc()
+        self.resumed_tokens.inc(num_tokens)
 
     def observe_embedded(self, output: EmbeddingRequestOutput, enqueued_at: float | None, lane: str) -> None:
         """An embeddings request done: its tokens and inputs, and its time since the enqueue."""

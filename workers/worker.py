@@ -65,6 +65,7 @@ class WorkerOptions:
     max_deliveries: int = 3
     max_requeues: int = 100  # hand-backs for lack of room; then the request fails with cannot_fit
     drain_seconds: float = 30.0
+    checkpoint_tokens: int = 16  # generated tokens between a batch request's checkpoints; 0: none
     block_ms: int = 1000
     max_backoff_seconds: float = 5.0
     maintain_seconds: float = 1.0  # heartbeat, lease keeping and batch status checks
@@ -86,7 +87,7 @@ class Worker:
         self.task = getattr(engine, "task", "generate")
         token_budget = TokenBudget(engine.config.max_num_batched_tokens) if self.task == "embed" else None
         config = LaneConfig(options.name, int(options.lease_seconds * 1000), options.max_deliveries, admission,
-                            self.metrics, token_budget)
+                            self.metrics, token_budget, options.checkpoint_tokens if self.task == "generate" else 0)
         online_cls, batch_cls = (EmbeddingOnlineLane, EmbeddingBatchLane) if self.task == "embed" else (OnlineLane,
                                                                                                          BatchLane)
         self.online_lane = online_cls(r, engine, self.streams.online, config)
@@ -171,6 +172,7 @@ class Worker:
             try:
                 for lane in self.lanes:
                     lane.settle()
+                    lane.checkpoint()
             except OUTAGE_ERRORS as error:
                 self._back_off(f"recording a result failed: {error}")
         self._hold_leases()  # without what this turn acked
