@@ -72,10 +72,11 @@ class Work:
     request: EngineRequest
     processed: ProcessedRequest  # validated by the engine, ready to start
     enqueued_at: float | None  # wall-clock seconds, for the queue-time metric
-    checkpoint_key: str | None = None  # where its progress is saved; None: never checkpointed
-    checkpoint_expires_at: float = 0.0  # wall-clock: when its checkpoint is of no more use
-    resume: list[SampleProgress] | None = field(default=None, repr=False)  # a checkpoint to continue from
-    checkpointed_tokens: int = 0  # output tokens at its last checkpoint
+    # Checkpoints (keyword-only: the lanes' own fields keep their positions after enqueued_at).
+    checkpoint_key: str | None = field(default=None, kw_only=True)  # where its progress is saved; None: never
+    checkpoint_expires_at: float = field(default=0.0, kw_only=True)  # wall-clock: of no more use after
+    resume: list[SampleProgress] | None = field(default=None, kw_only=True, repr=False)  # progress to continue
+    checkpointed_tokens: int = field(default=0, kw_only=True)  # output tokens at its last checkpoint
 
     @property
     def request_id(self) -> str:

@@ -159,7 +159,8 @@ class OnlineLane(Lane):
             message = error.message if isinstance(error, LineError) else str(error)
             self.fail(stream, entry_id, entry.request_id, Error(400, error_code(error), message, attempt.number))
             return None
-        return OnlineWork(stream, entry_id, fields, request, processed, entry.enqueued_at, entry, attempt.number)
+        return OnlineWork(stream, entry_id, fields, request, processed, entry.enqueued_at, entry=entry,
+                          attempt=attempt.number)
 
     def prepare(self, request_id: str, entry: OnlineEntry) -> tuple[EngineRequest, ProcessedRequest]:
         """The engine's request for an entry, validated (ValueError if it can never run here);
