@@ -63,9 +63,10 @@ def worker(online_engine, redis_server, r, api):
 
 @pytest.fixture
 def client(api) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{api.url}/v1", api_key="unused", max_retries=0)
+    # A timeout well under openai's 600 s default: a worker thread that died fails the test, not the suite's clock.
+    return openai.OpenAI(base_url=f"{api.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.fixture
 def async_client(api) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{api.url}/v1", api_key="unused", max_retries=0)
+    return openai.AsyncOpenAI(base_url=f"{api.url}/v1", api_key="unused", max_retries=0, timeout=120)
