@@ -45,6 +45,9 @@ class WorkerMetrics:
         self.embedding_inputs = counter("embedding_inputs", "Inputs embedded (an embeddings request holds one or more)")
         self.num_preemptions = counter("num_preemptions", "Sequences preempted by recompute")
         self.requeues = counter("requeues", "Pulled entries handed back to the stream for lack of room")
+        # vLLM's prefix-cache counters, in tokens: looked up in the cache, and found there.
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self.resumed_requests = counter("resumed_requests", "Requests continued from a checkpoint another run saved")
         self.resumed_tokens = counter("resumed_tokens", "Generated tokens resumed requests did not have to generate "
                                       "again (they are prefilled instead)")
@@ -59,7 +62,7 @@ class WorkerMetrics:
                                             buckets=LATENCY_BUCKETS)
         self.request_queue_time = per_lane(Histogram, "request_queue_time_seconds",
                                            "Stream enqueue to engine start", buckets=LATENCY_BUCKETS)
-        self._seen_preemptions = 0
+        self._seen_preemptions = self._seen_prefix_queries = self._seen_prefix_hits = 0
         self.wall_offset = time.time() - time.monotonic()  # the engine's monotonic times -> wall-clock
         self.num_generation_tokens = 0  # both lanes: the heartbeat's tokens/s
         self._token_samples: deque[tuple[float, int]] = deque()
@@ -119,3 +122,6 @@ class WorkerMetrics:
         self.num_free_blocks.set(stats.num_free_blocks)
         self.num_preemptions.inc(stats.num_preemptions - self._seen_preemptions)
         self._seen_preemptions = stats.num_preemptions
+        self.prefix_cache_queries.inc(stats.num_prefix_queried_tokens - self._seen_prefix_queries)
+        self.prefix_cache_hits.inc(stats.num_prefix_hit_tokens - self._seen_prefix_hits)
+        self._seen_prefix_queries, self._seen_prefix_hits = stats.num_prefix_queried_tokens, stats.num_prefix_hit_tokens

@@ -102,3 +102,20 @@ def uninterrupted(model: str, lines: list[dict]) -> dict[str, list]:
         out[line["custom_id"]] = [(c.text, None if c.logprobs is None else pytest.approx(
             [entry[t] for entry, t in zip(c.logprobs, c.token_ids)], abs=1e-4)) for c in output.outputs]
     return out
+
+
+def test_prefix_cache_counters_follow_the_engine_in_tokens(engine, r):
+    """vLLM's prefix_cache_queries / prefix_cache_hits, in tokens, from the heartbeat's stats:
+    lines sharing a 64-token prefix hit it once the first has run."""
+    shared = " ".join(f"w{i}" for i in range(60))
+    worker = make_worker(engine, r, name="w-prefix")
+    before = engine.stats()
+    first = submit_lines(r, [completion("p0", f"{shared} and then 0", max_tokens=2)])
+    run_until(worker, r, [first])  # its blocks are cached once it has run: the next three find them
+    rest = submit_lines(r, [completion(f"p{i}", f"{shared} and then {i}", max_tokens=2) for i in range(1, 4)])
+    run_until(worker, r, [rest])
+    worker._heartbeat()
+    after = engine.stats()
+    queries, hits = worker.metrics.prefix_cache_queries._value.get(), worker.metrics.prefix_cache_hits._value.get()
+    assert (queries, hits) == (after.num_prefix_queried_tokens, after.num_prefix_hit_tokens)
+    assert hits - before.num_prefix_hit_tokens >= 3 * 48  # three later lines found 3+ shared blocks each
