@@ -2,7 +2,8 @@
 
     python -m workers --model PATH [--served-model-name NAME [NAME ...]] [--redis-url URL] [--name NAME]
         [engine options: --max-model-len, --num-kv-blocks | --kv-cache-memory, --max-num-seqs, --dtype, ...]
-        [--metrics-port PORT] [--lease-seconds S] [--max-deliveries N] [--drain-seconds S] [--stall-seconds S]
+        [--metrics-port PORT] [--lease-seconds S] [--max-deliveries N] [--drain-seconds S] [--drain-mode finish|migrate]
+        [--stall-seconds S]
 
 The worker serves the stream of each served model name; the default name is the
 --model argument exactly as given, as `vllm serve` does.
@@ -30,7 +31,7 @@ from jobs.preflight import StartupError, check_startup  # noqa: E402
 from workers.allocator import preloaded_allocator  # noqa: E402
 from workers.health import DEFAULT_STALL_SECONDS, Health, serve  # noqa: E402
 from workers.metrics import WorkerMetrics  # noqa: E402
-from workers.worker import Worker, WorkerOptions  # noqa: E402
+from workers.worker import DRAIN_MODES, Worker, WorkerOptions  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,7 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     fleet.add_argument("--max-deliveries", type=int, default=3, help="then the entry is dead-lettered")
     fleet.add_argument("--max-requeues", type=int, default=100,
                        help="times an entry may be handed back for lack of room; then it fails with cannot_fit")
-    fleet.add_argument("--drain-seconds", type=float, default=30.0, help="SIGTERM: time to finish in-flight work")
+    fleet.add_argument("--drain-seconds", type=float, default=30.0,
+                       help="SIGTERM: time to finish in-flight work (and, with migrate, to make finished work durable)")
+    fleet.add_argument("--drain-mode", choices=DRAIN_MODES, default="finish",
+                       help="SIGTERM: finish in-flight work, or migrate it: hand it back at once with checkpoints "
+                            "of its tokens, for another worker to continue (spot and preemptible machines)")
     fleet.add_argument("--checkpoint-tokens", type=int, default=16,
                        help="save a running batch request's generated tokens in Redis every this many, so that "
                             "a worker taking it over after a crash continues it; 0: never")
@@ -94,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     options = WorkerOptions(name=args.name, served_model_names=names, lease_seconds=args.lease_seconds,
                             max_deliveries=args.max_deliveries, max_requeues=args.max_requeues,
-                            drain_seconds=args.drain_seconds, online_reserve=args.online_reserve,
+                            drain_seconds=args.drain_seconds, drain_mode=args.drain_mode,
+                            online_reserve=args.online_reserve,
                             checkpoint_tokens=args.checkpoint_tokens,
                             maintain_seconds=args.heartbeat_seconds)
     worker = Worker(engine, r, options, metrics, health)

@@ -17,10 +17,14 @@ The loop knows lanes only through their protocol (workers/lanes.py). Redis outag
 off (capped, exponential) and retry; storage targets back off each on their own
 (workers/flush.py); a result is never acknowledged before it is durable, and every
 pulled entry keeps its lease until it is acked, renewed from a thread whatever the loop
-is waiting on. SIGTERM (or SIGINT) drains: stop
-pulling, finish in-flight work within drain_seconds, hand the rest back to the stream,
-exit 0. A second signal is a cold shutdown: hand back at once and exit 1. Whatever ends
-the loop, unfinished work is handed back.
+is waiting on. SIGTERM (or SIGINT) drains, and exits 0 once finished work is durable:
+  drain_mode "finish"   stop pulling, finish in-flight work within drain_seconds, hand the
+                        rest back to the stream;
+  drain_mode "migrate"  stop pulling and hand in-flight work back at once, each request
+                        with a checkpoint of its tokens (workers/checkpoints.py), so another
+                        worker continues it: a spot reclaim's short notice loses nothing.
+A second signal is a cold shutdown: hand back at once and exit 1. Whatever ends the loop,
+unfinished work is handed back.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from workers.served_streams import ServedStreams
 log = logging.getLogger("kvfleet.worker")
 OUTAGE_ERRORS = stream_ops.OUTAGE_ERRORS  # storage errors are workers/flush.py's
 TRIM_SECONDS = 30.0
+DRAIN_MODES = ("finish", "migrate")
 
 
 class ColdShutdown(BaseException):
@@ -65,6 +70,7 @@ class WorkerOptions:
     max_deliveries: int = 3
     max_requeues: int = 100  # hand-backs for lack of room; then the request fails with cannot_fit
     drain_seconds: float = 30.0
+    drain_mode: str = "finish"  # "finish" or "migrate" (DRAIN_MODES)
     checkpoint_tokens: int = 16  # generated tokens between a batch request's checkpoints; 0: none
     block_ms: int = 1000
     max_backoff_seconds: float = 5.0
@@ -126,7 +132,8 @@ class Worker:
 
     def request_stop(self) -> None:
         if not self.stopping:
-            log.info("%s: stop requested; draining for up to %ss", self.options.name, self.options.drain_seconds)
+            log.info("%s: stop requested; draining (%s) for up to %ss", self.options.name, self.options.drain_mode,
+                     self.options.drain_seconds)
         self.stopping = self.health.is_draining = True
 
     def work(self) -> int:
@@ -136,6 +143,8 @@ class Worker:
                 now = time.monotonic()
                 if self.stopping and drain_deadline is None:
                     drain_deadline = now + self.options.drain_seconds
+                    if self.options.drain_mode == "migrate":
+                        self._migrate()
                 if self.stopping and (not self.num_in_flight and not self.is_settling() or now >= drain_deadline):
                     break
                 self.run_once()
@@ -261,6 +270,14 @@ class Worker:
             lane = next((lane for lane in self.lanes if lane.owns(output.request_id)), None)
             if lane is not None:
                 lane.on_output(output)
+
+    def _migrate(self) -> None:
+        """Hand every running request back now, checkpointed; finished work still settles."""
+        num_running = self.num_in_flight
+        for lane in self.lanes:
+            lane.hand_back()
+        self._hold_leases()  # without what went back
+        log.info("%s: migrated %d running requests back to their streams", self.options.name, num_running)
 
     def _hand_back_unfinished(self) -> None:
         """On exit: every lane aborts what still runs and puts it back on its stream (an

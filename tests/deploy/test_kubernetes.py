@@ -130,6 +130,7 @@ def test_workers_drain_within_their_grace_period_ask_their_gpus_and_read_the_mod
     pod, spec = worker["spec"]["template"]["spec"], container(worker)
     drain = float(flag(spec["command"], "--drain-seconds"))
     assert pod["terminationGracePeriodSeconds"] >= drain + 10  # SIGTERM drains, then hands back and exits
+    assert flag(spec["command"], "--drain-mode") == "migrate"  # a spot reclaim's notice loses no tokens
     tensor_parallel_size = int(flag(spec["command"], "--tensor-parallel-size"))
     assert int(spec["resources"]["limits"]["nvidia.com/gpu"]) == tensor_parallel_size
     mounts = {m["name"]: m for m in spec["volumeMounts"]}

@@ -85,6 +85,39 @@ def test_a_drained_worker_checkpoints_everything_it_hands_back(engine, r, tiny_l
         assert [choice_of(c) for c in got[custom_id]["choices"]] == choices
 
 
+def test_sigterm_with_drain_mode_migrate_hands_everything_back_at_once(engine, r, tiny_llama):
+    """--drain-mode migrate: the stopped worker finishes nothing; it checkpoints and hands back
+    every running request in one turn and exits 0; another worker completes the batch, once,
+    with the outputs of an uninterrupted run."""
+    lines = records(6)
+    batch_id = submit_lines(r, lines)
+    migrating = make_worker(engine, r, name="w-migrate", drain_mode="migrate", drain_seconds=60,
+                            checkpoint_tokens=1000)  # no periodic checkpoint: only the hand-back's
+    while sum(engine.num_output_tokens(rid) for rid in migrating.batch_lane.in_flight) < 40:
+        migrating.run_once()
+    generated = {work.custom_id: engine.num_output_tokens(rid) for rid, work in migrating.batch_lane.in_flight.items()}
+    assert len(generated) == 6 and all(0 < n < 60 for n in generated.values())
+    migrating.request_stop()  # what the SIGTERM handler does
+    started = time.monotonic()
+    assert migrating.work() == 0
+    assert time.monotonic() - started < 2.0
+    assert not engine.has_unfinished() and not migrating.batch_lane.in_flight
+    pending = sum(r.xpending(stream, keys.CONSUMER_GROUP)["pending"] for stream in migrating.batch_lane.streams)
+    assert pending == 0  # handed back, not left to a lease
+    saved = {c: checkpoints.load_many(r, [keys.checkpoint(batch_id, c)])[0] for c in generated}
+    assert {c: sum(len(s.token_ids) for s in progress) for c, progress in saved.items()} == generated
+
+    heir = make_worker(engine, r, name="w-heir3", checkpoint_tokens=1000)
+    done = run_until(heir, r, [batch_id])[batch_id]
+    assert done["request_counts"] == {"total": 6, "completed": 6, "failed": 0}
+    assert heir.metrics.resumed_tokens._value.get() == sum(generated.values())
+    got = [line for line in read_lines(r, done["output_file_id"])]
+    assert sorted(line["custom_id"] for line in got) == [f"c{i}" for i in range(6)]  # each exactly once
+    expected = uninterrupted(tiny_llama, lines)
+    for line in got:
+        assert [choice_of(c) for c in line["response"]["body"]["choices"]] == expected[line["custom_id"]]
+
+
 def choice_of(choice: dict) -> tuple[str, list[float] | None]:
     """A result line's choice: its text and its tokens' logprobs."""
     return choice["text"], (choice["logprobs"] or {}).get("token_logprobs")
