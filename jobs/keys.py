@@ -16,6 +16,8 @@ MULTI. Every script and MULTI in kvfleet touches keys of one tag.
 | kvfleet:reply:{request_id}:cancel     | string + TTL | set by the API when the client went away or timed out    |
 | kvfleet:reply:{request_id}:attempts   | hash + TTL   | attempts started, whether tokens went out (until the     |
 |                                       |              | request's deadline: jobs/online.py)                      |
+| kvfleet:ckpt:{batch}:custom_id        | string + TTL | a running batch line's generated tokens (checkpoints.py) |
+| kvfleet:ckpt:{request_id}:online      | string + TTL | the same for an online request (beside its reply stream) |
 | kvfleet:batch:{batch}                 | hash         | the batch object's fields, total, timestamps, sink       |
 | kvfleet:batch:{batch}:results         | hash         | custom id -> result line (the redis sink)                |
 | kvfleet:batches                       | sorted set   | batch ids by creation time (listing)                     |
@@ -109,7 +111,8 @@ def partition_counts(batch_id: str, partition: int) -> str:
 def checkpoint(owner: str, name: str) -> str:
     """A running generation's checkpoint (workers/checkpoints.py). A batch line's: owner =
     batch id, name = custom_id (unique in its batch); an online request's: its request id
-    twice. The hash tag keeps a batch's checkpoints in one slot."""
+    and "online", in the slot of its reply stream. The hash tag keeps a batch's checkpoints
+    in one slot."""
     return f"{PREFIX}:ckpt:{{{owner}}}:{name}"
 
 

@@ -25,12 +25,15 @@ ends the answer with the `reply_lost` error rather than skip text silently.
 Attempts. Every time a worker starts a request it takes the next attempt number from the
 request's attempt record (kvfleet:reply:{request_id}:attempts, a hash kept until the
 request's deadline, so it outlives the reply stream's TTL), and tags each event with it.
-The record also says whether any attempt has sent a token. So when a worker dies
-mid-generation, whoever takes the entry over knows, however late it comes:
-  * a streaming request whose client has seen tokens is not run again (the client would
-    read them twice): its stream ends with the worker_lost error;
-  * a non-streaming one runs again, and the API keeps only the newest attempt's events:
-    the answer is exactly the rerun's, never two attempts joined.
+The record also says whether any attempt has sent a token. When a worker dies
+mid-generation, whoever takes the entry over continues it from its checkpoint
+(kvfleet:ckpt:{request_id}:online, workers/online_lane.py), however late it comes, and its
+first event repeats each choice from the start:
+  * a non-streaming answer keeps only the newest attempt's events: it is whole;
+  * a stream sends the client only what is past the text it has, after checking that the
+    repetition matches it (producers/online_replies.py);
+  * a streaming request that sent tokens and has no checkpoint is not run again (the
+    client would read a different text): its stream ends with the worker_lost error.
 """
 
 from __future__ import annotations
@@ -48,8 +51,8 @@ from jobs import keys
 REPLY_MAXLEN = 10_000  # events; one per engine step, so far more than a reader ever lags
 REPLY_TTL_SECONDS = 120  # renewed by every event; the API deletes the stream when it is done
 CANCEL_TTL_SECONDS = 3600
-WORKER_LOST = ("worker_lost", "The worker serving this request stopped after streaming began; "
-                              "the output is incomplete. Retry the request.")
+WORKER_LOST = ("worker_lost", "The worker serving this request stopped after streaming began, and its "
+                              "replacement could not continue it; the output is incomplete. Retry the request.")
 ATTEMPTS_GRACE_SECONDS = 60  # the attempt record outlives the request's deadline by this much
 DEFAULT_REQUEST_TIMEOUT = 600.0
 DEFAULT_MAX_ONLINE_QUEUE = 256

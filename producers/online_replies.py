@@ -2,15 +2,23 @@
 events (`Accumulator`), or stream chunks as OpenAI and vLLM send them (`ChunkWriter`).
 
 Both read events through `EventOrder`: one attempt at a time, each event once, in order. An
-event of an older attempt (a worker that lost the request) is dropped; a newer attempt
-replaces what a non-streaming answer had gathered, and ends a stream that already sent
-tokens with the worker_lost error. Text of two attempts is never joined. A repeated event
-(a write sent twice) is dropped; a gap (events the bounded reply stream dropped before they
-were read) ends the answer with the reply_lost error."""
+event of an older attempt (a worker that lost the request) is dropped. A repeated event (a
+write sent twice) is dropped; a gap (events the bounded reply stream dropped before they
+were read) ends the answer with the reply_lost error.
+
+A newer attempt (a worker that took the request over) continues from the checkpoint of the
+tokens before it, and its first event repeats every choice from its start. A non-streaming
+answer keeps only the newest attempt's events. A stream has sent part of it already: it
+checks the repetition against what the client has, character for character and token for
+token, and sends only what is past it (`SentChoice`), so the client's concatenated deltas are
+one run's text, with nothing repeated or missing. A repetition that differs (a rerun that
+could not be reproduced) ends the stream with the worker_lost error: text of two different
+runs is never joined."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from typing import Any
 
 from jobs.online import WORKER_LOST, ChoiceDelta, Done, Error, OnlineEntry, ReplyEvent
@@ -123,6 +131,73 @@ class Accumulator:
         return response
 
 
+class Diverged(Exception):
+    """A newer attempt's repetition differs from what the client has."""
+
+
+def num_logprob_tokens(logprobs: dict | None) -> int:
+    """Tokens an OpenAI logprobs object covers (chat: content; completions: tokens)."""
+    return 0 if logprobs is None else len(logprobs.get("content") or logprobs.get("tokens") or [])
+
+
+def skip_logprobs(logprobs: dict | None, count: int) -> dict | None:
+    """`logprobs` without its first `count` tokens (every list in it is per token)."""
+    if logprobs is None or not count:
+        return logprobs
+    return {key: value[count:] if isinstance(value, list) else value for key, value in logprobs.items()}
+
+
+@dataclass
+class SentChoice:
+    """What the client has of one streamed choice, and how much of it the current attempt has
+    repeated: an attempt that took the request over repeats the choice from its start."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)  # where the worker sends token ids
+    num_logprobs: int = 0  # tokens whose logprobs went out
+    is_finished: bool = False
+    repeated_text: int = 0  # characters of `text` the current attempt has repeated
+    repeated_ids: int = 0
+    repeated_logprobs: int = 0
+
+    def restart(self) -> None:
+        """A new attempt begins: it repeats this choice from the start."""
+        self.repeated_text = self.repeated_ids = self.repeated_logprobs = 0
+
+    def take(self, choice: ChoiceDelta) -> ChoiceDelta | None:
+        """The part of `choice` the client does not have yet (None: nothing); Diverged if the
+        part it repeats differs from what the client has."""
+        is_repeating = (self.repeated_text < len(self.text) or self.repeated_ids < len(self.token_ids)
+                        or self.repeated_logprobs < self.num_logprobs)
+        text = self._past_repeat(choice.text)
+        token_ids = choice.token_ids
+        if token_ids is not None:
+            k = min(len(token_ids), len(self.token_ids) - self.repeated_ids)
+            if token_ids[:k] != self.token_ids[self.repeated_ids:self.repeated_ids + k]:
+                raise Diverged
+            token_ids = token_ids[k:]
+            self.repeated_ids += k
+            self.token_ids += token_ids
+            self.repeated_ids += len(token_ids)
+        skip = min(num_logprob_tokens(choice.logprobs), self.num_logprobs - self.repeated_logprobs)
+        logprobs = skip_logprobs(choice.logprobs, skip)
+        new_logprobs = num_logprob_tokens(logprobs)
+        self.repeated_logprobs += skip + new_logprobs
+        self.num_logprobs += new_logprobs
+        if self.is_finished or is_repeating and not (text or token_ids or new_logprobs or choice.finish_reason):
+            return None  # a repeat only, or a choice the client has whole
+        self.is_finished = choice.finish_reason is not None
+        return ChoiceDelta(choice.index, text, choice.finish_reason, logprobs if new_logprobs else None, token_ids)
+
+    def _past_repeat(self, text: str) -> str:
+        k = min(len(text), len(self.text) - self.repeated_text)
+        if not self.text.startswith(text[:k], self.repeated_text):
+            raise Diverged
+        self.repeated_text += len(text)
+        self.text += text[k:]
+        return text[k:]
+
+
 class ChunkWriter:
     """Reply events -> OpenAI stream chunks (`chat.completion.chunk` or `text_completion`)."""
 
@@ -133,7 +208,7 @@ class ChunkWriter:
                      else "text_completion", "created": int(entry.enqueued_at), "model": model}
         self.opened_choices: set[int] = set()  # chat choices whose role chunk went out
         self.order = EventOrder()
-        self.has_sent_tokens = False
+        self.sent: dict[int, SentChoice] = {}  # choice index -> what the client has of it
         self.is_ended = False  # the last event went out: a done, an error, or worker_lost
         self.is_complete = False  # the request itself ended (nothing left to cancel)
 
@@ -148,10 +223,12 @@ class ChunkWriter:
         place = self.order.place(event)
         if place == EventOrder.OLD:
             return []  # a worker that lost the request, or a repeat
-        if place == EventOrder.GAP or place == EventOrder.NEW_ATTEMPT and self.has_sent_tokens:
-            self.is_ended = True  # never skip text, never join another run to what was sent
-            code, message = REPLY_LOST if place == EventOrder.GAP else WORKER_LOST
-            return [error_body(message, "server_error", code)]
+        if place == EventOrder.GAP:
+            self.is_ended = True  # never skip text
+            return [error_body(REPLY_LOST[1], "server_error", REPLY_LOST[0])]
+        if place == EventOrder.NEW_ATTEMPT:  # a worker took the request over: it repeats each choice first
+            for sent in self.sent.values():
+                sent.restart()
         if event.is_last:
             self.is_ended = self.is_complete = True
         if isinstance(event, Error):
@@ -161,8 +238,13 @@ class ChunkWriter:
             return [self._chunk([], usage=event.usage)] if self.include_usage else []
         chunks = []
         for choice in event.choices:
-            self.has_sent_tokens = self.has_sent_tokens or bool(choice.text or choice.token_ids)
-            chunks += self._choice_chunks(choice)
+            try:
+                new = self.sent.setdefault(choice.index, SentChoice()).take(choice)
+            except Diverged:  # never join another run's text to what was sent
+                self.is_ended = True
+                return [error_body(WORKER_LOST[1], "server_error", WORKER_LOST[0])]
+            if new is not None:
+                chunks += self._choice_chunks(new)
         return chunks
 
     def _choice_chunks(self, choice: ChoiceDelta) -> list[dict[str, Any]]:

@@ -100,8 +100,7 @@ class BatchLane(Lane):
             if reason is None:
                 continue
             for work in [w for w in self.in_flight.values() if w.batch_id == batch_id]:
-                self.drop(work)
-                self.finished_checkpoints.append(work.checkpoint_key)
+                self.forget(work)
                 self.add_result(PendingResult(work.stream, work.entry_id, batch_id, error_line(work.custom_id,
                                                                                                *reason)))
 

@@ -171,24 +171,49 @@ class Lane:
     def checkpoint(self, force: bool = False) -> None:
         """Save the progress of each running request that generated `checkpoint_tokens` more
         tokens since its last checkpoint (`force`: any more), and forget finished ones."""
+        if not self.config.checkpoint_tokens:
+            return
+        pipe = self.r.pipeline(transaction=False)
+        saved = self.queue_checkpoints(pipe, force)
+        if saved or self.finished_checkpoints:
+            self.queue_forget_finished(pipe)
+            pipe.execute()
+            self.mark_checkpointed(saved)
+
+    def queue_checkpoints(self, pipe, force: bool = False) -> list[tuple[Work, int]]:
+        """Queue on `pipe` the checkpoints due (see `checkpoint`); returns (work, its output
+        tokens) for `mark_checkpointed` once the pipeline has run."""
         every = self.config.checkpoint_tokens
-        if not every:
-            return
         due = [(work, num_tokens) for work in self.in_flight.values() if work.checkpoint_key is not None
-               and (num_tokens := self.engine.num_output_tokens(work.request_id)) - work.checkpointed_tokens
-               >= (1 if force else every)]
-        if not due and not self.finished_checkpoints:
-            return
-        pipe, now = self.r.pipeline(transaction=False), time.time()
+               and (num_tokens := self.engine.num_output_tokens(work.request_id)) > work.checkpointed_tokens
+               and (force or num_tokens - work.checkpointed_tokens >= every or self.is_checkpoint_urgent(work))]
+        now, saved = time.time(), []
         for work, num_tokens in due:
             progress = self.engine.progress(work.request_id)
             if progress is not None:
                 checkpoints.save(pipe, work.checkpoint_key, progress, int(work.checkpoint_expires_at - now))
-                work.checkpointed_tokens = num_tokens
+                saved.append((work, num_tokens))
+        return saved
+
+    def is_checkpoint_urgent(self, work: Work) -> bool:
+        """Checkpoint `work` whatever its tokens since the last one (the online lane's first tokens)."""
+        return False
+
+    def queue_forget_finished(self, pipe) -> None:
         for checkpoint_key in self.finished_checkpoints:  # one key a command: they may sit in other slots
             pipe.delete(checkpoint_key)
-        pipe.execute()
-        self.finished_checkpoints.clear()
+        self.finished_checkpoints = []
+
+    @staticmethod
+    def mark_checkpointed(saved: list[tuple[Work, int]]) -> None:
+        for work, num_tokens in saved:
+            work.checkpointed_tokens = num_tokens
+
+    def forget(self, work: Work) -> None:
+        """`drop` work that ended here for good (finished, failed, cancelled): its checkpoint goes too."""
+        self.drop(work)
+        if work.checkpoint_key is not None:
+            self.finished_checkpoints.append(work.checkpoint_key)
 
     def drop(self, work: Work) -> None:
         """Stop running `work` here, and forget it (its entry is settled or handed back by the caller)."""

@@ -5,6 +5,14 @@ reply streams (jobs/online.py) after every engine step.
 One round trip per step (`settle`) writes the step's events, acknowledges the finished
 entries and checks which requests were cancelled (the client went away, or its time ran
 out). Events wait in memory through a Redis outage and go out when it answers again.
+
+Resume. The same round trip checkpoints running requests (workers/checkpoints.py): at their
+first tokens, then every `checkpoint_tokens`, always queued before the events they cover, so
+a request's first token never reaches a client before its sampling seed is saved. A worker
+that takes an entry over (a crash, a migrating drain) continues it from the checkpoint; its
+first event repeats each choice from the start, and the API sends the client only what is
+past the text it has (producers/online_replies.py). A streaming request that sent tokens but
+has no checkpoint cannot be continued: it ends with the worker_lost error.
 """
 
 from __future__ import annotations
@@ -17,7 +25,16 @@ import redis
 
 from engine import LLMEngine, ProcessedRequest, RequestOutput, RequestOutputKind
 from jobs import keys, online
-from jobs.online import WORKER_LOST, Attempt, ChoiceDelta, Delta, Done, Error, OnlineEntry, ReplyEvent
+from jobs.online import (
+    ATTEMPTS_GRACE_SECONDS,
+    WORKER_LOST,
+    ChoiceDelta,
+    Delta,
+    Done,
+    Error,
+    OnlineEntry,
+    ReplyEvent,
+)
 from jobs.results import Usage
 from jobs.schemas import LineError, Request
 from workers import stream_ops
@@ -65,7 +82,7 @@ class OnlineLane(Lane):
         """Queue the events of one step's output."""
         work = self.in_flight[output.request_id]
         if output.error is not None:  # it never ran (its grammar did not compile)
-            del self.in_flight[output.request_id]
+            self.forget(work)
             self.fail_work(work, Error(400, "structured_outputs_error", output.error))
             return
         had_output = work.has_output
@@ -76,7 +93,7 @@ class OnlineLane(Lane):
             self.emit(work.entry.request_id, Delta(choices), work)
         if not output.finished:
             return
-        del self.in_flight[output.request_id]
+        self.forget(work)
         self.config.metrics.observe_finished(output, work.enqueued_at, "online", work.finish_reasons,
                                              work.completion_tokens)
         usage = Usage(len(output.prompt_token_ids), work.completion_tokens, output.num_cached_tokens)
@@ -91,20 +108,23 @@ class OnlineLane(Lane):
         if not self.events and not self.acks and not running:
             return
         pipe = self.r.pipeline(transaction=False)
+        saved = self.queue_checkpoints(pipe) if self.config.checkpoint_tokens else []  # before their tokens
         for request_id in self.first_tokens:  # before the tokens: a successor must never rerun them unseen
             online.queue_tokens_sent(pipe, request_id)
         for request_id, event in self.events:
             online.publish(pipe, request_id, event)
         for stream, entry_id in self.acks:
             pipe.xack(stream, keys.CONSUMER_GROUP, entry_id)
+        self.queue_forget_finished(pipe)
         for request_id in running:
             pipe.exists(keys.reply_cancel(request_id))
         results = pipe.execute()
+        self.mark_checkpointed(saved)
         self.events, self.acks, self.first_tokens = [], [], []
         flags = results[len(results) - len(running):] if running else []
         for work, is_cancelled in zip(running.values(), flags):
             if is_cancelled:
-                self.drop(work)
+                self.forget(work)
                 stream_ops.ack(self.r, work.stream, work.entry_id)
 
     def check(self) -> None:
@@ -112,14 +132,23 @@ class OnlineLane(Lane):
         now = time.time()
         for work in list(self.in_flight.values()):
             if now > work.entry.deadline:
-                self.drop(work)
+                self.forget(work)
                 self.fail_work(work, Error(504, "request_timeout", "The request timed out (KVFLEET_REQUEST_TIMEOUT)."))
 
+    def checkpoint(self, force: bool = False) -> None:
+        """`settle` checkpoints with the events; the hand-back's forced checkpoint is this."""
+        if force:
+            super().checkpoint(force=True)
+
+    def is_checkpoint_urgent(self, work: OnlineWork) -> bool:
+        return work.checkpointed_tokens == 0  # its first tokens: save the seed before they go out
+
     def hand_back(self) -> None:
-        """A streaming request that already sent tokens cannot run again from the start: it
-        ends with the worker_lost error. The rest go back to the stream."""
+        """Everything goes back to the stream, checkpointed, for another worker to continue.
+        Without checkpoints, a streaming request that already sent tokens cannot run again
+        from the start: it ends with the worker_lost error."""
         for work in list(self.in_flight.values()):
-            if work.has_output and work.entry.stream:
+            if work.has_output and work.entry.stream and not self.config.checkpoint_tokens:
                 self.drop(work)
                 self.fail_work(work, Error(500, *WORKER_LOST))
         with suppress_outages():
@@ -149,9 +178,9 @@ class OnlineLane(Lane):
             self.emit(entry.request_id, Error(500, "max_deliveries_exceeded", f"The request failed "
                                               f"{deliveries - 1} times on workers.", attempt.number))
             return None
-        refusal = refusal_of(entry, attempt)
-        if refusal is not None:
-            self.fail(stream, entry_id, entry.request_id, refusal)
+        if time.time() > entry.deadline:
+            self.fail(stream, entry_id, entry.request_id, Error(504, "request_timeout", "The request timed out "
+                      "(KVFLEET_REQUEST_TIMEOUT) before a worker started it.", attempt.number))
             return None
         try:
             request, processed = self.prepare(engine_request_id(stream, entry_id), entry)
@@ -159,8 +188,16 @@ class OnlineLane(Lane):
             message = error.message if isinstance(error, LineError) else str(error)
             self.fail(stream, entry_id, entry.request_id, Error(400, error_code(error), message, attempt.number))
             return None
-        return OnlineWork(stream, entry_id, fields, request, processed, entry.enqueued_at, entry=entry,
-                          attempt=attempt.number)
+        work = OnlineWork(stream, entry_id, fields, request, processed, entry.enqueued_at, entry=entry,
+                          attempt=attempt.number, checkpoint_key=keys.checkpoint(entry.request_id, "online"),
+                          checkpoint_expires_at=entry.deadline + ATTEMPTS_GRACE_SECONDS)
+        if attempt.number > 1:  # taken over: continue from the checkpoint, if there is one
+            self.load_checkpoints([work])
+        if entry.stream and attempt.has_sent_tokens and not work.resume:
+            # Run again from the start, it would repeat or contradict what the client has.
+            self.fail(stream, entry_id, entry.request_id, Error(500, *WORKER_LOST, attempt.number))
+            return None
+        return work
 
     def prepare(self, request_id: str, entry: OnlineEntry) -> tuple[EngineRequest, ProcessedRequest]:
         """The engine's request for an entry, validated (ValueError if it can never run here);
@@ -205,15 +242,3 @@ class OnlineLane(Lane):
             work.text_offsets[delta.index] = offset + sum(map(len, logprobs["tokens"]))
         return ChoiceDelta(delta.index, delta.text, delta.finish_reason, logprobs,
                            delta.token_ids if tokenizer is None else None)
-
-
-def refusal_of(entry: OnlineEntry, attempt: Attempt) -> Error | None:
-    """Why this attempt must not run: the request's time is up, or it streams and an earlier
-    attempt already sent tokens (running it again would repeat them to the client). A
-    non-streaming request runs again: the API keeps only the newest attempt's events."""
-    if time.time() > entry.deadline:
-        return Error(504, "request_timeout", "The request timed out (KVFLEET_REQUEST_TIMEOUT) before a worker "
-                                             "started it.", attempt.number)
-    if entry.stream and attempt.has_sent_tokens:
-        return Error(500, *WORKER_LOST, attempt.number)
-    return None

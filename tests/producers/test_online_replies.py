@@ -1,5 +1,6 @@
-"""Reply events of several attempts (a worker died, another took the request over) become
-one answer: never the text of two attempts joined."""
+"""Reply events of several attempts (a worker died, another took the request over and
+continued it from its checkpoint) become one answer: a stream sends what is past the text
+the client has, and never joins the text of two different runs."""
 
 from __future__ import annotations
 
@@ -42,16 +43,64 @@ def test_an_error_of_the_current_attempt_raises_and_one_of_an_old_attempt_does_n
     assert (raised.value.status, raised.value.code) == (400, "invalid_request")
 
 
-def test_a_stream_that_sent_tokens_ends_with_worker_lost_when_another_attempt_appears():
+def texts(chunks: list[dict]) -> list[str]:
+    return [c["choices"][0]["text"] for c in chunks]
+
+
+def test_a_stream_continues_past_what_the_client_has_when_another_attempt_takes_over():
     chunks = ChunkWriter(ENTRY, "m", COMPLETIONS, include_usage=False)
-    assert [c["choices"][0]["text"] for c in chunks.of(delta("Once", 1))] == ["Once"]
-    [error] = chunks.of(delta("Once", 2))
+    assert texts(chunks.of(delta("Once", 1)) + chunks.of(delta(" upon", 1))) == ["Once", " upon"]
+    # The heir resumed from a checkpoint at "Once": its first delta repeats it, then it catches up.
+    assert chunks.of(delta("Once", 2)) == []
+    assert chunks.of(delta(" up", 2)) == []
+    assert texts(chunks.of(delta("on a", 2))) == [" a"]
+    assert chunks.of(delta(" long", 1)) == []  # a straggler of the first worker
+    assert texts(chunks.of(delta(" time", 2, "length"))) == [" time"]
+    assert chunks.of(Done(USAGE, 2)) == [] and chunks.is_complete
+
+
+def test_a_repetition_that_differs_ends_the_stream_with_worker_lost():
+    chunks = ChunkWriter(ENTRY, "m", COMPLETIONS, include_usage=False)
+    assert texts(chunks.of(delta("Once upon", 1))) == ["Once upon"]
+    assert chunks.of(delta("Once", 2)) == []
+    [error] = chunks.of(delta(" in", 2))  # an unseeded rerun without a checkpoint: another text
     assert error["error"]["code"] == "worker_lost" and chunks.is_ended and not chunks.is_complete
+
+
+def completion_logprobs(tokens: list[str], start: int) -> dict:
+    offsets = [start + sum(map(len, tokens[:i])) for i in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": [-1.0] * len(tokens), "top_logprobs": [{t: -1.0} for t in tokens],
+            "text_offset": offsets}
+
+
+def test_a_continued_stream_sends_each_token_s_logprobs_and_each_choice_s_end_once():
+    chunks = ChunkWriter(ENTRY, "m", COMPLETIONS, include_usage=False)
+    first = Delta([ChoiceDelta(0, "ab", None, completion_logprobs(["a", "b"], 0)),
+                   ChoiceDelta(1, "x", "stop", completion_logprobs(["x"], 0))], 1, 1)
+    assert len(chunks.of(first)) == 2
+    # The heir's checkpoint held "a" and the finished choice 1; it repeats both, then goes on.
+    again = Delta([ChoiceDelta(0, "a", None, completion_logprobs(["a"], 0)),
+                   ChoiceDelta(1, "x", "stop", completion_logprobs(["x"], 0))], 2, 1)
+    assert chunks.of(again) == []
+    [chunk] = chunks.of(Delta([ChoiceDelta(0, "bcd", "length", completion_logprobs(["b", "cd"], 1))], 2, 2))
+    choice = chunk["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == ("cd", "length")
+    assert choice["logprobs"]["tokens"] == ["cd"] and choice["logprobs"]["text_offset"] == [2]
+
+
+def test_token_ids_of_a_tokenizer_less_worker_continue_without_repeats():
+    chunks = ChunkWriter(ENTRY, "m", COMPLETIONS, include_usage=False)
+    ids = lambda ids, attempt: Delta([ChoiceDelta(0, "", None, None, ids)], attempt)  # noqa: E731
+    assert [c["choices"][0]["token_ids"] for c in chunks.of(ids([5, 6, 7], 1))] == [[5, 6, 7]]
+    assert chunks.of(ids([5, 6], 2)) == []
+    assert [c["choices"][0]["token_ids"] for c in chunks.of(ids([7, 8], 2))] == [[8]]
+    [error] = chunks.of(Delta([ChoiceDelta(0, "", None, None, [5, 9])], 3))
+    assert error["error"]["code"] == "worker_lost"
 
 
 def test_a_stream_follows_a_new_attempt_when_nothing_was_sent_yet():
     chunks = ChunkWriter(ENTRY, "m", COMPLETIONS, include_usage=True)
-    assert chunks.of(delta("", 1)) and not chunks.has_sent_tokens  # an empty first delta shows no text
+    assert texts(chunks.of(delta("", 1))) == [""]  # an empty first delta shows no text
     assert [c["choices"][0]["text"] for c in chunks.of(delta("Hi", 2))] == ["Hi"]
     assert chunks.of(delta("stale", 1)) == []
     [last] = chunks.of(Done(USAGE, 2))
