@@ -78,16 +78,26 @@ def online_request_id(r) -> str:
     return fields[b"request_id"].decode()
 
 
-@pytest.mark.parametrize("lapses", [None, "reply stream"])
-def test_killed_after_tokens_a_stream_continues_on_another_worker_without_repeats(fleet, client, r, reference,
-                                                                                 lapses):
-    first = start_worker(fleet, "first")
+@pytest.mark.parametrize(("stop", "lapses"), [("kill", None), ("kill", "reply stream"), ("migrate", None)])
+def test_stopped_after_tokens_a_stream_continues_on_another_worker_without_repeats(fleet, client, r, reference,
+                                                                                  stop, lapses):
+    """kill -9, or SIGTERM with --drain-mode migrate (which hands the request back at once)."""
+    first = fleet.start_worker("first", num_kv_blocks=256, lease_seconds=2, served_model_names=[MODEL],
+                               extra=("--drain-mode", "migrate") if stop == "migrate" else ())
+    fleet.wait_ready("first")
     params = dict(model=MODEL, prompt=PROMPT, max_tokens=96, temperature=0.8, seed=11, stream=True,
                   extra_body={"ignore_eos": True})
     stream = client.completions.create(**params)
-    received = [next(stream) for _ in range(24)]  # some tokens out: kill it mid-generation
-    first.kill()
-    first.wait(timeout=10)
+    received = [next(stream) for _ in range(24)]  # some tokens out: stop it mid-generation
+    if stop == "kill":
+        first.kill()
+    else:
+        stopped_at = time.monotonic()
+        first.send_signal(signal.SIGTERM)
+    assert first.wait(timeout=10) == (-signal.SIGKILL if stop == "kill" else 0)
+    if stop == "migrate":  # handed back at once, not left to a lease (about 1 s here, exit included)
+        assert time.monotonic() - stopped_at < 2
+        assert r.xpending(keys.online_stream(MODEL), keys.CONSUMER_GROUP)["pending"] == 0
     if lapses == "reply stream":  # its replacement comes after the reply stream expired: the checkpoint remains
         r.delete(keys.reply(online_request_id(r)))
     start_worker(fleet, "second")
