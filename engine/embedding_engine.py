@@ -228,5 +228,5 @@ class EmbeddingEngine:
         """Pending inputs count as waiting; there are no blocks."""
         return EngineStats(num_running=0, num_waiting=len(self.pending), num_unstarted=len(self.pending),
                            num_unstarted_blocks_needed=0, num_free_blocks=0, num_total_blocks=0,
-                           num_live_tokens=0, num_used_slots=0, num_preemptions=0, num_prefix_queried_tokens=0,
-                           num_prefix_hit_tokens=0)
+                           num_live_tokens=0, num_used_slots=0, num_preemptions=0, num_recomputed_tokens=0,
+                           num_prefix_queried_tokens=0, num_prefix_hit_tokens=0)

@@ -70,6 +70,7 @@ class EngineStats:
     num_live_tokens: int  # tokens whose K/V sit in the cache ...
     num_used_slots: int  # ... against the slots of the blocks in use
     num_preemptions: int
+    num_recomputed_tokens: int  # prefilled again after a preemption or a resume (since start)
     num_prefix_queried_tokens: int
     num_prefix_hit_tokens: int
 
@@ -262,6 +263,7 @@ class LLMEngine:
             num_live_tokens=sum(s.num_computed_tokens for s in self.scheduler.running),
             num_used_slots=(manager.num_total_blocks - manager.num_free_blocks) * manager.block_size,
             num_preemptions=self.scheduler.num_preemptions,
+            num_recomputed_tokens=self.scheduler.num_recomputed_tokens,
             num_prefix_queried_tokens=manager.num_prefix_queries,
             num_prefix_hit_tokens=manager.num_prefix_hits,
         )

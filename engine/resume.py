@@ -82,6 +82,7 @@ def resumed_sequence(first: Sequence, sample: SampleProgress, tokenizer) -> Sequ
     seq = first if sample.index == 0 else first.fork(sample.index)
     seq.num_pending_samples = 0  # every sample is rebuilt here: nothing left to fork
     seq.token_ids.extend(sample.token_ids)
+    seq.num_lost_tokens = seq.num_tokens - 1  # the worker that lost it had computed all but the last
     if seq.params.logprobs is not None:
         seq.logprobs = list(sample.logprobs or [])
     seq.sampling_seed = sample.sampling_seed if sample.sampling_seed is not None else seq.params.seed

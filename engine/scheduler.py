@@ -63,6 +63,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.failed: list[Sequence] = []  # their grammar never compiled: taken by the engine
         self.num_preemptions = 0
+        self.num_recomputed_tokens = 0  # prefilled again after a preemption or a resume (Sequence.num_lost_tokens)
         # longrope models (Phi-3): past this many tokens a sequence uses the long factors for
         # every token, so one that grows past it is recomputed, as transformers recomputes its cache.
         self.long_rope_after = long_rope_after
@@ -123,7 +124,8 @@ class Scheduler:
             if seq.num_computed_tokens == 0:
                 num_cached_tokens = len(cached) * self.block_manager.block_size
                 self.block_manager.record_prefix_lookup(seq.num_tokens, num_cached_tokens)
-                seq.num_computed_tokens = num_cached_tokens
+                self.num_recomputed_tokens += max(0, seq.num_lost_tokens - num_cached_tokens)
+                seq.num_computed_tokens, seq.num_lost_tokens = num_cached_tokens, 0
                 if seq.first_scheduled_time is None:
                     seq.num_cached_tokens = num_cached_tokens
             seq.status = SequenceStatus.RUNNING
@@ -192,6 +194,7 @@ class Scheduler:
         """Drop the sequence's KV and queue it first among the waiting: it will be
         recomputed from its prompt and the tokens it already produced."""
         self.block_manager.free(seq)
+        seq.num_lost_tokens = seq.num_computed_tokens
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.add(seq)

@@ -38,6 +38,10 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
+        # Tokens whose K/V was computed once and lost: thrown away by a preemption, or with the
+        # worker that ran a resumed request. Prefilled again at its next admission (the
+        # scheduler counts them in num_recomputed_tokens, beyond prefix-cache hits).
+        self.num_lost_tokens = 0
         # n > 1: samples still to fork from this sequence once its prompt has run.
         self.num_pending_samples = params.n - 1 if sample_index == 0 else 0
         self.block_table: list[int] = []

@@ -81,6 +81,7 @@ class BatchLane(Lane):
         work = self.in_flight.pop(output.request_id)  # batch outputs arrive finished (FINAL_ONLY)
         if work.checkpoint_key is not None:
             self.finished_checkpoints.append(work.checkpoint_key)
+        self.count(work, sum(len(c.token_ids) for c in output.outputs))
         self.config.metrics.observe_finished(output, work.enqueued_at)
         if output.error is not None:  # it never ran (its grammar did not compile)
             line = error_line(work.custom_id, "structured_outputs_error", output.error)

@@ -77,6 +77,8 @@ class Work:
     checkpoint_expires_at: float = field(default=0.0, kw_only=True)  # wall-clock: of no more use after
     resume: list[SampleProgress] | None = field(default=None, kw_only=True, repr=False)  # progress to continue
     checkpointed_tokens: int = field(default=0, kw_only=True)  # output tokens at its last checkpoint
+    counted_tokens: int = field(default=0, kw_only=True)  # output tokens in the metrics (or resumed)
+    is_prompt_counted: bool = field(default=False, kw_only=True)  # at its first token here
 
     @property
     def request_id(self) -> str:
@@ -152,7 +154,7 @@ class Lane:
         if work.resume:
             try:
                 self.engine.add_processed_request(work.processed, resume=work.resume)
-                work.checkpointed_tokens = sum(len(sample.token_ids) for sample in work.resume)
+                work.checkpointed_tokens = work.counted_tokens = sum(len(s.token_ids) for s in work.resume)
                 self.config.metrics.observe_resumed(work.checkpointed_tokens)
             except ValueError as error:
                 log.warning("%s: cannot resume %s (%s); it starts again", self.config.consumer, work.entry_id, error)
@@ -160,6 +162,22 @@ class Lane:
         else:
             self.engine.add_processed_request(work.processed)
         self.in_flight[work.request_id] = work
+
+    def count_tokens(self) -> None:
+        """After each step, as vLLM counts: the tokens each running request sampled in it."""
+        for work in self.in_flight.values():
+            self.count(work, self.engine.num_output_tokens(work.request_id))
+
+    def count(self, work: Work, num_output_tokens: int) -> None:
+        """`work` has `num_output_tokens` now (a finished request's lane passes its total):
+        count those sampled since the last count, and its prompt with its first token here."""
+        num_new = num_output_tokens - work.counted_tokens
+        if num_new <= 0:
+            return
+        num_prompt = 0 if work.is_prompt_counted else len(work.processed.prompt_token_ids)
+        work.is_prompt_counted = True
+        self.config.metrics.count_tokens(self.name, num_prompt, num_new)
+        work.counted_tokens = num_output_tokens
 
     def load_checkpoints(self, works: list[Work]) -> None:
         """Attach each work's saved progress, if any (one round trip for them all)."""

@@ -40,8 +40,12 @@ class WorkerMetrics:
         self.stream_pending = gauge("stream_pending", "Entries delivered to some worker, not yet acked")
         self.stream_lag = gauge("stream_lag", "Entries in the stream not yet delivered to any worker")
         self.dead_letters = gauge("dead_letters", "Entries in the dead-letter streams of this worker's streams")
-        self.prompt_tokens = per_lane(Counter, "prompt_tokens", "Prompt tokens of finished requests")
-        self.generation_tokens = per_lane(Counter, "generation_tokens", "Generated tokens of finished requests")
+        # Counted per engine step, as vLLM does: a request's prompt when its first token comes,
+        # each token when it is sampled. So the work of a request that never finishes here (a
+        # worker killed mid-generation) shows too.
+        self.prompt_tokens = per_lane(Counter, "prompt_tokens", "Prompt tokens prefilled (counted at each "
+                                      "request's first token; embeddings: when the request is done)")
+        self.generation_tokens = per_lane(Counter, "generation_tokens", "Tokens sampled, counted each step")
         self.embedding_inputs = counter("embedding_inputs", "Inputs embedded (an embeddings request holds one or more)")
         self.num_preemptions = counter("num_preemptions", "Sequences preempted by recompute")
         self.requeues = counter("requeues", "Pulled entries handed back to the stream for lack of room")
@@ -51,6 +55,9 @@ class WorkerMetrics:
         self.resumed_requests = counter("resumed_requests", "Requests continued from a checkpoint another run saved")
         self.resumed_tokens = counter("resumed_tokens", "Generated tokens resumed requests did not have to generate "
                                       "again (they are prefilled instead)")
+        self.recomputed_tokens = counter("recomputed_tokens", "Tokens prefilled again, beyond prefix-cache hits: "
+                                         "their K/V was computed before a preemption, or by a worker that lost "
+                                         "the request")
         self._success = Counter("kvfleet:request_success", "Finished requests by finish reason",
                                 [*names, "lane", "finished_reason"], registry=self.registry)
         self._labels = labels
@@ -62,14 +69,13 @@ class WorkerMetrics:
                                             buckets=LATENCY_BUCKETS)
         self.request_queue_time = per_lane(Histogram, "request_queue_time_seconds",
                                            "Stream enqueue to engine start", buckets=LATENCY_BUCKETS)
-        self._seen_preemptions = self._seen_prefix_queries = self._seen_prefix_hits = 0
+        self._seen_preemptions = self._seen_prefix_queries = self._seen_prefix_hits = self._seen_recomputed = 0
         self.wall_offset = time.time() - time.monotonic()  # the engine's monotonic times -> wall-clock
         self.num_generation_tokens = 0  # both lanes: the heartbeat's tokens/s
         self._token_samples: deque[tuple[float, int]] = deque()
 
     def generation_tokens_per_s(self, now: float, window_seconds: float = 10.0) -> float:
-        """Generated tokens per second over about the last window (tokens count when their
-        request finishes); call it once per heartbeat."""
+        """Generated tokens per second over about the last window; call it once per heartbeat."""
         self._token_samples.append((now, self.num_generation_tokens))
         while len(self._token_samples) > 2 and now - self._token_samples[1][0] >= window_seconds:
             self._token_samples.popleft()
@@ -88,19 +94,20 @@ class WorkerMetrics:
         if enqueued_at is not None:
             self.e2e_request_latency[lane].observe(max(0.0, time.time() - enqueued_at))
 
-    def observe_finished(self, output: RequestOutput, enqueued_at: float | None, lane: str = "batch",
-                         finish_reasons: list[str] | None = None, num_generated: int | None = None) -> None:
-        """`enqueued_at` is wall-clock time. A streamed (DELTA) output holds only its last
-        tokens: its lane passes the finish reasons and the number of generated tokens of the
-        whole request."""
-        metrics = output.metrics
-        self.prompt_tokens[lane].inc(len(output.prompt_token_ids))
-        if finish_reasons is None:
-            finish_reasons = [c.finish_reason or "stop" for c in output.outputs]
-        if num_generated is None:
-            num_generated = sum(len(c.token_ids) for c in output.outputs)
+    def count_tokens(self, lane: str, num_prompt: int, num_generated: int) -> None:
+        """One step's tokens of one request (the lanes count them: workers/lanes.py)."""
+        if num_prompt:
+            self.prompt_tokens[lane].inc(num_prompt)
         self.generation_tokens[lane].inc(num_generated)
         self.num_generation_tokens += num_generated
+
+    def observe_finished(self, output: RequestOutput, enqueued_at: float | None, lane: str = "batch",
+                         finish_reasons: list[str] | None = None) -> None:
+        """`enqueued_at` is wall-clock time. A streamed (DELTA) output holds only its last
+        tokens: its lane passes the finish reasons of the whole request."""
+        metrics = output.metrics
+        if finish_reasons is None:
+            finish_reasons = [c.finish_reason or "stop" for c in output.outputs]
         for reason in finish_reasons:
             self._success.labels(**self._labels, lane=lane, finished_reason=reason).inc()
         if metrics is None:
@@ -122,6 +129,8 @@ class WorkerMetrics:
         self.num_free_blocks.set(stats.num_free_blocks)
         self.num_preemptions.inc(stats.num_preemptions - self._seen_preemptions)
         self._seen_preemptions = stats.num_preemptions
+        self.recomputed_tokens.inc(stats.num_recomputed_tokens - self._seen_recomputed)
+        self._seen_recomputed = stats.num_recomputed_tokens
         self.prefix_cache_queries.inc(stats.num_prefix_queried_tokens - self._seen_prefix_queries)
         self.prefix_cache_hits.inc(stats.num_prefix_hit_tokens - self._seen_prefix_hits)
         self._seen_prefix_queries, self._seen_prefix_hits = stats.num_prefix_queried_tokens, stats.num_prefix_hit_tokens

@@ -94,8 +94,8 @@ class OnlineLane(Lane):
         if not output.finished:
             return
         self.forget(work)
-        self.config.metrics.observe_finished(output, work.enqueued_at, "online", work.finish_reasons,
-                                             work.completion_tokens)
+        self.count(work, work.completion_tokens)
+        self.config.metrics.observe_finished(output, work.enqueued_at, "online", work.finish_reasons)
         usage = Usage(len(output.prompt_token_ids), work.completion_tokens, output.num_cached_tokens)
         self.emit(work.entry.request_id, Done(usage.as_openai()), work)
         self.acks.append((work.stream, work.entry_id))

@@ -270,6 +270,9 @@ class Worker:
             lane = next((lane for lane in self.lanes if lane.owns(output.request_id)), None)
             if lane is not None:
                 lane.on_output(output)
+        if self.task == "generate":
+            for lane in self.lanes:
+                lane.count_tokens()
 
     def _migrate(self) -> None:
         """Hand every running request back now, checkpointed; finished work still settles."""

@@ -82,6 +82,7 @@ def test_seeded_samples_survive_preemption_token_for_token(tiny_llama):
     expected = [[c.token_ids for c in o.outputs] for o in roomy.generate(prompts, params, use_tqdm=False)]
     got = [[c.token_ids for c in o.outputs] for o in tight.generate(prompts, params, use_tqdm=False)]
     assert tight.engine.scheduler.num_preemptions > 0
+    assert tight.engine.scheduler.num_recomputed_tokens > 0 == roomy.engine.scheduler.num_recomputed_tokens
     assert got == expected
     assert all(len(set(map(tuple, samples))) == 2 for samples in expected)
 

@@ -63,9 +63,14 @@ def test_a_resumed_request_ends_as_an_uninterrupted_one(engine, params, cut):
     expected = run(engine, "whole", params)
     progress = interrupted_at(engine, "cut", params, cut)
     assert all(len(p.token_ids) >= cut for p in progress)
+    recomputed = engine.stats().num_recomputed_tokens
     resumed = run(engine, "resumed", params, resume=progress)
     assert summary(resumed) == summary(expected)
     assert not engine.requests and engine.num_free_blocks == engine.num_total_blocks
+    if params.n == 1:  # what the lost worker had computed is prefilled again, less what the prefix cache held
+        [sample] = progress
+        lost = len(resumed.prompt_token_ids) + len(sample.token_ids) - 1
+        assert engine.stats().num_recomputed_tokens - recomputed == lost - resumed.num_cached_tokens > 0
 
 
 def test_an_unseeded_request_keeps_its_drawn_seed_across_a_resume(engine):

@@ -108,8 +108,7 @@ def test_stopped_after_tokens_a_stream_continues_on_another_worker_without_repea
     assert [c.choices[0].finish_reason for c in received if c.choices[0].finish_reason] == ["length"]
     resumed = fleet.metric("second", "kvfleet:resumed_tokens_total")
     assert fleet.metric("second", "kvfleet:resumed_requests_total") == 1 and 0 < resumed < 96
-    # The first worker checkpointed at its first token, then every 16: it lost fewer than 16.
-    assert fleet.metric("second", "kvfleet:generation_tokens_total") == 96
+    assert fleet.metric("second", "kvfleet:generation_tokens_total") == 96 - resumed  # sampled there only
 
 
 def test_killed_after_tokens_a_stream_without_its_checkpoint_ends_with_an_error_event(fleet, client, r):

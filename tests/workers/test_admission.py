@@ -6,7 +6,7 @@ from workers.admission import Admission
 
 def stats(**numbers) -> EngineStats:
     base = dict(num_running=0, num_waiting=0, num_unstarted=0, num_unstarted_blocks_needed=0, num_free_blocks=40,
-                num_total_blocks=40, num_live_tokens=0, num_used_slots=0, num_preemptions=0,
+                num_total_blocks=40, num_live_tokens=0, num_used_slots=0, num_preemptions=0, num_recomputed_tokens=0,
                 num_prefix_queried_tokens=0, num_prefix_hit_tokens=0)
     return EngineStats(**{**base, **numbers})
 

@@ -42,8 +42,12 @@ def test_a_worker_killed_mid_generation_is_continued_by_the_next(engine, r, tiny
     for _ in range(3):  # a few steps past the checkpoints: tokens the crash throws away
         dying.run_once()
     saved = {key: checkpoints.load_many(r, [key])[0] for key in checkpoint_keys(batch_id, 6)}
-    lost = sum(engine.num_output_tokens(rid) for rid in dying.batch_lane.in_flight) - sum(
-        len(sample.token_ids) for progress in saved.values() for sample in progress)
+    generated = sum(engine.num_output_tokens(rid) for rid in dying.batch_lane.in_flight)
+    lost = generated - sum(len(sample.token_ids) for progress in saved.values() for sample in progress)
+    # Counted per step, as vLLM does: the dying worker's counters hold what it did, though nothing finished.
+    assert dying.metrics.generation_tokens["batch"]._value.get() == generated
+    assert dying.metrics.prompt_tokens["batch"]._value.get() == sum(
+        len(work.processed.prompt_token_ids) for work in dying.batch_lane.in_flight.values())
     # kill -9: nothing acked, nothing handed back, no lease renewed any more
     dying.leases.stop()
     for lane in dying.lanes:
@@ -57,6 +61,10 @@ def test_a_worker_killed_mid_generation_is_continued_by_the_next(engine, r, tiny
     assert resumed_tokens == sum(len(s.token_ids) for progress in saved.values() for s in progress) > 0
     assert heir.metrics.resumed_requests._value.get() == 6
     assert 0 <= lost <= 6 * 2 * EVERY  # at most one interval per sample is generated twice
+    outputs = sum(line["response"]["body"]["usage"]["completion_tokens"]
+                  for line in read_lines(r, done["output_file_id"]))
+    sampled = dying.metrics.generation_tokens["batch"]._value.get() + heir.metrics.generation_tokens["batch"]._value.get()
+    assert sampled - outputs == lost  # the fleet's counters show exactly the tokens generated twice
     assert not any(r.exists(key) for key in checkpoint_keys(batch_id, 6))  # deleted once finished
 
     expected = uninterrupted(tiny_llama, lines)
