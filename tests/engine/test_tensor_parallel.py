@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engine import LLM, SamplingParams, StructuredOutputsParams, parallel
+from engine import LLM, SampleProgress, SamplingParams, StructuredOutputsParams, parallel
 from engine.models import get_model_class
 from engine.shard import free_init_method
 from tests.engine import tp_ranks
@@ -95,7 +95,7 @@ def test_tp2_matches_one_device_and_transformers(tiny_models, name, record_prope
     assert min(fractions.values()) >= 0.75  # fp32 near-ties are rare on these models
 
 
-def test_preemption_prefix_caching_n2_and_structured_outputs_under_tp2(tiny_llama):
+def test_preemption_prefix_caching_n2_structured_outputs_and_resume_under_tp2(tiny_llama):
     shared = list(range(3, 35))  # two full blocks every prompt shares
     rng = random.Random(4)
     prompts = [shared + [rng.randrange(3, VOCAB) for _ in range(rng.randint(4, 20))] for _ in range(8)]
@@ -110,8 +110,11 @@ def test_preemption_prefix_caching_n2_and_structured_outputs_under_tp2(tiny_llam
     try:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         stats = llm.engine.stats()
+        resumed_pairs = resumed_under_tp(llm.engine, prompts[0])
     finally:
         llm.shutdown()
+    for whole, resumed in resumed_pairs:
+        assert [(c.token_ids, c.text) for c in resumed.outputs] == [(c.token_ids, c.text) for c in whole.outputs]
     assert stats.num_preemptions > 0 and stats.num_prefix_hit_tokens > 0
     for index, (got, want) in enumerate(zip(outputs, expected)):
         assert len(got.outputs) == 2 and got.outputs[0].token_ids == got.outputs[1].token_ids  # greedy n=2
@@ -120,6 +123,34 @@ def test_preemption_prefix_caching_n2_and_structured_outputs_under_tp2(tiny_llam
             assert all(re.fullmatch(r"[a-z]{3,12}( [a-z]{3,12}){2}", out.text) or out.finish_reason == "length"
                        for out in got.outputs), [out.text for out in got.outputs]
     assert sum(out.finish_reason == "stop" for got in outputs[1::2] for out in got.outputs) >= 4
+
+
+def resumed_under_tp(engine, prompt: list[int]) -> list[tuple]:
+    """(uninterrupted, resumed) outputs of a seeded n=2 request and a constrained one, each cut
+    after a few tokens a sample and continued from its checkpoint by the same TP group: rank 0
+    samples and replays the grammar; the shards only prefill the resumed tokens."""
+    pairs = []
+    for number, (params, cut) in enumerate([
+            (SamplingParams(n=2, temperature=1.0, seed=8, max_tokens=30, ignore_eos=True), 12),
+            (SamplingParams(temperature=0.7, seed=2, max_tokens=30,
+                            structured_outputs=StructuredOutputsParams(regex=r"[a-z]{3,12}( [a-z]{3,12}){4}")), 3)]):
+        whole = run_to_end(engine, f"whole-{number}", prompt, params)
+        engine.add_processed_request(engine.process_request(f"cut-{number}", prompt, params))
+        while (progress := engine.progress(f"cut-{number}")) is None or min(len(p.token_ids) for p in progress) < cut:
+            assert f"cut-{number}" in engine.requests, "it finished before the cut"
+            engine.step()
+        engine.abort(f"cut-{number}")
+        progress = [SampleProgress.from_json(sample.to_json()) for sample in progress]
+        pairs.append((whole, run_to_end(engine, f"resumed-{number}", prompt, params, progress)))
+    return pairs
+
+
+def run_to_end(engine, request_id: str, prompt: list[int], params: SamplingParams, resume=None):
+    engine.add_processed_request(engine.process_request(request_id, prompt, params), resume=resume)
+    while True:
+        for output in engine.step():
+            if output.request_id == request_id and output.finished:
+                return output
 
 
 def test_sizes_the_group_cannot_split_are_refused_before_any_process_starts(tiny_models):
