@@ -24,11 +24,13 @@ class BatchEntry:
     line_number: int  # its line in the input file (1-based), for error messages
     line: bytes  # the original JSONL line; workers re-validate it with jobs.schemas.parse_line
     enqueued_at: float | None = None  # wall-clock seconds at XADD, for the queue-time metric
+    prefix: str = ""  # its prompt's prefix hashes (jobs/prefixes.py), comma-separated
     requeues: int = 0  # how often a worker handed it back for lack of room (on the copies it adds)
 
     def to_fields(self) -> dict[str, str | bytes]:
         fields = {"batch_id": self.batch_id, "custom_id": self.custom_id, "line_number": str(self.line_number),
-                  "line": self.line, "enqueued_at": "" if self.enqueued_at is None else f"{self.enqueued_at:.3f}"}
+                  "line": self.line, "enqueued_at": "" if self.enqueued_at is None else f"{self.enqueued_at:.3f}",
+                  "prefix": self.prefix}
         if self.requeues:
             fields[REQUEUES_FIELD] = str(self.requeues)
         return fields
@@ -39,7 +41,7 @@ class BatchEntry:
             enqueued_at = fields.get(b"enqueued_at", b"")
             return cls(fields[b"batch_id"].decode(), fields[b"custom_id"].decode(), int(fields[b"line_number"]),
                        fields[b"line"], float(enqueued_at) if enqueued_at else None,
-                       int(fields.get(REQUEUES_FIELD.encode(), 0)))
+                       fields.get(b"prefix", b"").decode(), int(fields.get(REQUEUES_FIELD.encode(), 0)))
         except (KeyError, ValueError, UnicodeDecodeError) as error:
             raise MalformedEntry(f"malformed batch entry: {error!r}") from None
 

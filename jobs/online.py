@@ -71,18 +71,20 @@ class OnlineEntry:
     priority: int
     deadline: float  # wall-clock seconds; past it the request is abandoned
     enqueued_at: float
+    prefix: str = ""  # its prompt's prefix hashes (jobs/prefixes.py), comma-separated
 
     def to_fields(self) -> dict[str, str]:
         return {"request_id": self.request_id, "url": self.url, "body": json.dumps(self.body),
                 "stream": str(int(self.stream)), "priority": str(self.priority), "deadline": repr(self.deadline),
-                "enqueued_at": repr(self.enqueued_at)}
+                "enqueued_at": repr(self.enqueued_at), "prefix": self.prefix}
 
     @classmethod
     def from_fields(cls, fields: dict[bytes, bytes]) -> OnlineEntry:
         """Raises KeyError or ValueError on a malformed entry."""
         text = {k.decode(): v.decode() for k, v in fields.items()}
         return cls(text["request_id"], text["url"], json.loads(text["body"]), text["stream"] == "1",
-                   int(text["priority"]), float(text["deadline"]), float(text["enqueued_at"]))
+                   int(text["priority"]), float(text["deadline"]), float(text["enqueued_at"]),
+                   text.get("prefix", ""))
 
 
 # KEYS: the online stream, the request's enqueue marker (same slot). ARGV: the marker's TTL, then

@@ -9,13 +9,18 @@ Two streaming passes, so memory stays bounded whatever the file's length:
      stream by one script that also marks the chunk enqueued and adds it to the
      partition's total; so a re-run resumes where a crashed one stopped and never
      enqueues a line twice. The scripts are pipelined, CHUNK_LINES lines a round trip.
-The stream entry carries the original line and its number; workers re-parse it
-with the same `jobs.schemas.parse_line`.
+     Each window of GROUP_WINDOW_LINES lines goes in prefix-group order
+     (jobs/prefixes.py): lines that share a prompt prefix sit together in the stream, so
+     one worker tends to pull a whole group and prefill the prefix once. The order is a
+     function of the file, so a re-run cuts the same chunks.
+The stream entry carries the original line, its number and its prompt's prefix hashes;
+workers re-parse the line with the same `jobs.schemas.parse_line`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from array import array
 from collections.abc import Callable, Iterable, Iterator
@@ -24,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import redis
 
-from jobs import batches, keys
+from jobs import batches, keys, prefixes
 from jobs.entries import BATCH_ENTRY_FIELDS, BatchEntry
 from jobs.recording import record_result
 from jobs.results import error_line
@@ -32,6 +37,7 @@ from jobs.schemas import COMPLETIONS, ENDPOINTS, MAX_REPORTED_ERRORS, LineError,
 from jobs.storage import open_storage, validate_sink
 
 CHUNK_LINES = 1000
+GROUP_WINDOW_LINES = 4096  # lines put in prefix-group order at once (their text is held meanwhile)
 
 LineSource = Callable[[], Iterable[bytes]]  # opens the file anew for each pass
 
@@ -189,11 +195,8 @@ def _enqueue(r: redis.Redis, source: LineSource, batch_id: str, report: Report,
                              len(BATCH_ENTRY_FIELDS), *BATCH_ENTRY_FIELDS, *chunk)
         chunk.clear()
 
-    for line_number, raw in _lines(source):
-        if line_number in report.invalid:
-            continue
+    for entry in _grouped_entries(source, batch_id, report):
         index += 1
-        entry = BatchEntry(batch_id, custom_id_of(raw, line_number), line_number, raw.strip(), time.time())
         chunk += entry.to_fields().values()
         if index % keys.PARTITION_LINES == 0:
             add_chunk()
@@ -204,6 +207,28 @@ def _enqueue(r: redis.Redis, source: LineSource, batch_id: str, report: Report,
     if chunk:
         add_chunk()
     return num_enqueued + _flush(pipe, on_progress)
+
+
+def _grouped_entries(source: LineSource, batch_id: str, report: Report) -> Iterator[BatchEntry]:
+    """The valid lines as stream entries, each window of GROUP_WINDOW_LINES in prefix-group order."""
+    window: list[tuple[int, bytes]] = []
+    for line_number, raw in _lines(source):
+        if line_number not in report.invalid:
+            window.append((line_number, raw))
+        if len(window) == GROUP_WINDOW_LINES:
+            yield from _in_group_order(window, batch_id)
+            window = []
+    yield from _in_group_order(window, batch_id)
+
+
+def _in_group_order(window: list[tuple[int, bytes]], batch_id: str) -> list[BatchEntry]:
+    chains = []
+    for _, raw in window:
+        line = json.loads(raw)  # valid: pass 1 parsed it
+        chains.append(prefixes.prefix_hashes(prefixes.prompt_text(line.get("body", line))))
+    now = time.time()
+    return [BatchEntry(batch_id, custom_id_of(window[i][1], window[i][0]), window[i][0], window[i][1].strip(), now,
+                       prefix=prefixes.encode(chains[i])) for i in prefixes.group_order(chains)]
 
 
 def _flush(pipe: redis.client.Pipeline, on_progress) -> int:

@@ -23,7 +23,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from jobs import heartbeats, keys, online
+from jobs import heartbeats, keys, online, prefixes
 from jobs.online import Error, OnlineEntry, ReplyEvent
 from jobs.schemas import CHAT_COMPLETIONS, COMPLETIONS, OnlineChatBody, OnlineCompletionBody, OnlineFields
 from producers.dependencies import Services, ServicesDep, Settings, SettingsDep
@@ -68,8 +68,10 @@ def enqueue(services: Services, settings: Settings, url: str, body: OnlineFields
                             f"{settings.max_online_queue}); retry shortly.", "too_many_requests",
                        kind="rate_limit_error")
     now = time.time()
-    entry = OnlineEntry(online.new_request_id(), url, body.batch_body(), bool(body.stream), body.priority,
-                        now + settings.request_timeout, now)
+    batch_body = body.batch_body()
+    entry = OnlineEntry(online.new_request_id(), url, batch_body, bool(body.stream), body.priority,
+                        now + settings.request_timeout, now,
+                        prefixes.encode(prefixes.prefix_hashes(prefixes.prompt_text(batch_body))))
     online.enqueue(r, model, entry)
     return entry, is_cold
 
