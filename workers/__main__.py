@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     fleet.add_argument("--checkpoint-tokens", type=int, default=16,
                        help="save a running batch request's generated tokens in Redis every this many, so that "
                             "a worker taking it over after a crash continues it; 0: never")
+    fleet.add_argument("--prefix-affinity-wait", type=float, default=2.0,
+                       help="seconds a batch request may wait to run on the worker whose prefix cache holds its "
+                            "prompt's prefix (workers/affinity.py); then any worker runs it; 0: no affinity")
     fleet.add_argument("--online-reserve", type=int,
                        help="seats (and their blocks) batch work leaves free for online requests; "
                             "default: one in sixteen of --max-num-seqs, at least one")
@@ -78,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.online_reserve is not None and args.online_reserve < 0:
         parser.error("--online-reserve must be >= 0")
+    if args.prefix_affinity_wait < 0:
+        parser.error("--prefix-affinity-wait must be >= 0")
     if args.checkpoint_tokens < 0:
         parser.error("--checkpoint-tokens must be >= 0")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -101,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                             max_deliveries=args.max_deliveries, max_requeues=args.max_requeues,
                             drain_seconds=args.drain_seconds, drain_mode=args.drain_mode,
                             online_reserve=args.online_reserve,
-                            checkpoint_tokens=args.checkpoint_tokens,
+                            checkpoint_tokens=args.checkpoint_tokens, prefix_affinity_wait=args.prefix_affinity_wait,
                             maintain_seconds=args.heartbeat_seconds)
     worker = Worker(engine, r, options, metrics, health)
     worker.install_signal_handlers()

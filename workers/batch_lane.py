@@ -5,6 +5,8 @@ redelivery of finished work); results go to their batch's storage through the fl
 
 How much it pulls is workers/admission.py's: what the free KV blocks hold, beyond the
 online reserve; what it pulled but cannot start now goes back to the stream at once.
+Entries other workers forwarded here come first; fresh entries whose prompt prefix another
+worker holds are forwarded to it (workers/affinity.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from jobs.entries import BatchEntry, MalformedEntry
 from jobs.results import error_line
 from jobs.schemas import MAX_PRIORITY, LineError, Request, parse_line
 from workers import stream_ops
+from workers.affinity import Affinity, Forwarded, forward
 from workers.flush import PendingResult, ResultFlusher
 from workers.lanes import Lane, LaneConfig, Work, engine_request_id
 from workers.served_streams import ServedStreams
@@ -51,9 +54,11 @@ class BatchLane(Lane):
     name = "batch"
 
     def __init__(self, r: redis.Redis, engine: LLMEngine, served: ServedStreams, config: LaneConfig,
-                 flusher: ResultFlusher, max_requeues: int) -> None:
+                 flusher: ResultFlusher, max_requeues: int, affinity: Affinity | None = None) -> None:
         super().__init__(r, engine, served.batch, config)
         self.served, self.flusher, self.max_requeues = served, flusher, max_requeues
+        self.affinity = affinity or Affinity(config.consumer, wait_seconds=0)
+        self.forwarded = Forwarded(r, config.consumer)
         self.batch_cache: OrderedDict[str, dict] = OrderedDict()  # LRU, MAX_CACHED_BATCHES
 
     # -- the lane protocol ------------------------------------------------------
@@ -63,7 +68,8 @@ class BatchLane(Lane):
         if count <= 0:
             return 0
         self.served.rotate()  # every partition gets read
-        entries = self.pull_entries(count, reclaim)
+        entries = self.take_forwarded(count) if self.affinity.enabled else []
+        entries += self.forward_to_owners(self.pull_entries(count - len(entries), reclaim))
         accepted = [work for entry in entries if (work := self.accept_or_dead_letter(*entry)) is not None]
         self.load_checkpoints(accepted)
         needed = [self.engine.num_blocks_needed(len(work.processed.prompt_token_ids)) for work in accepted]
@@ -76,6 +82,40 @@ class BatchLane(Lane):
         for work in accepted[:num_fit]:
             self.start(work)
         return len(entries)
+
+    def take_forwarded(self, count: int) -> list[tuple]:
+        """Entries other workers forwarded here, up to `count`."""
+        entries = []
+        for stream in self.streams:
+            held = {entry_id for s, entry_id in self.held() if s == stream}
+            entries += self.forwarded.take(stream, held, count - len(entries))
+        self.config.metrics.affinity_received.inc(len(entries))
+        return entries
+
+    def forward_to_owners(self, entries: list[tuple]) -> list[tuple]:
+        """Forward the fresh entries another worker's prefix cache serves better; the rest stay."""
+        if not self.affinity.enabled:
+            return entries
+        now, moves = time.time(), {}
+        for stream, entry_id, fields, deliveries in entries:
+            owner = self.affinity.destination(self.served.model_of[stream], fields, now) if deliveries == 1 else None
+            if owner is not None:
+                moves.setdefault((stream, owner), []).append(entry_id)
+        moved = set()
+        for (stream, owner), entry_ids in moves.items():
+            moved.update((stream, entry_id) for entry_id in forward(self.r, stream, self.config.consumer, owner,
+                                                                     entry_ids))
+        self.config.metrics.affinity_forwarded.inc(len(moved))
+        return [entry for entry in entries if (entry[0], entry[1]) not in moved]
+
+    def release_stale_forwarded(self) -> None:
+        """Entries forwarded here and not started within the affinity wait go back to their
+        stream, for any worker: affinity never holds work up longer than that."""
+        for stream in self.streams:
+            held = {entry_id for s, entry_id in self.held() if s == stream}
+            for entry_id, fields in self.forwarded.stale(stream, held, self.affinity.wait_seconds):
+                stream_ops.release(self.r, stream, entry_id, fields)
+                self.config.metrics.affinity_released.inc()
 
     def on_output(self, output: RequestOutput) -> None:
         work = self.in_flight.pop(output.request_id)  # batch outputs arrive finished (FINAL_ONLY)
@@ -95,7 +135,10 @@ class BatchLane(Lane):
         self.flusher.flush()
 
     def check(self) -> None:
-        """Abort in-flight requests of batches cancelled or past their window."""
+        """Abort in-flight requests of batches cancelled or past their window; hand back
+        forwarded entries that waited too long here."""
+        if self.affinity.enabled:
+            self.release_stale_forwarded()
         for batch_id in {work.batch_id for work in self.in_flight.values()}:
             reason = stop_reason(self.batch(batch_id, refresh=True))
             if reason is None:

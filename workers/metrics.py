@@ -58,6 +58,11 @@ class WorkerMetrics:
         self.recomputed_tokens = counter("recomputed_tokens", "Tokens prefilled again, beyond prefix-cache hits: "
                                          "their K/V was computed before a preemption, or by a worker that lost "
                                          "the request")
+        self.affinity_forwarded = counter("affinity_forwarded", "Pulled entries forwarded to the worker that owns "
+                                          "their prompt prefix (workers/affinity.py)")
+        self.affinity_received = counter("affinity_received", "Entries other workers forwarded here, taken")
+        self.affinity_released = counter("affinity_released", "Forwarded entries handed back to their stream: not "
+                                         "started here within the affinity wait")
         self._success = Counter("kvfleet:request_success", "Finished requests by finish reason",
                                 [*names, "lane", "finished_reason"], registry=self.registry)
         self._labels = labels

@@ -8,6 +8,8 @@
         admit()      lane.pull() for each lane, online first (workers/online_lane.py), then batch
                      (workers/batch_lane.py): what fits the free KV blocks (workers/admission.py),
                      or for an embedding model the token budget (workers/embeddings_lane.py);
+                     batch entries other workers forwarded here first, and fresh ones whose
+                     prompt prefix another worker owns forwarded to it (workers/affinity.py);
                      when idle, block until any served stream has new work
         step()       one engine iteration; each output goes to the lane that started its request
         settle()     lane.settle(): online events and acks (one round trip), batch results ->
@@ -41,6 +43,7 @@ from engine import LLMEngine, ParallelGroupError
 from jobs import heartbeats
 from workers import stream_ops
 from workers.admission import Admission, TokenBudget, default_online_reserve
+from workers.affinity import Affinity
 from workers.batch_lane import BatchLane
 from workers.embeddings_lane import EmbeddingBatchLane, EmbeddingOnlineLane
 from workers.flush import ResultFlusher
@@ -76,6 +79,7 @@ class WorkerOptions:
     max_backoff_seconds: float = 5.0
     maintain_seconds: float = 1.0  # heartbeat, lease keeping and batch status checks
     online_reserve: int | None = None  # seats kept free of batch work; default: one in sixteen
+    prefix_affinity_wait: float = 2.0  # seconds an entry may wait for the worker holding its prefix; 0: off
 
 
 class Worker:
@@ -97,8 +101,10 @@ class Worker:
         online_cls, batch_cls = (EmbeddingOnlineLane, EmbeddingBatchLane) if self.task == "embed" else (OnlineLane,
                                                                                                          BatchLane)
         self.online_lane = online_cls(r, engine, self.streams.online, config)
+        affinity = Affinity(options.name, options.prefix_affinity_wait if self.task == "generate" else 0.0)
         self.batch_lane = batch_cls(r, engine, self.streams, config,
-                                    ResultFlusher(r, options.name, options.max_backoff_seconds), options.max_requeues)
+                                    ResultFlusher(r, options.name, options.max_backoff_seconds), options.max_requeues,
+                                    affinity)
         self.lanes: list[Lane] = [self.online_lane, self.batch_lane]  # pulled in this order
         # Renewed from a thread, so no engine step or storage put outlasts a lease; it stops with the worker.
         self.leases = LeaseKeeper(r, options.name, min(options.maintain_seconds, options.lease_seconds / 4))
@@ -217,6 +223,8 @@ class Worker:
         self.last_maintain = now
         self.is_reclaim_due = True
         self._heartbeat()
+        if self.batch_lane.affinity.enabled:  # who owns which prefix group, from the heartbeats
+            self.batch_lane.affinity.refresh(heartbeats.live_workers(self.r))
         for lane in self.lanes:
             lane.check()
         if now - self.last_trim > TRIM_SECONDS:
@@ -240,7 +248,8 @@ class Worker:
                   "preemptions": stats.num_preemptions, "in_flight": self.num_in_flight,
                   "draining": int(self.stopping), "started_at": self.started_at,
                   "tokens_per_s": round(self.metrics.generation_tokens_per_s(time.monotonic()), 1),
-                  "heartbeat_seconds": self.options.maintain_seconds}
+                  "heartbeat_seconds": self.options.maintain_seconds,
+                  "forwarded_waiting": self.batch_lane.forwarded.num_waiting}
         heartbeats.record_heartbeat(self.r, self.options.name, record, max(3, int(self.options.lease_seconds)))
 
     # -- admission ---------------------------------------------------------------

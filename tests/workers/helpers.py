@@ -34,10 +34,11 @@ def completion(custom_id: str, prompt, max_tokens: int = 8, **fields) -> dict:
 
 
 def run_until(worker, r, batch_ids, timeout: float = 120.0, statuses=batches.TERMINAL) -> dict[str, dict]:
-    """Drive an in-process worker (and the finalizer) until every batch ends."""
+    """Drive an in-process worker, or a list of them in turns (and the finalizer), until every batch ends."""
     deadline = time.monotonic() + timeout
     while True:
-        worker.run_once()
+        for each in worker if isinstance(worker, list) else [worker]:
+            each.run_once()
         run_finalize_jobs(r)
         objects = {b: batches.batch_object(r, b) for b in batch_ids}
         if all(o["status"] in statuses for o in objects.values()):

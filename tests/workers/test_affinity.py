@@ -1,0 +1,104 @@
+"""Prefix affinity (workers/affinity.py): two workers pulling interleaved groups of requests
+that share long prompt prefixes run each group on the group's owner, and affinity never
+holds an entry up longer than its wait."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from engine import EngineConfig, LLMEngine
+from tests.workers.helpers import completion, make_worker, run_until, submit_lines
+from workers.affinity import group_of, rendezvous_owner
+from workers.batch_lane import BatchLane
+
+WORDS = "the ledger of each night keeps what the fleet wrote before the city woke".split()
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama):
+    return [LLMEngine(EngineConfig(model=tiny_llama, num_kv_blocks=256, max_num_seqs=8)) for _ in range(2)]
+
+
+@pytest.fixture
+def started(monkeypatch) -> dict[str, str]:
+    """custom id -> the worker that started it."""
+    record: dict[str, str] = {}
+    start = BatchLane.start
+
+    def recording_start(lane, work):
+        record[work.custom_id] = lane.config.consumer
+        start(lane, work)
+
+    monkeypatch.setattr(BatchLane, "start", recording_start)
+    return record
+
+
+def interleaved_batches(r, num_groups: int, per_group: int) -> tuple[list[str], dict[str, int]]:
+    """`per_group` batches, each with one request of every group: the stream interleaves the
+    groups, and submit's grouping (within a batch) cannot bring them together."""
+    rng = random.Random(1)
+    shared = [" ".join(rng.choice(WORDS) for _ in range(130)) for _ in range(num_groups)]  # ~600 characters
+    batch_ids, group = [], {}
+    for i in range(per_group):
+        lines = [completion(f"g{g}-{i}", f"{shared[g]} question {i}", max_tokens=4) for g in range(num_groups)]
+        group.update({f"g{g}-{i}": g for g in range(num_groups)})
+        batch_ids.append(submit_lines(r, lines))
+    return batch_ids, group
+
+
+def run_both(workers, r, batch_ids):
+    for worker in workers:
+        worker._heartbeat()  # each knows the other before it pulls
+    run_until(workers, r, batch_ids)
+
+
+def test_each_group_runs_on_its_owner(engines, r, started):
+    workers = [make_worker(engine, r, name=f"w{i}") for i, engine in enumerate(engines)]
+    batch_ids, group = interleaved_batches(r, num_groups=6, per_group=4)
+    run_both(workers, r, batch_ids)
+    by_group: dict[int, set[str]] = {}
+    for custom_id, worker in started.items():
+        by_group.setdefault(group[custom_id], set()).add(worker)
+    assert all(len(names) == 1 for names in by_group.values()), by_group  # one worker ran each whole group
+    forwarded = sum(w.metrics.affinity_forwarded._value.get() for w in workers)
+    received = sum(w.metrics.affinity_received._value.get() for w in workers)
+    assert forwarded == received > 0
+    assert len({name for names in by_group.values() for name in names}) == 2  # both worked
+
+
+def test_affinity_off_runs_entries_where_they_are_pulled(engines, r, started):
+    workers = [make_worker(engine, r, name=f"w{i}", prefix_affinity_wait=0) for i, engine in enumerate(engines)]
+    batch_ids, _ = interleaved_batches(r, num_groups=6, per_group=4)
+    run_both(workers, r, batch_ids)
+    assert len(started) == 24 and sum(w.metrics.affinity_forwarded._value.get() for w in workers) == 0
+
+
+def test_an_owner_that_cannot_start_forwarded_work_hands_it_back_after_the_wait(engines, r, started, monkeypatch):
+    puller, owner = (make_worker(engine, r, name=f"w{i}", prefix_affinity_wait=0.5) for i, engine in enumerate(engines))
+    batch_ids, group = interleaved_batches(r, num_groups=6, per_group=2)
+    for worker in (puller, owner):
+        worker._heartbeat()
+    monkeypatch.setattr(owner.batch_lane.config.admission, "count", lambda stats: 0)  # full: it pulls nothing
+    puller.run_once()
+    forwarded = puller.metrics.affinity_forwarded._value.get()
+    assert forwarded > 0 and not any(name == "w1" for name in started.values())
+    owner.run_once()  # within the wait: it keeps them
+    assert owner.metrics.affinity_released._value.get() == 0
+    time.sleep(0.5)
+    owner.last_maintain = 0.0
+    owner.run_once()  # past the wait: back to the stream, for anyone
+    assert owner.metrics.affinity_released._value.get() == forwarded
+    run_until(puller, r, batch_ids)
+    assert sorted(started) == sorted(group) and set(started.values()) == {"w0"}
+
+
+def test_owners_are_rendezvous_hashes_of_the_live_workers():
+    groups = [f"{g:016x}" for g in range(2000)]
+    owners = [rendezvous_owner(g, ["a", "b", "c"]) for g in groups]
+    assert all(400 < owners.count(name) < 940 for name in "abc")  # spread
+    # "c" leaves: only its groups move.
+    assert all(rendezvous_owner(g, ["a", "b"]) == o for g, o in zip(groups, owners) if o != "c")
+    assert group_of("aa,bb,cc") == "bb" and group_of("aa") == "aa" and group_of("") is None

@@ -1,0 +1,168 @@
+"""Prefix affinity: batch work goes to the worker that holds its prompt prefix's KV blocks.
+
+Workers pull, so no router places a request; a worker that pulls an entry decides where it
+runs. Every entry carries its prompt's prefix hashes (jobs/prefixes.py); its *group* is the
+hash at depth GROUP_DEPTH (512 characters, about 128 tokens in), or the deepest one of a
+shorter prompt. A prompt shorter than one chunk has no group and runs wherever it is pulled.
+
+Owners. Each group has one owner among the live, non-draining workers of its model:
+the one with the highest hash of (worker, group), rendezvous hashing. Every worker
+computes the same owner from the heartbeats (jobs/heartbeats.py), with no coordination,
+and when a worker joins or leaves only the groups it gains or loses move. The owner has
+run the group's earlier requests, so its prefix cache holds the prefix.
+
+Forwarding. A worker that pulls a fresh entry of a group another worker owns moves it to
+the owner's pending list (XCLAIM to the owner's consumer name, under an ownership check, in
+one script; no delivery is counted). The owner takes entries forwarded to it before it
+reads new ones (`Forwarded.take`).
+
+Bounded load. An owner keeps at most FORWARD_QUEUE forwarded entries waiting: it says how
+many wait in each heartbeat, and a worker counts what it sent since. Past that the puller
+runs the entry itself. So a hot group (one instruction every request shares) spreads over
+the fleet, each worker prefilling its prefix once, while many cold groups stay each with
+their owner, whose cache is the only one to hold them.
+
+The bounded wait. Affinity is a preference, never a lock: an entry is forwarded only
+while younger than `wait_seconds` since its enqueue, and never twice; an owner that cannot
+start a forwarded entry before that hands it back to its stream (`Forwarded.stale`), where
+any worker takes it. A forward to a worker that dies is recovered after the lease, as all
+of its entries are.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+
+import redis
+
+from jobs import keys, prefixes
+
+GROUP_DEPTH = 2  # chunks of jobs/prefixes.py: 512 characters, ~128 tokens
+FORWARD_QUEUE = 16  # forwarded entries an owner may have waiting
+GROUP = keys.CONSUMER_GROUP
+
+# KEYS: the stream. ARGV: group, from consumer, to consumer, then entry ids. Moves the ids
+# `from` still owns to `to` (XCLAIM JUSTID: no delivery counted); returns the moved ids.
+_FORWARD_LUA = """
+local moved = {}
+for i = 4, #ARGV do
+  local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if #pending == 1 and pending[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, ARGV[i], 'JUSTID')
+    table.insert(moved, ARGV[i])
+  end
+end
+return moved
+"""
+
+
+def group_of(prefix_field: str | bytes | None) -> str | None:
+    chain = prefixes.decode(prefix_field)
+    return chain[min(len(chain), GROUP_DEPTH) - 1] if chain else None
+
+
+def rendezvous_owner(group: str, workers: list[str]) -> str:
+    return max(workers, key=lambda name: hashlib.blake2b(f"{name}\n{group}".encode(), digest_size=8).digest())
+
+
+@dataclass
+class Peer:
+    name: str
+    heartbeat: float  # its last one
+    num_waiting: int = 0  # forwarded entries it had not taken then
+    num_forwarded: int = 0  # sent to it since then, by this worker
+
+
+@dataclass
+class Affinity:
+    """Who owns which group, from the heartbeats; refreshed once per maintain interval."""
+
+    name: str  # this worker
+    wait_seconds: float  # 0: affinity off
+    peers: dict[str, dict[str, Peer]] = field(default_factory=dict)  # model -> worker name -> peer
+
+    @property
+    def enabled(self) -> bool:
+        return self.wait_seconds > 0
+
+    def refresh(self, records: list[dict]) -> None:
+        """`records`: jobs.heartbeats.live_workers()."""
+        peers: dict[str, dict[str, Peer]] = {}
+        for record in records:
+            if record.get("draining") and record["name"] != self.name:
+                continue
+            for model in record["models"]:
+                old = self.peers.get(model, {}).get(record["name"])
+                peer = Peer(record["name"], record["heartbeat"], int(record.get("forwarded_waiting") or 0))
+                if old is not None and old.heartbeat == peer.heartbeat:
+                    peer.num_forwarded = old.num_forwarded  # no news from it: keep counting
+                peers.setdefault(model, {})[peer.name] = peer
+        self.peers = peers
+
+    def destination(self, model: str, fields: dict, now: float) -> str | None:
+        """The owner to forward a freshly pulled entry to; None: run it here."""
+        group = group_of(fields.get(b"prefix"))
+        enqueued_at = float(fields.get(b"enqueued_at") or 0)
+        peers = self.peers.get(model, {})
+        if not self.enabled or group is None or now - enqueued_at >= self.wait_seconds or len(peers) < 2:
+            return None
+        owner = peers[rendezvous_owner(group, list(peers))]
+        if owner.name == self.name or owner.num_waiting + owner.num_forwarded >= FORWARD_QUEUE:
+            return None
+        owner.num_forwarded += 1
+        return owner.name
+
+
+def forward(r: redis.Redis, stream: str, consumer: str, owner: str, entry_ids: list[str]) -> list[str]:
+    """Move entries this consumer holds to `owner`'s pending list; returns those moved."""
+    moved = r.execute_command("EVAL", _FORWARD_LUA, 1, stream, GROUP, consumer, owner, *entry_ids)
+    return [eid.decode() if isinstance(eid, bytes) else eid for eid in moved]
+
+
+class Forwarded:
+    """Entries other workers forwarded to this one: in its pending list, not yet taken."""
+
+    def __init__(self, r: redis.Redis, consumer: str) -> None:
+        self.r, self.consumer = r, consumer
+        self.waiting: dict[str, int] = {}  # stream -> found and not taken at the last look
+
+    @property
+    def num_waiting(self) -> int:
+        """Forwarded entries waiting here (the heartbeat says it, for the bounded load)."""
+        return sum(self.waiting.values())
+
+    def find(self, stream: str, held: set[str], count: int = 1000) -> list[tuple[str, int]]:
+        """(entry id, deliveries) of entries in this consumer's pending list it does not hold."""
+        rows = self.r.xpending_range(stream, GROUP, "-", "+", count, consumername=self.consumer)
+        return [(row["message_id"].decode(), row["times_delivered"]) for row in rows
+                if row["message_id"].decode() not in held]
+
+    def take(self, stream: str, held: set[str], count: int) -> list[tuple[str, str, dict, int]]:
+        """Up to `count` forwarded entries, oldest first: [(stream, entry id, fields, deliveries)]."""
+        found = self.find(stream, held)
+        self.waiting[stream] = max(0, len(found) - count)
+        found = found[:count]
+        if not found:
+            return []
+        pipe = self.r.pipeline(transaction=False)
+        for entry_id, _ in found:
+            pipe.xrange(stream, entry_id, entry_id)
+        return [(stream, entry_id, rows[0][1], deliveries)
+                for (entry_id, deliveries), rows in zip(found, pipe.execute()) if rows]
+
+    def stale(self, stream: str, held: set[str], wait_seconds: float) -> list[tuple[str, dict]]:
+        """Forwarded entries still not taken, enqueued longer than `wait_seconds` ago."""
+        found = self.find(stream, held)
+        if not found:
+            self.waiting[stream] = 0
+            return []
+        pipe = self.r.pipeline(transaction=False)
+        for entry_id, _ in found:
+            pipe.xrange(stream, entry_id, entry_id)
+        now = time.time()
+        stale = [(entry_id, rows[0][1]) for (entry_id, _), rows in zip(found, pipe.execute())
+                 if rows and now - float(rows[0][1].get(b"enqueued_at") or 0) >= wait_seconds]
+        self.waiting[stream] = len(found) - len(stale)
+        return stale
