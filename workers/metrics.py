@@ -52,17 +52,7 @@ class WorkerMetrics:
         # vLLM's prefix-cache counters, in tokens: looked up in the cache, and found there.
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
-        self.resumed_requests = counter("resumed_requests", "Requests continued from a checkpoint another run saved")
-        self.resumed_tokens = counter("resumed_tokens", "Generated tokens resumed requests did not have to generate "
-                                      "again (they are prefilled instead)")
-        self.recomputed_tokens = counter("recomputed_tokens", "Tokens prefilled again, beyond prefix-cache hits: "
-                                         "their K/V was computed before a preemption, or by a worker that lost "
-                                         "the request")
-        self.affinity_forwarded = counter("affinity_forwarded", "Pulled entries forwarded to the worker that owns "
-                                          "their prompt prefix (workers/affinity.py)")
-        self.affinity_received = counter("affinity_received", "Entries other workers forwarded here, taken")
-        self.affinity_released = counter("affinity_released", "Forwarded entries handed back to their stream: not "
-                                         "started here within the affinity wait")
+        self._add_fleet_counters(counter)
         self._success = Counter("kvfleet:request_success", "Finished requests by finish reason",
                                 [*names, "lane", "finished_reason"], registry=self.registry)
         self._labels = labels
@@ -78,6 +68,20 @@ class WorkerMetrics:
         self.wall_offset = time.time() - time.monotonic()  # the engine's monotonic times -> wall-clock
         self.num_generation_tokens = 0  # both lanes: the heartbeat's tokens/s
         self._token_samples: deque[tuple[float, int]] = deque()
+
+    def _add_fleet_counters(self, counter) -> None:
+        """Resumes, recomputation and prefix affinity: the work of the fleet, not of one request."""
+        self.resumed_requests = counter("resumed_requests", "Requests continued from a checkpoint another run saved")
+        self.resumed_tokens = counter("resumed_tokens", "Generated tokens resumed requests did not have to generate "
+                                      "again (they are prefilled instead)")
+        self.recomputed_tokens = counter("recomputed_tokens", "Tokens prefilled again, beyond prefix-cache hits: "
+                                         "their K/V was computed before a preemption, or by a worker that lost "
+                                         "the request")
+        self.affinity_forwarded = counter("affinity_forwarded", "Pulled entries forwarded to the worker that owns "
+                                          "their prompt prefix (workers/affinity.py)")
+        self.affinity_received = counter("affinity_received", "Entries other workers forwarded here, taken")
+        self.affinity_released = counter("affinity_released", "Forwarded entries handed back to their stream: not "
+                                         "started here within the affinity wait")
 
     def generation_tokens_per_s(self, now: float, window_seconds: float = 10.0) -> float:
         """Generated tokens per second over about the last window; call it once per heartbeat."""
