@@ -22,17 +22,16 @@ runs the entry itself. So a hot group (one instruction every request shares) spr
 the fleet, each worker prefilling its prefix once, while many cold groups stay each with
 their owner, whose cache is the only one to hold them.
 
-The bounded wait. Affinity is a preference, never a lock: an entry is forwarded only
-while younger than `wait_seconds` since its enqueue, and never twice; an owner that cannot
-start a forwarded entry before that hands it back to its stream (`Forwarded.stale`), where
-any worker takes it. A forward to a worker that dies is recovered after the lease, as all
-of its entries are.
+The bounded wait. Affinity is a preference, never a lock: an owner that cannot start a
+forwarded entry within `wait_seconds` of the forward (its idle time in the pending list)
+hands it back to its stream with affinity off (`Forwarded.stale`, the AFFINITY_OFF field),
+where any worker takes it and none forwards it again. A forward to a worker that dies is
+recovered after the lease, as all of its entries are.
 """
 
 from __future__ import annotations
 
 import hashlib
-import time
 from dataclasses import dataclass, field
 
 import redis
@@ -42,6 +41,7 @@ from jobs import keys, prefixes
 GROUP_DEPTH = 2  # chunks of jobs/prefixes.py: 512 characters, ~128 tokens
 FORWARD_QUEUE = 16  # forwarded entries an owner may have waiting
 GROUP = keys.CONSUMER_GROUP
+AFFINITY_OFF = {b"affinity": b"off"}  # on an entry handed back after its wait: never forwarded again
 
 # KEYS: the stream. ARGV: group, from consumer, to consumer, then entry ids. Moves the ids
 # `from` still owns to `to` (XCLAIM JUSTID: no delivery counted); returns the moved ids.
@@ -101,12 +101,11 @@ class Affinity:
                 peers.setdefault(model, {})[peer.name] = peer
         self.peers = peers
 
-    def destination(self, model: str, fields: dict, now: float) -> str | None:
+    def destination(self, model: str, fields: dict) -> str | None:
         """The owner to forward a freshly pulled entry to; None: run it here."""
         group = group_of(fields.get(b"prefix"))
-        enqueued_at = float(fields.get(b"enqueued_at") or 0)
         peers = self.peers.get(model, {})
-        if not self.enabled or group is None or now - enqueued_at >= self.wait_seconds or len(peers) < 2:
+        if not self.enabled or group is None or len(peers) < 2 or fields.get(b"affinity") == b"off":
             return None
         owner = peers[rendezvous_owner(group, list(peers))]
         if owner.name == self.name or owner.num_waiting + owner.num_forwarded >= FORWARD_QUEUE:
@@ -133,10 +132,11 @@ class Forwarded:
         """Forwarded entries waiting here (the heartbeat says it, for the bounded load)."""
         return sum(self.waiting.values())
 
-    def find(self, stream: str, held: set[str], count: int = 1000) -> list[tuple[str, int]]:
-        """(entry id, deliveries) of entries in this consumer's pending list it does not hold."""
+    def find(self, stream: str, held: set[str], count: int = 1000) -> list[tuple[str, int, int]]:
+        """(entry id, deliveries, milliseconds since forwarded) of the entries in this consumer's
+        pending list it does not hold."""
         rows = self.r.xpending_range(stream, GROUP, "-", "+", count, consumername=self.consumer)
-        return [(row["message_id"].decode(), row["times_delivered"]) for row in rows
+        return [(row["message_id"].decode(), row["times_delivered"], row["time_since_delivered"]) for row in rows
                 if row["message_id"].decode() not in held]
 
     def take(self, stream: str, held: set[str], count: int) -> list[tuple[str, str, dict, int]]:
@@ -146,23 +146,18 @@ class Forwarded:
         found = found[:count]
         if not found:
             return []
-        pipe = self.r.pipeline(transaction=False)
-        for entry_id, _ in found:
-            pipe.xrange(stream, entry_id, entry_id)
-        return [(stream, entry_id, rows[0][1], deliveries)
-                for (entry_id, deliveries), rows in zip(found, pipe.execute()) if rows]
+        return [(stream, entry_id, fields, deliveries)
+                for (entry_id, deliveries, _), fields in zip(found, self._fields(stream, found)) if fields]
 
     def stale(self, stream: str, held: set[str], wait_seconds: float) -> list[tuple[str, dict]]:
-        """Forwarded entries still not taken, enqueued longer than `wait_seconds` ago."""
+        """Forwarded entries not taken within `wait_seconds` of their forward: (id, fields)."""
         found = self.find(stream, held)
-        if not found:
-            self.waiting[stream] = 0
-            return []
-        pipe = self.r.pipeline(transaction=False)
-        for entry_id, _ in found:
-            pipe.xrange(stream, entry_id, entry_id)
-        now = time.time()
-        stale = [(entry_id, rows[0][1]) for (entry_id, _), rows in zip(found, pipe.execute())
-                 if rows and now - float(rows[0][1].get(b"enqueued_at") or 0) >= wait_seconds]
+        stale = [entry for entry in found if entry[2] >= wait_seconds * 1000]
         self.waiting[stream] = len(found) - len(stale)
-        return stale
+        return [(entry_id, fields) for (entry_id, *_), fields in zip(stale, self._fields(stream, stale)) if fields]
+
+    def _fields(self, stream: str, found: list[tuple]) -> list[dict | None]:
+        pipe = self.r.pipeline(transaction=False)
+        for entry_id, *_ in found:
+            pipe.xrange(stream, entry_id, entry_id)
+        return [rows[0][1] if rows else None for rows in pipe.execute()] if found else []

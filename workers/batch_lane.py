@@ -23,7 +23,7 @@ from jobs.entries import BatchEntry, MalformedEntry
 from jobs.results import error_line
 from jobs.schemas import MAX_PRIORITY, LineError, Request, parse_line
 from workers import stream_ops
-from workers.affinity import Affinity, Forwarded, forward
+from workers.affinity import AFFINITY_OFF, Affinity, Forwarded, forward
 from workers.flush import PendingResult, ResultFlusher
 from workers.lanes import Lane, LaneConfig, Work, engine_request_id
 from workers.served_streams import ServedStreams
@@ -96,9 +96,9 @@ class BatchLane(Lane):
         """Forward the fresh entries another worker's prefix cache serves better; the rest stay."""
         if not self.affinity.enabled:
             return entries
-        now, moves = time.time(), {}
+        moves = {}
         for stream, entry_id, fields, deliveries in entries:
-            owner = self.affinity.destination(self.served.model_of[stream], fields, now) if deliveries == 1 else None
+            owner = self.affinity.destination(self.served.model_of[stream], fields) if deliveries == 1 else None
             if owner is not None:
                 moves.setdefault((stream, owner), []).append(entry_id)
         moved = set()
@@ -114,7 +114,7 @@ class BatchLane(Lane):
         for stream in self.streams:
             held = {entry_id for s, entry_id in self.held() if s == stream}
             for entry_id, fields in self.forwarded.stale(stream, held, self.affinity.wait_seconds):
-                stream_ops.release(self.r, stream, entry_id, fields)
+                stream_ops.release(self.r, stream, entry_id, {**fields, **AFFINITY_OFF})
                 self.config.metrics.affinity_released.inc()
 
     def on_output(self, output: RequestOutput) -> None:
