@@ -42,6 +42,7 @@ from jobs.local_redis import RedisServer
 from producers.ingest import submit
 
 MODEL = "bench"
+RUNS = {"one worker": (1, True), "affinity off": (2, False), "affinity on": (2, True)}  # workers, affinity
 
 
 def group_prompts(tokenizer, groups: int, per_group: int, shared_tokens: int, seed: int = 0) -> list[list[str]]:
@@ -131,7 +132,8 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=32)
     parser.add_argument("--per-group", type=int, default=8)
     parser.add_argument("--shared-tokens", type=int, default=1024)
-    parser.add_argument("--affinity-wait", type=float, default=2.0)
+    parser.add_argument("--affinity-wait", type=float, default=30.0)
+    parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     args = parser.parse_args()
     model = args.model
     prompts = group_prompts(load_tokenizer(model), args.groups, args.per_group, args.shared_tokens)
@@ -139,14 +141,16 @@ def main() -> None:
     num_kv_blocks = (args.groups * (args.shared_tokens + 64) + 16 * 2 * (args.shared_tokens + 64)) // 16
     runs = {}
     with tempfile.TemporaryDirectory() as folder:
-        for name, workers, wait in [("one worker", 1, args.affinity_wait), ("affinity off", 2, 0.0),
-                                    ("affinity on", 2, args.affinity_wait)]:
-            runs[name] = run_fleet(model, prompts, workers, wait, Path(folder) / name.replace(" ", "-"),
-                                   num_kv_blocks)
+        for name in args.runs:
+            workers, has_affinity = RUNS[name]
+            runs[name] = run_fleet(model, prompts, workers, args.affinity_wait if has_affinity else 0.0,
+                                   Path(folder) / name.replace(" ", "-"), num_kv_blocks)
             run = runs[name]
             print(f"{name:13s} hit rate {run['hit_rate']:6.1%}  {run['requests_per_s']:6.2f} req/s  "
                   f"queue mean {run['queue_seconds_mean']:6.2f} s (slowest <= {run['queue_seconds_slowest_bucket']} s)"
                   f"  forwarded {run['forwarded']:.0f}  released {run['released']:.0f}", flush=True)
+    if len(runs) < len(RUNS):
+        return
     hit_ratio = runs["affinity on"]["hit_rate"] / runs["one worker"]["hit_rate"]
     speedup = runs["affinity on"]["requests_per_s"] / runs["affinity off"]["requests_per_s"]
     print(f"hit rate with affinity / one worker: {hit_ratio:.1%} (goal >= 90%)")

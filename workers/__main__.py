@@ -60,9 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     fleet.add_argument("--checkpoint-tokens", type=int, default=16,
                        help="save a running batch request's generated tokens in Redis every this many, so that "
                             "a worker taking it over after a crash continues it; 0: never")
-    fleet.add_argument("--prefix-affinity-wait", type=float, default=2.0,
-                       help="seconds a batch request may wait to run on the worker whose prefix cache holds its "
-                            "prompt's prefix (workers/affinity.py); then any worker runs it; 0: no affinity")
+    fleet.add_argument("--prefix-affinity-wait", type=float, default=30.0,
+                       help="seconds a batch request forwarded to the worker whose prefix cache holds its prompt's "
+                            "prefix may wait there to start (workers/affinity.py); then any worker runs it; "
+                            "0: no affinity")
     fleet.add_argument("--online-reserve", type=int,
                        help="seats (and their blocks) batch work leaves free for online requests; "
                             "default: one in sixteen of --max-num-seqs, at least one")

@@ -39,7 +39,7 @@ import redis
 from jobs import keys, prefixes
 
 GROUP_DEPTH = 2  # chunks of jobs/prefixes.py: 512 characters, ~128 tokens
-FORWARD_QUEUE = 16  # forwarded entries an owner may have waiting
+FORWARD_QUEUE = 16  # forwarded entries an owner may have waiting (by default; Affinity.queue_limit)
 GROUP = keys.CONSUMER_GROUP
 AFFINITY_OFF = {b"affinity": b"off"}  # on an entry handed back after its wait: never forwarded again
 
@@ -81,6 +81,7 @@ class Affinity:
 
     name: str  # this worker
     wait_seconds: float  # 0: affinity off
+    queue_limit: int = FORWARD_QUEUE  # forwarded entries an owner may have waiting
     peers: dict[str, dict[str, Peer]] = field(default_factory=dict)  # model -> worker name -> peer
 
     @property
@@ -108,7 +109,7 @@ class Affinity:
         if not self.enabled or group is None or len(peers) < 2 or fields.get(b"affinity") == b"off":
             return None
         owner = peers[rendezvous_owner(group, list(peers))]
-        if owner.name == self.name or owner.num_waiting + owner.num_forwarded >= FORWARD_QUEUE:
+        if owner.name == self.name or owner.num_waiting + owner.num_forwarded >= self.queue_limit:
             return None
         owner.num_forwarded += 1
         return owner.name

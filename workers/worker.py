@@ -79,7 +79,7 @@ class WorkerOptions:
     max_backoff_seconds: float = 5.0
     maintain_seconds: float = 1.0  # heartbeat, lease keeping and batch status checks
     online_reserve: int | None = None  # seats kept free of batch work; default: one in sixteen
-    prefix_affinity_wait: float = 2.0  # seconds an entry may wait for the worker holding its prefix; 0: off
+    prefix_affinity_wait: float = 30.0  # seconds a forwarded entry may wait at the owner of its prefix; 0: off
 
 
 class Worker:
