@@ -27,6 +27,7 @@ MULTI. Every script and MULTI in kvfleet touches keys of one tag.
 | kvfleet:file:{file}:content           | string       | the content of a file stored in Redis                    |
 | kvfleet:idempotency:{digest}          | string + TTL | the object id an Idempotency-Key created (24 h)          |
 | kvfleet:worker:{workers}:{name}       | hash + TTL   | heartbeat: served models, KV blocks, running/waiting/... |
+| kvfleet:worker:{workers}:{name}:groups| string + TTL | the prefix groups it ran last (workers/affinity.py)      |
 | kvfleet:workers:{workers}             | sorted set   | worker names by last heartbeat (jobs/heartbeats.py)      |
 | kvfleet:models                        | sorted set   | served model names by the last time a worker served them |
 | rq:queue:kvfleet-finalize             | RQ queue     | finalize_batch jobs (JSON serializer), one per batch     |
@@ -174,6 +175,11 @@ def idempotency(route: str, idempotency_key: str) -> str:
 
 def worker(name: str) -> str:
     return f"{PREFIX}:worker:{{workers}}:{name}"
+
+
+def worker_groups(name: str) -> str:
+    """The prefix groups a worker ran last (workers/affinity.py), space-separated hex, with a TTL."""
+    return f"{PREFIX}:worker:{{workers}}:{name}:groups"
 
 
 def default_redis_url() -> str:

@@ -6,10 +6,13 @@ hash at depth GROUP_DEPTH (512 characters, about 128 tokens in), or the deepest 
 shorter prompt. A prompt shorter than one chunk has no group and runs wherever it is pulled.
 
 Owners. Each group has one owner among the live, non-draining workers of its model:
-the one with the highest hash of (worker, group), rendezvous hashing. Every worker
-computes the same owner from the heartbeats (jobs/heartbeats.py), with no coordination,
-and when a worker joins or leaves only the groups it gains or loses move. The owner has
-run the group's earlier requests, so its prefix cache holds the prefix.
+among the workers that hold it, else among all, the one with the highest hash of (worker,
+group), rendezvous hashing. A worker *holds* a group it started a request of lately: each
+publishes its last SUMMARY_GROUPS groups (`GroupSummary`, a key with a TTL, refreshed every
+SUMMARY_SECONDS), and every worker reads the others' with the heartbeats. So every worker
+computes the same owner with no coordination; a worker that joins takes only new groups
+(the ones it would get by hash alone stay where they are cached), and one that leaves
+gives its groups up when its summary expires. The owner's prefix cache holds the prefix.
 
 Forwarding. A worker that pulls a fresh entry of a group another worker owns moves it to
 the owner's pending list (XCLAIM to the owner's consumer name, under an ownership check, in
@@ -32,12 +35,15 @@ recovered after the lease, as all of its entries are.
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import redis
 
 from jobs import keys, prefixes
 
+SUMMARY_GROUPS = 1024  # the groups a worker publishes, most recent first
+SUMMARY_SECONDS = 5.0  # how often it publishes them; they expire after 3 times that
 GROUP_DEPTH = 2  # chunks of jobs/prefixes.py: 512 characters, ~128 tokens
 FORWARD_QUEUE = 16  # forwarded entries an owner may have waiting (by default; Affinity.queue_limit)
 GROUP = keys.CONSUMER_GROUP
@@ -73,6 +79,7 @@ class Peer:
     heartbeat: float  # its last one
     num_waiting: int = 0  # forwarded entries it had not taken then
     num_forwarded: int = 0  # sent to it since then, by this worker
+    groups: frozenset[str] = frozenset()  # the groups it published it holds
 
 
 @dataclass
@@ -88,15 +95,16 @@ class Affinity:
     def enabled(self) -> bool:
         return self.wait_seconds > 0
 
-    def refresh(self, records: list[dict]) -> None:
-        """`records`: jobs.heartbeats.live_workers()."""
+    def refresh(self, records: list[dict], summaries: dict[str, frozenset[str]]) -> None:
+        """`records`: jobs.heartbeats.live_workers(); `summaries`: GroupSummary.read_all()."""
         peers: dict[str, dict[str, Peer]] = {}
         for record in records:
             if record.get("draining") and record["name"] != self.name:
                 continue
             for model in record["models"]:
                 old = self.peers.get(model, {}).get(record["name"])
-                peer = Peer(record["name"], record["heartbeat"], int(record.get("forwarded_waiting") or 0))
+                peer = Peer(record["name"], record["heartbeat"], int(record.get("forwarded_waiting") or 0),
+                            groups=summaries.get(record["name"], frozenset()))
                 if old is not None and old.heartbeat == peer.heartbeat:
                     peer.num_forwarded = old.num_forwarded  # no news from it: keep counting
                 peers.setdefault(model, {})[peer.name] = peer
@@ -108,11 +116,47 @@ class Affinity:
         peers = self.peers.get(model, {})
         if not self.enabled or group is None or len(peers) < 2 or fields.get(b"affinity") == b"off":
             return None
-        owner = peers[rendezvous_owner(group, list(peers))]
+        holders = [name for name, peer in peers.items() if group in peer.groups]
+        owner = peers[rendezvous_owner(group, holders or list(peers))]
         if owner.name == self.name or owner.num_waiting + owner.num_forwarded >= self.queue_limit:
             return None
         owner.num_forwarded += 1
         return owner.name
+
+
+class GroupSummary:
+    """The prefix groups this worker started requests of, most recent last, published for
+    the others' choice of owners."""
+
+    def __init__(self, r: redis.Redis, name: str) -> None:
+        self.r, self.name = r, name
+        self.groups: OrderedDict[str, None] = OrderedDict()
+        self.published_at = self.read_at = 0.0
+        self.others: dict[str, frozenset[str]] = {}  # the others' groups, as last read
+
+    def add(self, prefix_field: str | bytes | None) -> None:
+        group = group_of(prefix_field)
+        if group is not None:
+            self.groups[group] = None
+            self.groups.move_to_end(group)
+            if len(self.groups) > SUMMARY_GROUPS:
+                self.groups.popitem(last=False)
+
+    def publish(self, now: float) -> None:
+        if now - self.published_at >= SUMMARY_SECONDS and self.groups:
+            self.r.set(keys.worker_groups(self.name), " ".join(self.groups), ex=int(3 * SUMMARY_SECONDS))
+            self.published_at = now
+
+    def read_all(self, names: list[str], now: float) -> dict[str, frozenset[str]]:
+        """Each live worker's published groups, read again every SUMMARY_SECONDS (this
+        worker's own as it has them now)."""
+        if now - self.read_at >= SUMMARY_SECONDS or set(names) - set(self.others) - {self.name}:
+            pipe = self.r.pipeline(transaction=False)
+            for name in names:
+                pipe.get(keys.worker_groups(name))
+            self.others = {name: frozenset((raw or b"").decode().split()) for name, raw in zip(names, pipe.execute())}
+            self.read_at = now
+        return {**self.others, self.name: frozenset(self.groups)}
 
 
 def forward(r: redis.Redis, stream: str, consumer: str, owner: str, entry_ids: list[str]) -> list[str]:

@@ -23,7 +23,7 @@ from jobs.entries import BatchEntry, MalformedEntry
 from jobs.results import error_line
 from jobs.schemas import MAX_PRIORITY, LineError, Request, parse_line
 from workers import stream_ops
-from workers.affinity import AFFINITY_OFF, Affinity, Forwarded, forward
+from workers.affinity import AFFINITY_OFF, Affinity, Forwarded, GroupSummary, forward
 from workers.flush import PendingResult, ResultFlusher
 from workers.lanes import Lane, LaneConfig, Work, engine_request_id
 from workers.served_streams import ServedStreams
@@ -59,6 +59,7 @@ class BatchLane(Lane):
         self.served, self.flusher, self.max_requeues = served, flusher, max_requeues
         self.affinity = affinity or Affinity(config.consumer, wait_seconds=0)
         self.forwarded = Forwarded(r, config.consumer)
+        self.summary = GroupSummary(r, config.consumer)  # the prefix groups it ran last, published
         self.batch_cache: OrderedDict[str, dict] = OrderedDict()  # LRU, MAX_CACHED_BATCHES
 
     # -- the lane protocol ------------------------------------------------------
@@ -82,6 +83,11 @@ class BatchLane(Lane):
         for work in accepted[:num_fit]:
             self.start(work)
         return len(entries)
+
+    def start(self, work: Work) -> None:
+        super().start(work)
+        if self.affinity.enabled:
+            self.summary.add(work.fields.get(b"prefix"))
 
     def take_forwarded(self, count: int) -> list[tuple]:
         """Entries other workers forwarded here, up to `count`."""

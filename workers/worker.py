@@ -223,8 +223,10 @@ class Worker:
         self.last_maintain = now
         self.is_reclaim_due = True
         self._heartbeat()
-        if self.batch_lane.affinity.enabled:  # who owns which prefix group, from the heartbeats
-            self.batch_lane.affinity.refresh(heartbeats.live_workers(self.r))
+        if self.batch_lane.affinity.enabled:  # who owns which prefix group: heartbeats and group summaries
+            records, summary = heartbeats.live_workers(self.r), self.batch_lane.summary
+            summary.publish(now)
+            self.batch_lane.affinity.refresh(records, summary.read_all([w["name"] for w in records], now))
         for lane in self.lanes:
             lane.check()
         if now - self.last_trim > TRIM_SECONDS:

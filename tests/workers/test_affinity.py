@@ -10,8 +10,9 @@ import time
 import pytest
 
 from engine import EngineConfig, LLMEngine
+from jobs import keys, prefixes
 from tests.workers.helpers import completion, make_worker, run_until, submit_lines
-from workers.affinity import group_of, rendezvous_owner
+from workers.affinity import Affinity, group_of, rendezvous_owner
 from workers.batch_lane import BatchLane
 
 WORDS = "the ledger of each night keeps what the fleet wrote before the city woke".split()
@@ -36,6 +37,9 @@ def started(monkeypatch) -> dict[str, str]:
     return record
 
 
+group_keys: dict[int, bytes] = {}  # group number -> its group hash, as the summaries publish it
+
+
 def interleaved_batches(r, num_groups: int, per_group: int) -> tuple[list[str], dict[str, int]]:
     """`per_group` batches, each with one request of every group: the stream interleaves the
     groups, and submit's grouping (within a batch) cannot bring them together."""
@@ -44,6 +48,8 @@ def interleaved_batches(r, num_groups: int, per_group: int) -> tuple[list[str], 
     batch_ids, group = [], {}
     for i in range(per_group):
         lines = [completion(f"g{g}-{i}", f"{shared[g]} question {i}", max_tokens=4) for g in range(num_groups)]
+        group_keys.update({g: group_of(prefixes.encode(prefixes.prefix_hashes(line["prompt"]))).encode()
+                           for g, line in enumerate(lines)})
         group.update({f"g{g}-{i}": g for g in range(num_groups)})
         batch_ids.append(submit_lines(r, lines))
     return batch_ids, group
@@ -67,6 +73,10 @@ def test_each_group_runs_on_its_owner(engines, r, started):
     received = sum(w.metrics.affinity_received._value.get() for w in workers)
     assert forwarded == received > 0
     assert len({name for names in by_group.values() for name in names}) == 2  # both worked
+    for worker in workers:  # each publishes the groups it ran: the others' choice of owners reads them
+        worker.batch_lane.summary.publish(time.monotonic() + 3600)
+        ran = {g for g, names in by_group.items() if worker.options.name in names}
+        assert set(r.get(keys.worker_groups(worker.options.name)).split()) == {group_keys[g] for g in ran}
 
 
 def test_affinity_off_runs_entries_where_they_are_pulled(engines, r, started):
@@ -93,6 +103,24 @@ def test_an_owner_that_cannot_start_forwarded_work_hands_it_back_after_the_wait(
     assert owner.metrics.affinity_released._value.get() == forwarded
     run_until(puller, r, batch_ids)
     assert sorted(started) == sorted(group) and set(started.values()) == {"w0"}
+
+
+def test_a_group_stays_with_the_worker_that_holds_it_when_another_joins():
+    groups = [f"{g:016x}" for g in range(300)]
+    records = [{"name": name, "models": ["m"], "heartbeat": 1.0} for name in ("a", "b", "c")]
+
+    def destinations(summaries):
+        affinity = Affinity("a", wait_seconds=30, queue_limit=10**6)
+        affinity.refresh(records, summaries)
+        return [affinity.destination("m", {b"prefix": f"x,{g}".encode()}) or "a" for g in groups]
+
+    by_hash = destinations({})
+    assert all(100 - 45 < by_hash.count(name) < 100 + 45 for name in "abc")  # nobody holds any: by hash
+    # "b" ran the first 200 before "c" joined: they stay with "b"; the rest go by hash.
+    held = destinations({"b": frozenset(groups[:200])})
+    assert held[:200] == ["b"] * 200 and held[200:] == by_hash[200:]
+    assert destinations({"b": frozenset(groups), "c": frozenset(groups)}) == [
+        rendezvous_owner(g, ["b", "c"]) for g in groups]  # held by two: by hash between them
 
 
 def test_owners_are_rendezvous_hashes_of_the_live_workers():
