@@ -17,7 +17,19 @@ import pytest  # noqa: E402
 from engine.demo_model import build_tokenizer, demo_config, write_checkpoint  # noqa: E402
 from tests.tiny_models import TINY_CONFIGS, VOCAB  # noqa: E402
 
-torch.set_num_threads(2)
+# Under pytest-xdist two test processes share the two cores: one thread each, no oversubscription.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
+
+# Folders whose tests start workers, APIs or browsers as processes (and time them): they run
+# one after another in one xdist process, so two fleets never compete for the cores.
+PROCESS_FOLDERS = ("chaos", "e2e", "online", "console", "scripts", "test_cli.py")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        parts = item.nodeid.split("/")
+        if len(parts) > 1 and parts[0] == "tests" and parts[1].split("::")[0] in PROCESS_FOLDERS:
+            item.add_marker(pytest.mark.xdist_group("processes"))
 
 
 @pytest.fixture(scope="session", autouse=True)
