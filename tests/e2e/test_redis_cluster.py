@@ -106,7 +106,11 @@ def test_a_worker_rides_out_a_failover_mid_batch(cluster, redis_cluster, tiny_ll
         assert time.monotonic() < deadline
     # The master of the batch's first partition hands over to its replica (CLUSTER FAILOVER).
     old_master = cluster.get_node_from_key(batch_streams(batch_id, 300)[0]).port
-    replica = redis.Redis(port=old_master).role()[2][0][1]
+    deadline = time.monotonic() + 20
+    while not (replicas := redis.Redis(port=old_master).role()[2]):  # a busy host: its link may be resyncing
+        worker.run_once()
+        assert time.monotonic() < deadline, "the master has no connected replica"
+    replica = replicas[0][1]
     redis.Redis(port=int(replica)).execute_command("CLUSTER", "FAILOVER")
     deadline = time.monotonic() + 20
     while redis.Redis(port=old_master).role()[0] != b"slave":
