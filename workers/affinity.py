@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import redis
 
 from jobs import keys, prefixes
+from workers.leases import TRANSFER_OWNED_LUA
 
 SUMMARY_GROUPS = 1024  # the groups a worker publishes, most recent first
 SUMMARY_SECONDS = 5.0  # how often it publishes them; they expire after 3 times that
@@ -48,20 +49,6 @@ GROUP_DEPTH = 2  # chunks of jobs/prefixes.py: 512 characters, ~128 tokens
 FORWARD_QUEUE = 16  # forwarded entries an owner may have waiting (by default; Affinity.queue_limit)
 GROUP = keys.CONSUMER_GROUP
 AFFINITY_OFF = {b"affinity": b"off"}  # on an entry handed back after its wait: never forwarded again
-
-# KEYS: the stream. ARGV: group, from consumer, to consumer, then entry ids. Moves the ids
-# `from` still owns to `to` (XCLAIM JUSTID: no delivery counted); returns the moved ids.
-_FORWARD_LUA = """
-local moved = {}
-for i = 4, #ARGV do
-  local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
-  if #pending == 1 and pending[1][2] == ARGV[2] then
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, ARGV[i], 'JUSTID')
-    table.insert(moved, ARGV[i])
-  end
-end
-return moved
-"""
 
 
 def group_of(prefix_field: str | bytes | None) -> str | None:
@@ -161,8 +148,9 @@ class GroupSummary:
 
 def forward(r: redis.Redis, stream: str, consumer: str, owner: str, entry_ids: list[str]) -> list[str]:
     """Move entries this consumer holds to `owner`'s pending list; returns those moved."""
-    moved = r.execute_command("EVAL", _FORWARD_LUA, 1, stream, GROUP, consumer, owner, *entry_ids)
-    return [eid.decode() if isinstance(eid, bytes) else eid for eid in moved]
+    kept = r.execute_command("EVAL", TRANSFER_OWNED_LUA, 1, stream, GROUP, consumer, owner, *entry_ids)
+    not_held = {eid.decode() if isinstance(eid, bytes) else eid for eid in kept}
+    return [entry_id for entry_id in entry_ids if entry_id not in not_held]
 
 
 class Forwarded:

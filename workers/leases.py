@@ -25,14 +25,16 @@ from jobs import keys
 
 log = logging.getLogger("kvfleet.worker")
 
-# KEYS: the stream. ARGV: group, consumer, then entry ids. Resets the idle time of the ids
-# this consumer still owns (XCLAIM JUSTID, which counts no delivery); returns the others.
-_RENEW_LUA = """
+# KEYS: the stream. ARGV: group, owner, new owner, then entry ids. Gives the ids `owner`
+# still holds to `new owner` (XCLAIM JUSTID, which counts no delivery, and resets their idle
+# time); returns the others. Renewing a lease is the owner giving an entry to itself;
+# forwarding one to another worker (workers/affinity.py) is the same move.
+TRANSFER_OWNED_LUA = """
 local lost = {}
-for i = 3, #ARGV do
+for i = 4, #ARGV do
   local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
   if #pending == 1 and pending[1][2] == ARGV[2] then
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, ARGV[i], 'JUSTID')
   else
     table.insert(lost, ARGV[i])
   end
@@ -52,7 +54,8 @@ def renew(r: redis.Redis, consumer: str, held: list[tuple[str, str]]) -> set[tup
     pipe = r.pipeline(transaction=False)
     for stream, entry_ids in by_stream.items():
         # execute_command: redis-py's cluster pipeline has no eval(), but routes EVAL by its keys
-        pipe.execute_command("EVAL", _RENEW_LUA, 1, stream, keys.CONSUMER_GROUP, consumer, *entry_ids)
+        pipe.execute_command("EVAL", TRANSFER_OWNED_LUA, 1, stream, keys.CONSUMER_GROUP, consumer, consumer,
+                             *entry_ids)
     lost = set()
     for stream, reply in zip(by_stream, pipe.execute()):
         lost |= {(stream, entry_id.decode() if isinstance(entry_id, bytes) else entry_id) for entry_id in reply}
