@@ -105,33 +105,9 @@ class Scheduler:
                 budget -= num_new
                 index += 1
 
-        # 2. Waiting sequences, in order, while their blocks are free. A constrained one whose
-        # grammar still compiles is passed over for now.
-        index = 0
-        while index < len(self.waiting) and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[index]
-            if seq.grammar is not None and not seq.grammar.is_ready():
-                index += 1
-                continue
-            cached = self.block_manager.find_cached_prefix(seq) if seq.num_computed_tokens == 0 else []
-            num_remaining = seq.num_tokens - seq.num_computed_tokens - len(cached) * self.block_manager.block_size
-            num_new = min(num_remaining, budget)
-            if num_new < num_remaining and not self.enable_chunked_prefill:
-                break
-            if not self.block_manager.allocate(seq, num_new, cached):
-                break
-            self.waiting.pop(index)
-            if seq.num_computed_tokens == 0:
-                num_cached_tokens = len(cached) * self.block_manager.block_size
-                self.block_manager.record_prefix_lookup(seq.num_tokens, num_cached_tokens)
-                self.num_recomputed_tokens += max(0, seq.num_lost_tokens - num_cached_tokens)
-                seq.num_computed_tokens, seq.num_lost_tokens = num_cached_tokens, 0
-                if seq.first_scheduled_time is None:
-                    seq.num_cached_tokens = num_cached_tokens
-            seq.status = SequenceStatus.RUNNING
-            self._insert_running(seq)
-            self._schedule(seq, num_new, batch)
-            budget -= num_new
+        # 2. Waiting sequences, in order, while their blocks are free.
+        if not preempted:
+            self._admit_waiting(batch, budget)
         # Forked samples join after this step's scheduling: they compute nothing in it.
         for children in batch.forks.values():
             for child in children:
@@ -141,6 +117,52 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
         return batch
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        """Admit waiting sequences in order while the budget, the seats and the free blocks
+        last. Passed over for now: a constrained one whose grammar still compiles, and one
+        whose next uncached block a running or just admitted prefill is computing (SGLang's
+        in-batch prefix caching): it would compute that prefix again beside it, while a step
+        or two later it finds the prefix cached. 32 requests of one 1,000-token document
+        arriving together prefill it once, not 32 times."""
+        in_flight = self._blocks_in_flight()
+        index = 0
+        while index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[index]
+            is_fresh = seq.num_computed_tokens == 0
+            if seq.grammar is not None and not seq.grammar.is_ready():
+                index += 1
+                continue
+            cached = self.block_manager.find_cached_prefix(seq) if is_fresh else []
+            if is_fresh and len(cached) < len(seq.block_hashes) and seq.block_hashes[len(cached)] in in_flight:
+                index += 1
+                continue
+            num_remaining = seq.num_tokens - seq.num_computed_tokens - len(cached) * self.block_manager.block_size
+            num_new = min(num_remaining, budget)
+            if num_new < num_remaining and not self.enable_chunked_prefill:
+                break
+            if not self.block_manager.allocate(seq, num_new, cached):
+                break
+            self.waiting.pop(index)
+            if is_fresh:
+                num_cached_tokens = len(cached) * self.block_manager.block_size
+                self.block_manager.record_prefix_lookup(seq.num_tokens, num_cached_tokens)
+                self.num_recomputed_tokens += max(0, seq.num_lost_tokens - num_cached_tokens)
+                seq.num_computed_tokens, seq.num_lost_tokens = num_cached_tokens, 0
+                if seq.first_scheduled_time is None:
+                    seq.num_cached_tokens = num_cached_tokens
+                in_flight.update(seq.block_hashes[len(cached):])
+            seq.status = SequenceStatus.RUNNING
+            self._insert_running(seq)
+            self._schedule(seq, num_new, batch)
+            budget -= num_new
+
+    def _blocks_in_flight(self) -> set[int]:
+        """Hashes of the full prompt blocks that running prefills have yet to compute (empty
+        without prefix caching: no hashes are kept)."""
+        size = self.block_manager.block_size
+        return {block_hash for seq in self.running if seq.num_computed_tokens < seq.num_tokens - 1
+                for block_hash in seq.block_hashes[seq.num_computed_tokens // size:]}
 
     def _fail_broken_grammars(self) -> None:
         """A waiting sequence whose grammar failed to compile, or compiles past its timeout, will

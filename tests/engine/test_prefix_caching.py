@@ -110,3 +110,18 @@ def test_a_half_written_block_is_never_served_as_a_cached_prefix(tiny_llama):
     b = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
     assert b.num_cached_tokens == 32
     assert b.token_ids == expected
+
+
+def test_requests_arriving_together_prefill_their_shared_prefix_once(tiny_llama):
+    """Eight requests on one 64-token document, added at once: the first computes the
+    document, the other seven wait a step and find it cached (not eight prefills of it side
+    by side), with the same tokens as without caching."""
+    document = tokens(11, 64)
+    prompts = [document + tokens(300 + i, 5) for i in range(8)]
+    llm = LLM(tiny_llama, num_kv_blocks=64)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.num_cached_tokens for o in outputs] == [0] + [64] * 7
+    stats = llm.engine.stats()
+    assert stats.num_prefix_hit_tokens == 7 * 64 and stats.num_prefix_queried_tokens == 8 * 69
+    reference = LLM(tiny_llama, num_kv_blocks=64, enable_prefix_caching=False)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in reference.generate(prompts, GREEDY, use_tqdm=False)]

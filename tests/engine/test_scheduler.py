@@ -86,3 +86,27 @@ def test_finish_and_abort_return_every_block():
     assert b.finish_reason == "abort"
     assert scheduler.block_manager.num_free_blocks == 8
     assert not scheduler.has_unfinished()
+
+
+def test_a_prompt_whose_prefix_a_running_prefill_computes_waits_for_it_to_be_cached():
+    scheduler = make_scheduler(32, max_num_batched_tokens=32, enable_prefix_caching=True)
+    first = Sequence("first", list(range(12)), SamplingParams())
+    sharing = Sequence("sharing", list(range(8)) + list(range(100, 108)), SamplingParams())  # first 2 blocks shared
+    other = Sequence("other", list(range(200, 208)), SamplingParams())
+    for seq in (first, sharing, other):
+        scheduler.add(seq)
+    batch = run_step(scheduler)  # "sharing" would compute blocks 0 and 1 beside "first": it waits
+    assert [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)] == [("first", 12), ("other", 8)]
+    assert [s.request_id for s in scheduler.waiting] == ["sharing"]
+    batch = run_step(scheduler)  # now they are cached: it computes only its own 8 tokens
+    assert [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)] == [
+        ("first", 1), ("other", 1), ("sharing", 8)]
+    assert sharing.num_cached_tokens == 8
+    assert sharing.block_table[:2] == first.block_table[:2]
+
+
+def test_without_prefix_caching_nothing_waits_for_a_running_prefill():
+    scheduler = make_scheduler(32, max_num_batched_tokens=32)
+    for name in "ab":
+        scheduler.add(Sequence(name, list(range(12)), SamplingParams()))
+    assert [s.request_id for s in run_step(scheduler).seqs] == ["a", "b"]
