@@ -7,11 +7,12 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from engine import cpu_runtime
-from engine.cpu_runtime import core_plan, physical_cores
+from engine.cpu_runtime import core_plan, cpu_quota, physical_cores, thread_plan
 from workers import allocator
 from workers.allocator import allocator_env, find_allocator
 
@@ -67,8 +68,7 @@ def test_a_cli_restarts_itself_on_tcmalloc():
     assert glibc.stdout.strip() == "glibc malloc"
 
 
-def test_pin_threads_runs_one_pinned_openmp_thread_per_core():
-    code = """
+PIN_THREADS = """
 import json, os, torch
 from engine.cpu_runtime import pin_threads
 cores = pin_threads("cpu")
@@ -77,9 +77,50 @@ allowed = [open(f"/proc/self/task/{t}/status").read().split("Cpus_allowed_list:"
            for t in os.listdir("/proc/self/task")]
 print(json.dumps({"cores": cores, "threads": torch.get_num_threads(), "allowed": allowed}))
 """
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+
+
+def run_pin_threads(**env: str) -> dict:
+    base = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    done = subprocess.run([sys.executable, "-c", PIN_THREADS], capture_output=True, text=True, timeout=300,
+                          env={**base, **env})
     assert done.returncode == 0, done.stderr
-    found = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_pin_threads_runs_one_pinned_openmp_thread_per_core():
+    found = run_pin_threads()
     assert found["cores"] == physical_cores(os.sched_getaffinity(0))
     assert found["threads"] == len(found["cores"])
     assert {str(core) for core in found["cores"]} <= set(found["allowed"])  # one thread pinned to each core
+
+
+@pytest.mark.skipif(len(physical_cores(os.sched_getaffinity(0))) < 2, reason="needs two cores")
+def test_an_explicit_omp_num_threads_below_the_cores_runs_that_many_threads_unpinned():
+    found = run_pin_threads(OMP_NUM_THREADS="1")
+    assert found["cores"] == [] and found["threads"] == 1
+    everywhere = Path("/proc/self/status").read_text().split("Cpus_allowed_list:")[1].split()[0]
+    assert set(found["allowed"]) == {everywhere}  # no thread narrowed to one core
+
+
+def test_thread_plan_takes_the_least_of_cores_omp_num_threads_and_quota():
+    cores = [0, 1, 2, 3]
+    assert thread_plan(cores, {}, None) == (4, cores)  # one pinned thread per core
+    assert thread_plan(cores, {"OMP_NUM_THREADS": "8"}, None) == (4, cores)
+    assert thread_plan(cores, {"OMP_NUM_THREADS": "2"}, None) == (2, [])  # shares the cores: unpinned
+    assert thread_plan(cores, {"OMP_NUM_THREADS": "junk"}, 2.5) == (2, [])  # a 2.5-CPU limit
+    assert thread_plan(cores, {}, 0.5) == (1, [])
+
+
+def test_cpu_quota_reads_cgroup_v2_then_v1(tmp_path):
+    (tmp_path / "cpu.max").write_text("250000 100000\n")
+    assert cpu_quota(tmp_path) == 2.5
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert cpu_quota(tmp_path) is None
+    (tmp_path / "cpu.max").unlink()
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("400000\n")
+    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert cpu_quota(tmp_path) == 4.0
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert cpu_quota(tmp_path) is None
+    assert cpu_quota(tmp_path / "absent") is None
