@@ -3,9 +3,10 @@ prompt prefix, interleaved in the stream, on the real demo model (SmolLM2-135M-I
 
     python -m benchmarks.prefix_affinity [--groups 32] [--per-group 8] [--shared-tokens 1024]
 
-Three runs of the same work, each on a fresh Redis with worker processes: one worker (the
-reference hit rate: its cache sees every group), then two workers with affinity off
-(`--prefix-affinity-wait 0`: each runs what it pulls) and on (the default wait). The
+Three runs of the same work, each on a fresh Redis with worker processes, each worker on
+its own share of the cores: one worker (the reference hit rate: its cache sees every
+group), then two workers with affinity off (`--prefix-affinity-wait 0`: each runs what it
+pulls) and on (the default wait). The
 requests go in as `per_group` batches of one request per group, so the stream interleaves
 the groups and submit's grouping (within a batch) cannot bring them together.
 
@@ -37,6 +38,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.common import print_summary
 from engine.checkpoint import load_tokenizer
+from engine.cpu_runtime import first_sibling, physical_cores
 from jobs import batches, keys
 from jobs.local_redis import RedisServer
 from producers.ingest import submit
@@ -63,6 +65,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def worker_cpus(workers: int) -> list[set[int]]:
+    """Each worker's own CPUs, as a fleet gives each worker its own cores (a cpuset, a pod):
+    the physical cores dealt out in turn, with their hyperthread siblings."""
+    cpus = os.sched_getaffinity(0)
+    cores = physical_cores(cpus)
+    return [{cpu for cpu in cpus if first_sibling(cpu, cpus) in cores[i::workers]} for i in range(workers)]
+
+
 def batch_lines(prompts: list[str]) -> list[bytes]:
     return [json.dumps({"custom_id": f"g{g}", "prompt": prompt, "max_tokens": 8, "temperature": 0}).encode()
             for g, prompt in enumerate(prompts)]
@@ -72,13 +82,13 @@ def run_fleet(model: str, prompts: list[list[str]], workers: int, affinity_wait:
               num_kv_blocks: int) -> dict:
     server = RedisServer(folder / "redis").start()
     r = redis.Redis.from_url(server.url)
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // workers))}
     ports = [free_port() for _ in range(workers)]
     processes = [subprocess.Popen([sys.executable, "-m", "workers", "--model", model, "--served-model-name", MODEL,
                                    "--redis-url", server.url, "--name", f"w{i}", "--metrics-port", str(port),
                                    "--num-kv-blocks", str(num_kv_blocks), "--max-num-seqs", "16",
-                                   "--prefix-affinity-wait", str(affinity_wait), "--log-level", "WARNING"], env=env)
-                 for i, port in enumerate(ports)]
+                                   "--prefix-affinity-wait", str(affinity_wait), "--log-level", "WARNING"],
+                                  preexec_fn=lambda cpus=cpus: os.sched_setaffinity(0, cpus))
+                 for i, (port, cpus) in enumerate(zip(ports, worker_cpus(workers)))]
     processes.append(subprocess.Popen([sys.executable, "-m", "workers.finalizer", "--redis-url", server.url],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     try:

@@ -182,6 +182,11 @@ def worker_groups(name: str) -> str:
     return f"{PREFIX}:worker:{{workers}}:{name}:groups"
 
 
+def group_claim(model: str, group: str) -> str:
+    """The worker that first pulled a prefix group nobody held (workers/affinity.py), with a TTL."""
+    return f"{PREFIX}:worker:{{workers}}:claim:{model}:{group}"
+
+
 def default_redis_url() -> str:
     """KVFLEET_REDIS_URL, or a Redis on localhost."""
     return os.environ.get("KVFLEET_REDIS_URL", "redis://localhost:6379/0")

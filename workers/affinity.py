@@ -5,25 +5,36 @@ runs. Every entry carries its prompt's prefix hashes (jobs/prefixes.py); its *gr
 hash at depth GROUP_DEPTH (512 characters, about 128 tokens in), or the deepest one of a
 shorter prompt. A prompt shorter than one chunk has no group and runs wherever it is pulled.
 
-Owners. Each group has one owner among the live, non-draining workers of its model:
-among the workers that hold it, else among all, the one with the highest hash of (worker,
-group), rendezvous hashing. A worker *holds* a group it started a request of lately: each
-publishes its last SUMMARY_GROUPS groups (`GroupSummary`, a key with a TTL, refreshed every
-SUMMARY_SECONDS), and every worker reads the others' with the heartbeats. So every worker
-computes the same owner with no coordination; a worker that joins takes only new groups
-(the ones it would get by hash alone stay where they are cached), and one that leaves
-gives its groups up when its summary expires. The owner's prefix cache holds the prefix.
+Owners. Each group has one owner among the live, non-draining workers of its model. A
+worker *holds* a group it started a request of lately: each publishes its last
+SUMMARY_GROUPS groups (`GroupSummary`, a key with a TTL, refreshed every SUMMARY_SECONDS),
+and every worker reads the others' with the heartbeats. A group's owner is, among the
+workers that hold it, the one with the highest hash of (worker, group) (rendezvous hashing,
+so all compute the same one). A group nobody holds yet is claimed when first pulled: of the
+new groups in one pull, the puller keeps its share (one in N workers, the oldest) and
+proposes the rest to the other workers by hash, and each becomes a claim (SET NX, with the
+summary's lifetime, covering the seconds before the claimer's summary says it holds the
+group) unless another worker claimed it first. So new groups spread evenly, and more go to
+the workers that pull more often, those with room; hashing alone gave each worker a fixed
+share whatever its load (18 of 32 groups to one of two workers in the benchmark). A worker
+that joins takes only new groups; one that leaves gives its groups up when its summary
+expires. The owner's prefix cache holds the prefix.
 
 Forwarding. A worker that pulls a fresh entry of a group another worker owns moves it to
 the owner's pending list (XCLAIM to the owner's consumer name, under an ownership check, in
 one script; no delivery is counted). The owner takes entries forwarded to it before it
 reads new ones (`Forwarded.take`).
 
-Bounded load. An owner keeps at most FORWARD_QUEUE forwarded entries waiting: it says how
-many wait in each heartbeat, and a worker counts what it sent since. Past that the puller
-runs the entry itself. So a hot group (one instruction every request shares) spreads over
-the fleet, each worker prefilling its prefix once, while many cold groups stay each with
-their owner, whose cache is the only one to hold them.
+Bounded load. An owner keeps at most FORWARD_BATCHES times its max_num_seqs forwarded
+entries waiting (four full batches: it starts them as seats free, well within the wait):
+it says how many wait in each heartbeat, and a worker counts what it sent since. Past that
+the puller runs the entry itself, and from then on holds the group too. A worker that
+holds a group runs its entries itself, whoever else holds it: forwarding buys nothing there.
+So a hot group (one instruction every request shares) spreads over the fleet, each worker
+prefilling its prefix once, while many cold groups stay each with their owner, whose cache
+is the only one to hold them. (A limit of 16 on the benchmark's 16-seat workers ran out
+whenever an owner was busy prefilling new groups, and split groups: 82% hits against
+86% for one worker; with 64, 86%.)
 
 The bounded wait. Affinity is a preference, never a lock: an owner that cannot start a
 forwarded entry within `wait_seconds` of the forward (its idle time in the pending list)
@@ -35,6 +46,7 @@ recovered after the lease, as all of its entries are.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -45,8 +57,9 @@ from workers.leases import TRANSFER_OWNED_LUA
 
 SUMMARY_GROUPS = 1024  # the groups a worker publishes, most recent first
 SUMMARY_SECONDS = 5.0  # how often it publishes them; they expire after 3 times that
+CLAIM_SECONDS = int(3 * SUMMARY_SECONDS)  # a claim lasts as long as a summary would
 GROUP_DEPTH = 2  # chunks of jobs/prefixes.py: 512 characters, ~128 tokens
-FORWARD_QUEUE = 16  # forwarded entries an owner may have waiting (by default; Affinity.queue_limit)
+FORWARD_BATCHES = 4  # an owner's forwarded entries waiting: at most this many times its max_num_seqs
 GROUP = keys.CONSUMER_GROUP
 AFFINITY_OFF = {b"affinity": b"off"}  # on an entry handed back after its wait: never forwarded again
 
@@ -66,6 +79,7 @@ class Peer:
     heartbeat: float  # its last one
     num_waiting: int = 0  # forwarded entries it had not taken then
     num_forwarded: int = 0  # sent to it since then, by this worker
+    queue_limit: int = FORWARD_BATCHES * 16  # forwarded entries it may have waiting
     groups: frozenset[str] = frozenset()  # the groups it published it holds
 
 
@@ -75,7 +89,7 @@ class Affinity:
 
     name: str  # this worker
     wait_seconds: float  # 0: affinity off
-    queue_limit: int = FORWARD_QUEUE  # forwarded entries an owner may have waiting
+    queue_limit: int | None = None  # forwarded entries an owner may have waiting; None: each peer's own
     peers: dict[str, dict[str, Peer]] = field(default_factory=dict)  # model -> worker name -> peer
 
     @property
@@ -91,24 +105,62 @@ class Affinity:
             for model in record["models"]:
                 old = self.peers.get(model, {}).get(record["name"])
                 peer = Peer(record["name"], record["heartbeat"], int(record.get("forwarded_waiting") or 0),
-                            groups=summaries.get(record["name"], frozenset()))
+                            groups=summaries.get(record["name"], frozenset()),
+                            queue_limit=self.queue_limit or FORWARD_BATCHES * int(record.get("max_num_seqs") or 16))
                 if old is not None and old.heartbeat == peer.heartbeat:
                     peer.num_forwarded = old.num_forwarded  # no news from it: keep counting
                 peers.setdefault(model, {})[peer.name] = peer
         self.peers = peers
 
-    def destination(self, model: str, fields: dict) -> str | None:
-        """The owner to forward a freshly pulled entry to; None: run it here."""
-        group = group_of(fields.get(b"prefix"))
-        peers = self.peers.get(model, {})
-        if not self.enabled or group is None or len(peers) < 2 or fields.get(b"affinity") == b"off":
+    def proposed_claims(self, model: str, entries_fields: list[dict]) -> dict[str, str]:
+        """Owners for the groups of freshly pulled entries that no live worker holds: this
+        worker takes its share of them (the oldest), the others are spread by hash among
+        the other workers. `claim_groups` makes them claims, unless another worker claimed
+        a group first."""
+        groups = []
+        for fields in entries_fields:
+            group = self.routed_group(model, fields)
+            if group is not None and group not in groups and not any(
+                    group in peer.groups for peer in self.peers[model].values()):
+                groups.append(group)
+        others = [name for name in self.peers.get(model, {}) if name != self.name]
+        share = math.ceil(len(groups) / (len(others) + 1))
+        return {group: self.name if i < share else rendezvous_owner(group, others) for i, group in enumerate(groups)}
+
+    def destination(self, model: str, fields: dict, claims: dict[str, str]) -> str | None:
+        """The owner to forward a freshly pulled entry to; None: run it here. `claims`: group
+        -> claimer, for the groups nobody holds."""
+        group = self.routed_group(model, fields)
+        if group is None:
             return None
+        peers = self.peers[model]
         holders = [name for name, peer in peers.items() if group in peer.groups]
-        owner = peers[rendezvous_owner(group, holders or list(peers))]
-        if owner.name == self.name or owner.num_waiting + owner.num_forwarded >= self.queue_limit:
+        if self.name in holders:
             return None
+        owner = peers.get(rendezvous_owner(group, holders) if holders else claims.get(group, self.name))
+        if owner is None or owner.name == self.name or owner.num_waiting + owner.num_forwarded >= owner.queue_limit:
+            return None  # its claimer is gone, or it is this worker, or it has enough waiting
         owner.num_forwarded += 1
         return owner.name
+
+    def routed_group(self, model: str, fields: dict) -> str | None:
+        """An entry's group, if affinity routes it: on, two workers or more, not handed back."""
+        if not self.enabled or len(self.peers.get(model, {})) < 2 or fields.get(b"affinity") == b"off":
+            return None
+        return group_of(fields.get(b"prefix"))
+
+
+def claim_groups(r: redis.Redis, model: str, proposed: dict[str, str]) -> dict[str, str]:
+    """Claim each group for its proposed owner where no worker has claimed it yet; returns
+    each group's claimer."""
+    if not proposed:
+        return {}
+    pipe = r.pipeline(transaction=False)
+    for group, owner in proposed.items():
+        pipe.set(keys.group_claim(model, group), owner, nx=True, ex=CLAIM_SECONDS)
+        pipe.get(keys.group_claim(model, group))
+    replies = pipe.execute()[1::2]
+    return {group: (claimer or owner.encode()).decode() for (group, owner), claimer in zip(proposed.items(), replies)}
 
 
 class GroupSummary:

@@ -23,7 +23,7 @@ from jobs.entries import BatchEntry, MalformedEntry
 from jobs.results import error_line
 from jobs.schemas import MAX_PRIORITY, LineError, Request, parse_line
 from workers import stream_ops
-from workers.affinity import AFFINITY_OFF, Affinity, Forwarded, GroupSummary, forward
+from workers.affinity import AFFINITY_OFF, Affinity, Forwarded, GroupSummary, claim_groups, forward
 from workers.flush import PendingResult, ResultFlusher
 from workers.lanes import Lane, LaneConfig, Work, engine_request_id
 from workers.served_streams import ServedStreams
@@ -102,10 +102,13 @@ class BatchLane(Lane):
         """Forward the fresh entries another worker's prefix cache serves better; the rest stay."""
         if not self.affinity.enabled:
             return entries
-        moves = {}
-        for stream, entry_id, fields, deliveries in entries:
-            owner = self.affinity.destination(self.served.model_of[stream], fields) if deliveries == 1 else None
-            if owner is not None:
+        fresh = [(self.served.model_of[stream], stream, entry_id, fields)
+                 for stream, entry_id, fields, deliveries in entries if deliveries == 1]
+        claims = {model: claim_groups(self.r, model, self.affinity.proposed_claims(
+            model, [fields for m, _, _, fields in fresh if m == model])) for model in {m for m, *_ in fresh}}
+        moves: dict[tuple[str, str], list[str]] = {}
+        for model, stream, entry_id, fields in fresh:
+            if (owner := self.affinity.destination(model, fields, claims.get(model, {}))) is not None:
                 moves.setdefault((stream, owner), []).append(entry_id)
         moved = set()
         for (stream, owner), entry_ids in moves.items():

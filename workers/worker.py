@@ -251,7 +251,8 @@ class Worker:
                   "draining": int(self.stopping), "started_at": self.started_at,
                   "tokens_per_s": round(self.metrics.generation_tokens_per_s(time.monotonic()), 1),
                   "heartbeat_seconds": self.options.maintain_seconds,
-                  "forwarded_waiting": self.batch_lane.forwarded.num_waiting}
+                  "forwarded_waiting": self.batch_lane.forwarded.num_waiting,
+                  "max_num_seqs": self.engine.config.max_num_seqs}
         heartbeats.record_heartbeat(self.r, self.options.name, record, max(3, int(self.options.lease_seconds)))
 
     # -- admission ---------------------------------------------------------------

@@ -11,8 +11,8 @@ import pytest
 
 from engine import EngineConfig, LLMEngine
 from jobs import keys, prefixes
-from tests.workers.helpers import completion, make_worker, run_until, submit_lines
-from workers.affinity import Affinity, group_of, rendezvous_owner
+from tests.workers.helpers import MODEL, completion, make_worker, run_until, submit_lines
+from workers.affinity import CLAIM_SECONDS, Affinity, claim_groups, group_of, rendezvous_owner
 from workers.batch_lane import BatchLane
 
 WORDS = "the ledger of each night keeps what the fleet wrote before the city woke".split()
@@ -91,6 +91,7 @@ def test_an_owner_that_cannot_start_forwarded_work_hands_it_back_after_the_wait(
     batch_ids, group = interleaved_batches(r, num_groups=6, per_group=2)
     for worker in (puller, owner):
         worker._heartbeat()
+    claim_groups(r, MODEL, {group_keys[g].decode(): "w1" for g in range(3)})  # w1 pulled these first
     monkeypatch.setattr(owner.batch_lane.config.admission, "count", lambda stats: 0)  # full: it pulls nothing
     puller.run_once()
     forwarded = puller.metrics.affinity_forwarded._value.get()
@@ -105,22 +106,58 @@ def test_an_owner_that_cannot_start_forwarded_work_hands_it_back_after_the_wait(
     assert sorted(started) == sorted(group) and set(started.values()) == {"w0"}
 
 
-def test_a_group_stays_with_the_worker_that_holds_it_when_another_joins():
+def test_a_group_goes_to_its_holders_else_to_its_claimer():
     groups = [f"{g:016x}" for g in range(300)]
     records = [{"name": name, "models": ["m"], "heartbeat": 1.0} for name in ("a", "b", "c")]
+    claims = {g: "abcz"[i % 4] for i, g in enumerate(groups)}  # "z" claimed and left
 
     def destinations(summaries):
         affinity = Affinity("a", wait_seconds=30, queue_limit=10**6)
         affinity.refresh(records, summaries)
-        return [affinity.destination("m", {b"prefix": f"x,{g}".encode()}) or "a" for g in groups]
+        return [affinity.destination("m", {b"prefix": f"x,{g}".encode()}, claims) or "a" for g in groups]
 
-    by_hash = destinations({})
-    assert all(100 - 45 < by_hash.count(name) < 100 + 45 for name in "abc")  # nobody holds any: by hash
-    # "b" ran the first 200 before "c" joined: they stay with "b"; the rest go by hash.
+    # Nobody holds any: each goes to its claimer, or runs here if the claimer is gone.
+    assert destinations({}) == [claims[g].replace("z", "a") for g in groups]
+    # "b" holds the first 200 ("c" joined after it ran them): they stay with "b".
     held = destinations({"b": frozenset(groups[:200])})
-    assert held[:200] == ["b"] * 200 and held[200:] == by_hash[200:]
+    assert held[:200] == ["b"] * 200 and held[200:] == [claims[g].replace("z", "a") for g in groups[200:]]
     assert destinations({"b": frozenset(groups), "c": frozenset(groups)}) == [
         rendezvous_owner(g, ["b", "c"]) for g in groups]  # held by two: by hash between them
+    assert destinations({"a": frozenset(groups), "b": frozenset(groups)}) == ["a"] * 300  # held here: runs here
+
+
+def test_an_owner_gets_at_most_four_of_its_batches_waiting():
+    records = [{"name": "a", "models": ["m"], "heartbeat": 1.0},
+               {"name": "b", "models": ["m"], "heartbeat": 1.0, "max_num_seqs": 8, "forwarded_waiting": 5}]
+    affinity = Affinity("a", wait_seconds=30)
+    affinity.refresh(records, {})
+    groups = [f"{g:016x}" for g in range(40)]
+    sent = [affinity.destination("m", {b"prefix": f"x,{g}".encode()}, {g: "b" for g in groups}) for g in groups]
+    assert sent == ["b"] * (32 - 5) + [None] * (40 - 27)  # 4 x 8 seats, 5 of them waiting already
+    affinity.refresh([records[0], {**records[1], "heartbeat": 2.0, "forwarded_waiting": 30}], {})
+    assert affinity.destination("m", {b"prefix": b"x,0"}, {"0": "b"}) == "b"  # news: 30 wait, it counts anew
+    assert affinity.destination("m", {b"prefix": b"x,1"}, {"1": "b"}) == "b"
+    assert affinity.destination("m", {b"prefix": b"x,2"}, {"2": "b"}) is None
+
+
+def test_a_puller_claims_its_share_of_the_new_groups_and_proposes_the_rest_by_hash(r):
+    groups = [f"{g:016x}" for g in range(30)]
+    records = [{"name": name, "models": ["m"], "heartbeat": 1.0} for name in ("a", "b", "c")]
+    affinity = Affinity("a", wait_seconds=30)
+    affinity.refresh(records, {"c": frozenset(groups[:3])})  # "c" holds three: not new
+    pulled = [{b"prefix": f"x,{g}".encode()} for g in groups + groups[5:10]] + [{b"prefix": b"short"}]
+    proposed = affinity.proposed_claims("m", pulled)
+    new = groups[3:] + ["short"]
+    assert list(proposed) == new  # in the order pulled, each once
+    assert [proposed[g] for g in new[:10]] == ["a"] * 10  # a third, the oldest
+    assert [proposed[g] for g in new[10:]] == [rendezvous_owner(g, ["b", "c"]) for g in new[10:]]
+    # Claims: the first worker to claim a group keeps it, for the claim's lifetime.
+    assert claim_groups(r, "m", proposed) == proposed
+    assert claim_groups(r, "m", {groups[3]: "b", "other": "b"}) == {groups[3]: "a", "other": "b"}
+    assert claim_groups(r, "m2", {groups[3]: "b"}) == {groups[3]: "b"}  # claims are per model
+    assert 0 < r.ttl(keys.group_claim("m", groups[3])) <= CLAIM_SECONDS
+    affinity.wait_seconds = 0  # affinity off: nothing is claimed
+    assert affinity.proposed_claims("m", pulled) == {}
 
 
 def test_owners_are_rendezvous_hashes_of_the_live_workers():
