@@ -21,6 +21,7 @@ from typing import Any
 import redis
 
 from jobs import keys
+from jobs.tenants import DEFAULT_TENANT, Caller
 
 BATCH_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,128}")
 TERMINAL = ("completed", "failed", "expired", "cancelled")
@@ -103,19 +104,22 @@ def parse_window(window: str) -> int:
 
 
 def create_batch(r: redis.Redis, batch_id: str, *, endpoint: str, model: str, input_file_id: str | None,
-                 completion_window: str, sink: str, metadata: dict[str, str] | None = None) -> bool:
-    """Create the batch in status validating; False if it already exists (idempotent)."""
+                 completion_window: str, sink: str, metadata: dict[str, str] | None = None,
+                 tenant: str = DEFAULT_TENANT) -> bool:
+    """Create the batch in status validating, owned by `tenant`; False if it already exists
+    (idempotent)."""
     validate_batch_id(batch_id)
     created = time.time()
     now = int(created)
     fields = {"id": batch_id, "status": "validating", "endpoint": endpoint, "model": model,
               "input_file_id": input_file_id or "", "completion_window": completion_window, "sink": sink,
               "created_at": now, "expires_at": now + parse_window(completion_window),
-              "metadata": json.dumps(metadata or {}), "total": 0, "enqueued_at": ""}
+              "metadata": json.dumps(metadata or {}), "total": 0, "enqueued_at": "", "tenant": tenant}
     # The indexes first (they live in other slots than the batch): an id listed before its
     # hash exists is skipped by readers, a hash never listed would be lost to the sweep.
     pipe = r.pipeline(transaction=False)
     pipe.zadd(keys.BATCHES, {batch_id: created}, nx=True)  # sub-second, so listing order is creation order
+    pipe.zadd(keys.tenant_batches(tenant), {batch_id: created}, nx=True)
     pipe.sadd(keys.OPEN_BATCHES, batch_id)  # until terminal: what the finalizer's sweep looks at
     pipe.execute()
     flat = [item for pair in fields.items() for item in pair]
@@ -248,15 +252,32 @@ def as_openai(f: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def list_batch_ids(r: redis.Redis, after: str | None = None, limit: int = 20) -> list[str]:
-    """Newest first; `after` is the id where the previous page ended."""
+def list_batch_ids(r: redis.Redis, after: str | None = None, limit: int = 20, tenant: str | None = None) -> list[str]:
+    """Newest first; `after` is the id where the previous page ended. Only `tenant`'s batches,
+    unless None (every tenant's)."""
+    index = keys.BATCHES if tenant is None else keys.tenant_batches(tenant)
     start = 0
     if after:
-        rank = r.zrevrank(keys.BATCHES, after)
+        rank = r.zrevrank(index, after)
         if rank is None:
             raise BatchNotFound(after)
         start = rank + 1
-    return [b.decode() for b in r.zrevrange(keys.BATCHES, start, start + limit - 1)]
+    return [b.decode() for b in r.zrevrange(index, start, start + limit - 1)]
+
+
+def queued_lines(r: redis.Redis, tenant: str) -> int:
+    """The tenant's batch lines not yet finished, over its open batches."""
+    open_ids = [b.decode() for b in r.smembers(keys.OPEN_BATCHES)]
+    return sum(max(0, f["total"] - f["completed"] - f["failed"]) for f in load_many(r, open_ids)
+               if f is not None and (f.get("tenant") or DEFAULT_TENANT) == tenant)
+
+
+def owned_fields(r: redis.Redis, batch_id: str, caller: Caller) -> dict[str, Any]:
+    """load_fields, if the caller may see the batch; BatchNotFound as if absent otherwise."""
+    fields = load_fields(r, batch_id)
+    if not caller.owns(fields.get("tenant")):
+        raise BatchNotFound(batch_id)
+    return fields
 
 
 def num_counted(r: redis.Redis, batch_id: str) -> int:

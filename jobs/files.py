@@ -12,6 +12,7 @@ import redis
 
 from jobs import keys
 from jobs.storage import Storage, open_storage
+from jobs.tenants import DEFAULT_TENANT, Caller
 
 LIST_PAGE = 500
 
@@ -25,7 +26,8 @@ def new_file_id() -> str:
 
 
 def create_file(r: redis.Redis, storage: Storage, chunks: Iterable[bytes], filename: str, purpose: str,
-                file_id: str | None = None) -> dict[str, Any]:
+                file_id: str | None = None, tenant: str = DEFAULT_TENANT) -> dict[str, Any]:
+    """Store the content, then the object, owned by `tenant`."""
     file_id = file_id or new_file_id()
     size = 0
 
@@ -39,26 +41,30 @@ def create_file(r: redis.Redis, storage: Storage, chunks: Iterable[bytes], filen
     created = time.time()
     r.hset(keys.file(file_id), mapping={"id": file_id, "bytes": size, "created_at": int(created),
                                          "filename": filename, "purpose": purpose, "location": location,
-                                         "sink": storage.url})
-    r.zadd(keys.FILES, {file_id: created})  # after the hash: a listed id always has one
+                                         "sink": storage.url, "tenant": tenant})
+    pipe = r.pipeline(transaction=False)  # after the hash: a listed id always has one
+    pipe.zadd(keys.FILES, {file_id: created})
+    pipe.zadd(keys.tenant_files(tenant), {file_id: created})
+    pipe.execute()
     return file_object(r, file_id)
 
 
 def list_files(r: redis.Redis, purpose: str | None = None, after: str | None = None, limit: int = 10_000,
-               order: str = "desc") -> tuple[list[dict[str, Any]], bool]:
+               order: str = "desc", tenant: str | None = None) -> tuple[list[dict[str, Any]], bool]:
     """OpenAI's file list: (objects, has_more), newest first unless `order` is "asc"; `after` is
-    the id where the previous page ended."""
+    the id where the previous page ended. Only `tenant`'s files, unless None (every tenant's)."""
     is_desc = order == "desc"
+    index = keys.FILES if tenant is None else keys.tenant_files(tenant)
     start = 0
     if after:
-        rank = r.zrevrank(keys.FILES, after) if is_desc else r.zrank(keys.FILES, after)
+        rank = r.zrevrank(index, after) if is_desc else r.zrank(index, after)
         if rank is None:
             raise FileNotFound(after)
         start = rank + 1
     found: list[dict[str, Any]] = []
     page = LIST_PAGE
     while len(found) <= limit:
-        ids = (r.zrevrange if is_desc else r.zrange)(keys.FILES, start, start + page - 1)
+        ids = (r.zrevrange if is_desc else r.zrange)(index, start, start + page - 1)
         if not ids:
             break
         start += len(ids)
@@ -76,10 +82,12 @@ def delete_file(r: redis.Redis, file_id: str) -> dict[str, Any]:
     """Remove the file's content from the storage that holds it (Redis, the folder, the bucket),
     then its object; OpenAI's deletion object."""
     storage, location = _stored_at(r, file_id)
+    tenant = file_tenant(r, file_id)
     storage.delete_file(location)
     pipe = r.pipeline(transaction=False)
     pipe.delete(keys.file(file_id))
     pipe.zrem(keys.FILES, file_id)
+    pipe.zrem(keys.tenant_files(tenant), file_id)
     pipe.execute()
     return {"id": file_id, "object": "file", "deleted": True}
 
@@ -91,6 +99,20 @@ def file_object(r: redis.Redis, file_id: str) -> dict[str, Any]:
     f = {k.decode(): v.decode() for k, v in raw.items()}
     return {"id": file_id, "object": "file", "bytes": int(f["bytes"]), "created_at": int(f["created_at"]),
             "filename": f["filename"], "purpose": f["purpose"], "status": "processed"}
+
+
+def file_tenant(r: redis.Redis, file_id: str) -> str:
+    """The tenant that owns the file (`default` for one made before tenants existed)."""
+    raw = r.hget(keys.file(file_id), "tenant")
+    return raw.decode() if raw else DEFAULT_TENANT
+
+
+def owned_file(r: redis.Redis, file_id: str, caller: Caller) -> dict[str, Any]:
+    """The file object, if the caller may see it; FileNotFound as if absent otherwise."""
+    info = file_object(r, file_id)
+    if not caller.owns(file_tenant(r, file_id)):
+        raise FileNotFound(file_id)
+    return info
 
 
 def read_lines(r: redis.Redis, file_id: str) -> Iterator[bytes]:

@@ -39,6 +39,7 @@ from jobs.connection import connect, queue_connection
 from jobs.files import create_file
 from jobs.results import is_error_line
 from jobs.storage import CHUNK, describe_error, is_permanent_error, open_storage, result_stores
+from jobs.tenants import DEFAULT_TENANT
 
 log = logging.getLogger("kvfleet.finalize")
 FINALIZE_LOCK_SECONDS = 3600  # longer than any finalize: it is released when the job ends
@@ -168,7 +169,8 @@ def _write_files(r: redis.Redis, batch_id: str, fields: dict) -> None:
             if spool.tell():
                 spool.seek(0)
                 created = create_file(r, storage, iter(lambda s=spool: s.read(CHUNK), b""),
-                                      f"{batch_id}_{kind}.jsonl", "batch_output")
+                                      f"{batch_id}_{kind}.jsonl", "batch_output",
+                                      tenant=fields.get("tenant") or DEFAULT_TENANT)
                 file_ids[name] = created["id"]
     if file_ids:
         batches.set_files(r, batch_id, file_ids)

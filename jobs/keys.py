@@ -159,6 +159,21 @@ def batch_results(batch_id: str) -> str:
     return f"{PREFIX}:batch:{{{batch_id}}}:results"
 
 
+def tenant_files(tenant: str) -> str:
+    """A tenant's files by creation time (jobs/tenants.py); FILES holds every tenant's."""
+    return f"{PREFIX}:tenant:{{{tenant}}}:files"
+
+
+def tenant_batches(tenant: str) -> str:
+    """A tenant's batches by creation time; BATCHES holds every tenant's."""
+    return f"{PREFIX}:tenant:{{{tenant}}}:batches"
+
+
+def tenant_inflight(tenant: str) -> str:
+    """A tenant's online requests not yet answered: "request_id tokens" scored by deadline."""
+    return f"{PREFIX}:tenant:{{{tenant}}}:inflight"
+
+
 def file(file_id: str) -> str:
     return f"{PREFIX}:file:{{{file_id}}}"
 
@@ -167,9 +182,12 @@ def file_content(file_id: str) -> str:
     return f"{PREFIX}:file:{{{file_id}}}:content"
 
 
-def idempotency(route: str, idempotency_key: str) -> str:
-    """The object id a client's Idempotency-Key created on `route` (hashed: the key is the client's)."""
-    digest = hashlib.sha256(f"{route}\n{idempotency_key}".encode()).hexdigest()
+def idempotency(route: str, idempotency_key: str, tenant: str = "default") -> str:
+    """The object id a client's Idempotency-Key created on `route` for its tenant (hashed: the
+    key is the client's; per tenant: another tenant's equal key is another key). The default
+    tenant's keys hash as before tenants existed, so a retry across the upgrade still matches."""
+    scope = f"{route}\n{idempotency_key}" if tenant == "default" else f"{route}\n{tenant}\n{idempotency_key}"
+    digest = hashlib.sha256(scope.encode()).hexdigest()
     return f"{PREFIX}:idempotency:{{{digest}}}"
 
 

@@ -72,11 +72,12 @@ class OnlineEntry:
     deadline: float  # wall-clock seconds; past it the request is abandoned
     enqueued_at: float
     prefix: str = ""  # its prompt's prefix hashes (jobs/prefixes.py), comma-separated
+    tenant: str = "default"  # the caller's (jobs/tenants.py)
 
     def to_fields(self) -> dict[str, str]:
         return {"request_id": self.request_id, "url": self.url, "body": json.dumps(self.body),
                 "stream": str(int(self.stream)), "priority": str(self.priority), "deadline": repr(self.deadline),
-                "enqueued_at": repr(self.enqueued_at), "prefix": self.prefix}
+                "enqueued_at": repr(self.enqueued_at), "prefix": self.prefix, "tenant": self.tenant}
 
     @classmethod
     def from_fields(cls, fields: dict[bytes, bytes]) -> OnlineEntry:
@@ -84,7 +85,7 @@ class OnlineEntry:
         text = {k.decode(): v.decode() for k, v in fields.items()}
         return cls(text["request_id"], text["url"], json.loads(text["body"]), text["stream"] == "1",
                    int(text["priority"]), float(text["deadline"]), float(text["enqueued_at"]),
-                   text.get("prefix", ""))
+                   text.get("prefix", ""), text.get("tenant", "default"))
 
 
 # KEYS: the online stream, the request's enqueue marker (same slot). ARGV: the marker's TTL, then

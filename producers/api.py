@@ -11,8 +11,9 @@ Routes, one router module each under producers/routes/:
                and beyond OpenAI GET /v1/batches/{id}/results/{custom_id}
   health.py    GET /healthz, GET /metrics
   console.py   the operator console under /ui
-With KVFLEET_API_KEY set, every /v1 route needs `Authorization: Bearer <key>` (compared in
-constant time). Errors use OpenAI's {"error": {...}} shape (producers/errors.py). Uploads
+With keys set (KVFLEET_API_KEYS, KVFLEET_API_KEY, KVFLEET_ADMIN_KEY: jobs/tenants.py), every
+/v1 route needs `Authorization: Bearer <key>`, and a key's tenant sees only its own files and
+batches (another's are 404). Errors use OpenAI's {"error": {...}} shape (producers/errors.py). Uploads
 stream to storage in 1 MiB chunks and stop at KVFLEET_MAX_UPLOAD_BYTES (413; a
 Content-Length over it is refused before the body is read). CORS is off unless
 KVFLEET_CORS_ORIGINS lists the allowed origins.
@@ -34,6 +35,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from jobs import keys
 from jobs.connection import REDIS_URL_HELP, connect, connect_async
 from jobs.preflight import StartupError, check_startup
+from jobs.tenants import KeyConfigError, key_ring_from_env
 from producers.dependencies import ServedModels, Services, Settings
 from producers.errors import error_response, install_error_handlers, openai_style_schema
 from producers.routes import batches, console, embeddings, files, health, models, online
@@ -43,6 +45,7 @@ MULTIPART_OVERHEAD_BYTES = 64 * 1024  # room for the form's other fields and bou
 
 
 def create_app(redis_url: str | None = None) -> FastAPI:
+    key_ring_from_env()  # a malformed KVFLEET_API_KEYS stops the start, naming the entry
     r = connect(redis_url)
     app = FastAPI(title="kvfleet", description="OpenAI-compatible online completions, Files and Batches API")
     app.state.services = services = Services(r, connect_async(redis_url), ServedModels(r))
@@ -84,7 +87,8 @@ class UploadLimit:
 
 
 class CountRequests:
-    """Every request by route and status (kvfleet:api_requests_total). Plain ASGI, not
+    """Every request by route, status and tenant (kvfleet:api_requests_total; "none" before
+    the key is checked). Plain ASGI, not
     BaseHTTPMiddleware: that one wraps `receive`, and a handler behind it would not see its
     client leave."""
 
@@ -106,7 +110,8 @@ class CountRequests:
             await self.app(scope, receive, send_and_see)
         finally:
             route = getattr(scope.get("route"), "path", "unmatched")
-            scope["app"].state.services.http_requests.labels(route, str(status[0])).inc()
+            tenant = scope.get("state", {}).get("tenant", "none")  # a configured one: bounded
+            scope["app"].state.services.http_requests.labels(route, str(status[0]), tenant).inc()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,8 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        key_ring_from_env()
         check_startup(connect(args.redis_url))
-    except StartupError as error:
+    except (StartupError, KeyConfigError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     uvicorn.run(create_app(args.redis_url), host=args.host, port=args.port, log_level="info",

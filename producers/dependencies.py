@@ -9,7 +9,6 @@ handlers in producers/routes/ are plain module-level functions that declare what
 from __future__ import annotations
 
 import os
-import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Annotated, Any
@@ -21,6 +20,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CollectorRegistry, Counter
 
 from jobs import heartbeats, online
+from jobs.tenants import Caller, key_ring_from_env
 from producers.errors import APIError
 from producers.live_stats import OnlineStats, RateSampler
 
@@ -34,7 +34,6 @@ DEFAULT_KNOWN_MODEL_SECONDS = 7 * 86400.0
 class Settings:
     """The API's knobs, from the environment (read per request, so a test may change them)."""
 
-    api_key: str | None
     max_upload_bytes: int
     request_timeout: float
     max_online_queue: int
@@ -44,8 +43,7 @@ class Settings:
     @classmethod
     def from_env(cls) -> Settings:
         env = os.environ
-        return cls(api_key=env.get("KVFLEET_API_KEY") or None,
-                   max_upload_bytes=int(env.get("KVFLEET_MAX_UPLOAD_BYTES", DEFAULT_MAX_UPLOAD_BYTES)),
+        return cls(max_upload_bytes=int(env.get("KVFLEET_MAX_UPLOAD_BYTES", DEFAULT_MAX_UPLOAD_BYTES)),
                    request_timeout=float(env.get("KVFLEET_REQUEST_TIMEOUT", online.DEFAULT_REQUEST_TIMEOUT)),
                    max_online_queue=int(env.get("KVFLEET_MAX_ONLINE_QUEUE", online.DEFAULT_MAX_ONLINE_QUEUE)),
                    cold_start_seconds=float(env.get("KVFLEET_COLD_START_SECONDS", DEFAULT_COLD_START_SECONDS)),
@@ -80,8 +78,8 @@ class Services:
     metrics_registry: CollectorRegistry = field(default_factory=CollectorRegistry)
 
     def __post_init__(self) -> None:
-        self.http_requests = Counter("kvfleet:api_requests", "API requests by route and status", ["route", "status"],
-                                     registry=self.metrics_registry)
+        self.http_requests = Counter("kvfleet:api_requests", "API requests by route, status and tenant",
+                                     ["route", "status", "tenant"], registry=self.metrics_registry)
 
 
 def get_services(request: Request) -> Services:
@@ -95,17 +93,20 @@ def get_redis(request: Request) -> redis.Redis:
 ServicesDep = Annotated[Services, Depends(get_services)]
 RedisDep = Annotated[redis.Redis, Depends(get_redis)]
 SettingsDep = Annotated[Settings, Depends(Settings.from_env)]
-BEARER = HTTPBearer(auto_error=False, description="KVFLEET_API_KEY, when the server sets one")
+BEARER = HTTPBearer(auto_error=False, description="a key of KVFLEET_API_KEYS, KVFLEET_API_KEY or KVFLEET_ADMIN_KEY, "
+                                                  "when the server sets any")
 
 
-def is_api_key(token: str, settings: Settings) -> bool:
-    """Whether `token` is the API key (compared in constant time); any token when none is set."""
-    return settings.api_key is None or secrets.compare_digest(token.encode(), settings.api_key.encode())
-
-
-def require_api_key(settings: SettingsDep,
-                    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)] = None) -> None:
-    """Every /v1 route: `Authorization: Bearer <KVFLEET_API_KEY>` when the server sets a key."""
-    if not is_api_key(credentials.credentials if credentials is not None else "", settings):
+def require_caller(request: Request,
+                   credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)] = None) -> Caller:
+    """Every /v1 route: `Authorization: Bearer <key>` when the server sets keys; the caller's
+    tenant (jobs/tenants.py), which decides what it may see."""
+    caller = key_ring_from_env().caller(credentials.credentials if credentials is not None else "")
+    if caller is None:
         raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
                        "invalid_api_key", kind="authentication_error")
+    request.state.caller, request.state.tenant = caller, caller.tenant.name  # the latter: the metrics' label
+    return caller
+
+
+CallerDep = Annotated[Caller, Depends(require_caller)]

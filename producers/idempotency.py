@@ -23,11 +23,11 @@ PENDING = b"pending"
 
 
 def create_once(r: redis.Redis, route: str, idempotency_key: str | None, create: Callable[[], dict[str, Any]],
-                load: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
-    """`create()` once per key; a repeat returns `load(id)` of what the first one made."""
+                load: Callable[[str], dict[str, Any]], tenant: str) -> dict[str, Any]:
+    """`create()` once per key and tenant; a repeat returns `load(id)` of what the first one made."""
     if idempotency_key is None:
         return create()
-    key = keys.idempotency(route, idempotency_key)
+    key = keys.idempotency(route, idempotency_key, tenant)
     if r.set(key, PENDING, nx=True, ex=IDEMPOTENCY_TTL_SECONDS):
         try:
             created = create()
@@ -40,7 +40,7 @@ def create_once(r: redis.Redis, route: str, idempotency_key: str | None, create:
     while (value := r.get(key)) == PENDING and time.monotonic() < deadline:
         time.sleep(0.1)
     if value is None:  # the first try failed meanwhile: this one runs
-        return create_once(r, route, idempotency_key, create, load)
+        return create_once(r, route, idempotency_key, create, load, tenant)
     if value == PENDING:
         raise APIError(409, "A request with this Idempotency-Key is still being processed; retry later.",
                        "idempotency_key_in_use", "Idempotency-Key")

@@ -1,5 +1,9 @@
 """The Batches API: POST /v1/batches, GET /v1/batches, GET /v1/batches/{id},
-POST /v1/batches/{id}/cancel, and beyond OpenAI GET /v1/batches/{id}/results/{custom_id}."""
+POST /v1/batches/{id}/cancel, and beyond OpenAI GET /v1/batches/{id}/results/{custom_id}.
+
+A caller sees its tenant's batches only (jobs/tenants.py); another tenant's are 404, and a
+batch may read only its own tenant's input file. A tenant's max_queued_lines is checked
+when a batch is created (429, OpenAI's rate-limit error shape)."""
 
 from __future__ import annotations
 
@@ -10,10 +14,11 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from jobs import batches, heartbeats
-from jobs.files import FileNotFound, file_object, read_lines
+from jobs.files import FileNotFound, owned_file, read_lines
 from jobs.schemas import ENDPOINTS
 from jobs.storage import allowed_outputs, check_output_allowed, default_output, find_result
-from producers.dependencies import RedisDep
+from jobs.tenants import Caller, Tenant
+from producers.dependencies import CallerDep, RedisDep
 from producers.errors import APIError
 from producers.idempotency import create_once
 from producers.ingest import Submission, submit
@@ -34,26 +39,27 @@ class CreateBatch(BaseModel):
     model: str | None = Field(None, description="kvfleet extension: the served model (stream)")
 
 
-def load_batch_fields(r, batch_id: str) -> dict[str, Any]:
+def load_batch_fields(r, batch_id: str, caller: Caller) -> dict[str, Any]:
+    """The batch's fields if the caller's tenant owns it; 404 as if absent otherwise."""
     try:
-        return batches.load_fields(r, batch_id)
+        return batches.owned_fields(r, batch_id, caller)
     except batches.BatchNotFound:
         raise APIError(404, f"No batch found with id '{batch_id}'.", "batch_not_found") from None
 
 
 def load_batch(r, batch_id: str) -> dict[str, Any]:
-    return batches.as_openai(load_batch_fields(r, batch_id))
+    return batches.batch_object(r, batch_id)
 
 
 @router.post("/batches")
-def create_batch(body: CreateBatch, r: RedisDep, idempotency_key: IdempotencyKey = None):
-    return create_once(r, "/v1/batches", idempotency_key, lambda: submit_batch(r, body),
-                       lambda batch_id: load_batch(r, batch_id))
+def create_batch(body: CreateBatch, r: RedisDep, caller: CallerDep, idempotency_key: IdempotencyKey = None):
+    return create_once(r, "/v1/batches", idempotency_key, lambda: submit_batch(r, body, caller),
+                       lambda batch_id: load_batch(r, batch_id), caller.tenant.name)
 
 
-def submit_batch(r, body: CreateBatch) -> dict[str, Any]:
+def submit_batch(r, body: CreateBatch, caller: Caller) -> dict[str, Any]:
     try:
-        file_object(r, body.input_file_id)
+        owned_file(r, body.input_file_id, caller)
     except FileNotFound:
         raise file_not_found(body.input_file_id, "input_file_id") from None
     if body.endpoint not in ENDPOINTS:
@@ -65,9 +71,10 @@ def submit_batch(r, body: CreateBatch) -> dict[str, Any]:
         raise APIError(400, str(error), "invalid_request", str(error).split(":")[0]) from None
     submission = submit(r, lambda: read_lines(r, body.input_file_id), endpoint=body.endpoint, model=body.model,
                         sink=body.output, completion_window=body.completion_window, metadata=body.metadata,
-                        input_file_id=body.input_file_id)
+                        input_file_id=body.input_file_id, tenant=caller.tenant.name,
+                        before_enqueue=lambda report: check_queued_lines(r, caller.tenant, report.num_lines))
     if not submission.accepted:  # OpenAI's behaviour: the batch exists, failed, with the line errors
-        return failed_batch(r, submission, body)
+        return failed_batch(r, submission, body, caller)
     batch = load_batch(r, submission.batch_id)
     if batch["model"] not in heartbeats.served_models(r):  # kvfleet extension: it would wait silently
         batch["warnings"] = [f"No live worker serves model {batch['model']!r}: the batch waits for one, and "
@@ -75,11 +82,23 @@ def submit_batch(r, body: CreateBatch) -> dict[str, Any]:
     return batch
 
 
-def failed_batch(r, submission: Submission, body: CreateBatch) -> dict[str, Any]:
+def check_queued_lines(r, tenant: Tenant, num_lines: int) -> None:
+    """429 if the tenant's unfinished batch lines would pass its max_queued_lines. (Two
+    submissions at the same moment may both pass: the quota bounds a backlog, not a race.)"""
+    if tenant.max_queued_lines is None:
+        return
+    queued = batches.queued_lines(r, tenant.name)
+    if queued + num_lines > tenant.max_queued_lines:
+        raise APIError(429, f"Tenant {tenant.name!r} has {queued} batch lines queued; {num_lines} more would pass "
+                            f"its max_queued_lines of {tenant.max_queued_lines}.", "quota_exceeded",
+                       "max_queued_lines", kind="rate_limit_error")
+
+
+def failed_batch(r, submission: Submission, body: CreateBatch, caller: Caller) -> dict[str, Any]:
     report, batch_id = submission.report, submission.batch_id
     batches.create_batch(r, batch_id, endpoint=body.endpoint, model=report.model or "default",
                          input_file_id=body.input_file_id, completion_window=body.completion_window,
-                         sink=body.output, metadata=body.metadata)
+                         sink=body.output, metadata=body.metadata, tenant=caller.tenant.name)
     errors = [{"code": "invalid_request", "message": e.message, "line": e.line_number or None,
                "param": e.field} for e in report.errors]
     batches.fail_with_errors(r, batch_id, errors, total=report.num_lines)
@@ -87,9 +106,10 @@ def failed_batch(r, submission: Submission, body: CreateBatch) -> dict[str, Any]
 
 
 @router.get("/batches")
-def list_batches(r: RedisDep, after: str | None = None, limit: Annotated[int, Query(ge=1, le=100)] = 20):
+def list_batches(r: RedisDep, caller: CallerDep, after: str | None = None,
+                 limit: Annotated[int, Query(ge=1, le=100)] = 20):
     try:
-        ids = batches.list_batch_ids(r, after, limit + 1)
+        ids = batches.list_batch_ids(r, after, limit + 1, tenant=None if caller.is_admin else caller.tenant.name)
     except batches.BatchNotFound:
         raise APIError(404, f"No batch found with id '{after}'.", "batch_not_found", "after") from None
     data = [batches.as_openai(fields) for fields in batches.load_many(r, ids[:limit]) if fields is not None]
@@ -98,13 +118,13 @@ def list_batches(r: RedisDep, after: str | None = None, limit: Annotated[int, Qu
 
 
 @router.get("/batches/{batch_id}")
-def retrieve_batch(batch_id: str, r: RedisDep):
-    return load_batch(r, batch_id)
+def retrieve_batch(batch_id: str, r: RedisDep, caller: CallerDep):
+    return batches.as_openai(load_batch_fields(r, batch_id, caller))
 
 
 @router.post("/batches/{batch_id}/cancel")
-def cancel_batch(batch_id: str, r: RedisDep):
-    load_batch_fields(r, batch_id)
+def cancel_batch(batch_id: str, r: RedisDep, caller: CallerDep):
+    load_batch_fields(r, batch_id, caller)
     try:
         batches.transition(r, batch_id, "cancelling")
     except batches.IllegalTransition as error:
@@ -113,8 +133,8 @@ def cancel_batch(batch_id: str, r: RedisDep):
 
 
 @router.get("/batches/{batch_id}/results/{custom_id}")
-def retrieve_result(batch_id: str, custom_id: str, r: RedisDep):
-    line = find_result(load_batch_fields(r, batch_id)["sink"], r, batch_id, custom_id)
+def retrieve_result(batch_id: str, custom_id: str, r: RedisDep, caller: CallerDep):
+    line = find_result(load_batch_fields(r, batch_id, caller)["sink"], r, batch_id, custom_id)
     if line is None:
         raise APIError(404, f"No result yet for custom_id '{custom_id}' in batch '{batch_id}'.",
                        "result_not_found")

@@ -2,10 +2,12 @@
 
 Server-rendered (Jinja2, autoescaped: custom ids and metadata are user input), no build
 step; /ui/static/console.js refreshes each page's live section every few seconds and
-asks before a cancel. Behind the API's key: with KVFLEET_API_KEY set, /ui/login trades the
-key for a session cookie (HttpOnly, SameSite=Strict, Secure over HTTPS), a bearer header
-works too. The cookie holds no key: it is a token signed with a secret derived from the key
-(itsdangerous), good for SESSION_SECONDS, and void once the key changes.
+asks before a cancel. Behind the API's keys (jobs/tenants.py): with keys set, /ui/login
+trades a key for a session cookie (HttpOnly, SameSite=Strict, Secure over HTTPS), a bearer
+header works too. The cookie holds no key: it is a token naming the key's SHA-256, signed with
+a secret derived from every configured key (itsdangerous), good for SESSION_SECONDS, and void
+once the keys change. A tenant sees its own batches and files only (another's are "not
+found"); the admin key sees every tenant's, with their names, and the dead letters.
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ from itsdangerous import BadSignature, URLSafeTimedSerializer
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 
 from jobs import batches, dead_letters, heartbeats
-from jobs.files import FileNotFound, file_object, read_file, read_lines
+from jobs.files import FileNotFound, file_object, owned_file, read_file, read_lines
 from jobs.results import is_error_line
 from jobs.storage import find_result, result_stores
-from producers.dependencies import RedisDep, ServicesDep, Settings, SettingsDep, is_api_key
+from jobs.tenants import DEFAULT_TENANT, OPEN, Caller, KeyRing, key_hash, key_ring_from_env
+from producers.dependencies import RedisDep, ServicesDep
 from producers.live_stats import eta_seconds
 from producers.routes.files import content_disposition
 from producers.status import duration
@@ -68,56 +71,63 @@ def short_count(number: int) -> str:
             return f"{number / scale:.3g}{unit}"
     return str(number)
 
-def sessions(settings: Settings) -> URLSafeTimedSerializer:
-    """Signs console sessions with a secret derived from the API key, never the key itself."""
-    secret = hashlib.sha256(b"kvfleet-console-session\n" + (settings.api_key or "").encode()).hexdigest()
+def sessions(ring: KeyRing) -> URLSafeTimedSerializer:
+    """Signs console sessions with a secret derived from the configured keys, never a key."""
+    secret = hashlib.sha256(b"kvfleet-console-session\n" + b"".join(sorted(ring.by_hash))).hexdigest()
     return URLSafeTimedSerializer(secret, salt="kvfleet-console")
 
 
-def is_session(token: str, settings: Settings) -> bool:
+def session_caller(token: str, ring: KeyRing) -> Caller | None:
     try:
-        return sessions(settings).loads(token, max_age=SESSION_SECONDS) == {"console": True}
-    except BadSignature:  # forged, expired, or signed under another key
-        return False
+        session = sessions(ring).loads(token, max_age=SESSION_SECONDS)
+    except BadSignature:  # forged, expired, or signed under other keys
+        return None
+    return ring.by_hash.get(bytes.fromhex(session.get("key", ""))) if isinstance(session, dict) else None
 
 
-def require_login(request: Request, settings: SettingsDep) -> None:
-    if settings.api_key is None:
-        return
+def require_login(request: Request) -> Caller:
+    """The console's caller: from its session cookie or a bearer key (everyone, with no keys)."""
+    ring = key_ring_from_env()
     cookie = request.cookies.get(COOKIE)
     bearer = request.headers.get("authorization", "").removeprefix("Bearer ")
-    if not (cookie and is_session(cookie, settings) or bearer and is_api_key(bearer, settings)):
+    caller = OPEN if ring.is_open else (cookie and session_caller(cookie, ring)) or (bearer and ring.caller(bearer))
+    if not caller:
         raise LoginRequired
+    request.state.caller = caller
+    request.state.tenant = caller.tenant.name
+    return caller
 
 
+ConsoleCaller = Annotated[Caller, Depends(require_login)]
 public = APIRouter(prefix="/ui", include_in_schema=False)  # the login page and the script
 router = APIRouter(prefix="/ui", dependencies=[Depends(require_login)], include_in_schema=False)
 
 
-def page(request: Request, settings: Settings, name: str, **context) -> Response:
+def page(request: Request, name: str, **context) -> Response:
     """The whole page, or only its live section when console.js refreshes it."""
     fragment = request.headers.get("x-console-fragment") == "1"
     context.update(refresh_seconds=REFRESH_SECONDS, now=time.time(), path=request.url.path,
-                   needs_login=settings.api_key is not None)
+                   needs_login=not key_ring_from_env().is_open, caller=getattr(request.state, "caller", None))
     response = templates.TemplateResponse(request, f"_{name}" if fragment else name, context)
     response.headers.update(SECURITY_HEADERS)
     return response
 
 
 @public.get("/login")
-def login_form(request: Request, settings: SettingsDep):
-    return page(request, settings, "login.html", error=None)
+def login_form(request: Request):
+    return page(request, "login.html", error=None)
 
 
 @public.post("/login")
-def login(request: Request, key: Annotated[str, Form()], settings: SettingsDep):
-    if settings.api_key is None or not is_api_key(key, settings):
-        response = page(request, settings, "login.html", error="That key is not the API key.")
+def login(request: Request, key: Annotated[str, Form()]):
+    ring = key_ring_from_env()
+    if ring.is_open or ring.caller(key) is None:
+        response = page(request, "login.html", error="That key is not an API key of this fleet.")
         response.status_code = 401
         return response
     response = RedirectResponse("/ui", status_code=303)
-    response.set_cookie(COOKIE, sessions(settings).dumps({"console": True}), max_age=SESSION_SECONDS, httponly=True,
-                        samesite="strict", path="/ui", secure=request.url.scheme == "https")
+    response.set_cookie(COOKIE, sessions(ring).dumps({"key": key_hash(key).hex()}), max_age=SESSION_SECONDS,
+                        httponly=True, samesite="strict", path="/ui", secure=request.url.scheme == "https")
     return response
 
 
@@ -135,28 +145,30 @@ def script():
 
 @router.get("")
 @router.get("/batches")
-def batch_list(request: Request, r: RedisDep, services: ServicesDep, settings: SettingsDep,
+def batch_list(request: Request, r: RedisDep, services: ServicesDep, caller: ConsoleCaller,
                status: str | None = None, limit: int = 50):
     rows = []
-    batch_ids = batches.list_batch_ids(r, limit=200 if status else min(limit, 200))
+    batch_ids = batches.list_batch_ids(r, limit=200 if status else min(limit, 200),
+                                       tenant=None if caller.is_admin else caller.tenant.name)
     for fields in batches.load_many(r, batch_ids):
         if fields is None or (status and fields["status"] != status):  # None: listed while being created
             continue
         batch = batches.as_openai(fields)
         rate = services.batch_rates.rate(batch)
-        rows.append({"batch": batch, "rate": rate, "eta": eta_seconds(batch, rate)})
+        rows.append({"batch": batch, "rate": rate, "eta": eta_seconds(batch, rate),
+                     "tenant": fields.get("tenant") or DEFAULT_TENANT})
         if len(rows) >= limit:
             break
-    return page(request, settings, "batches.html", rows=rows, status=status, statuses=STATUSES)
+    return page(request, "batches.html", rows=rows, status=status, statuses=STATUSES)
 
 
 @router.get("/batches/{batch_id}")
-def batch_page(request: Request, batch_id: str, r: RedisDep, services: ServicesDep, settings: SettingsDep,
+def batch_page(request: Request, batch_id: str, r: RedisDep, services: ServicesDep, caller: ConsoleCaller,
                custom_id: str | None = None):
     try:
-        fields = batches.load_fields(r, batch_id)
+        fields = batches.owned_fields(r, batch_id, caller)
     except batches.BatchNotFound:
-        return page(request, settings, "missing.html", what=f"batch {batch_id}")
+        return page(request, "missing.html", what=f"batch {batch_id}")
     batch = batches.as_openai(fields)
     rate = services.batch_rates.rate(batch)
     raw = find_result(fields["sink"], r, batch_id, custom_id) if custom_id else None
@@ -167,7 +179,7 @@ def batch_page(request: Request, batch_id: str, r: RedisDep, services: ServicesD
             files[name] = file_object(r, batch[name]) if batch.get(name) else None
         except FileNotFound:
             files[name] = None
-    return page(request, settings, "batch.html", batch=batch, sink=fields["sink"], rate=rate,
+    return page(request, "batch.html", batch=batch, sink=fields["sink"], rate=rate,
                 eta=eta_seconds(batch, rate), errors=first_errors(r, batch, fields), files=files,
                 custom_id=custom_id, result=result, cancellable=batch["status"] in CANCELLABLE)
 
@@ -195,19 +207,20 @@ def first_errors(r: redis.Redis, batch: dict[str, Any], fields: dict[str, Any]) 
 
 
 @router.post("/batches/{batch_id}/cancel")
-def cancel(request: Request, batch_id: str, r: RedisDep):
+def cancel(request: Request, batch_id: str, r: RedisDep, caller: ConsoleCaller):
     origin = request.headers.get("origin")
     if origin and origin.rstrip("/") != str(request.base_url).rstrip("/"):
         return Response("cross-origin request refused", status_code=403)
     with contextlib.suppress(batches.IllegalTransition, batches.BatchNotFound):
+        batches.owned_fields(r, batch_id, caller)
         batches.transition(r, batch_id, "cancelling")  # if it cannot, the page shows why: its status
     return RedirectResponse(f"/ui/batches/{batch_id}", status_code=303)
 
 
 @router.get("/files/{file_id}")
-def download(file_id: str, r: RedisDep):
+def download(file_id: str, r: RedisDep, caller: ConsoleCaller):
     try:
-        info, chunks = file_object(r, file_id), read_file(r, file_id)
+        info, chunks = owned_file(r, file_id, caller), read_file(r, file_id)
     except FileNotFound:
         return Response("no such file", status_code=404)
     return StreamingResponse(chunks, media_type="application/jsonl",
@@ -215,7 +228,7 @@ def download(file_id: str, r: RedisDep):
 
 
 @router.get("/workers")
-def workers(request: Request, r: RedisDep, services: ServicesDep, settings: SettingsDep):
+def workers(request: Request, r: RedisDep, services: ServicesDep):
     now = time.time()
     rows = []
     for worker in heartbeats.live_workers(r):
@@ -223,10 +236,12 @@ def workers(request: Request, r: RedisDep, services: ServicesDep, settings: Sett
         total = worker.get("total_blocks") or 0
         rows.append({"worker": worker, "age": age, "is_stale": age > 3 * worker.get("heartbeat_seconds", 1.0) + 2,
                      "kv_usage": 1 - worker.get("free_blocks", 0) / total if total else 0.0})
-    return page(request, settings, "workers.html", rows=rows, online=services.online_stats.summary(),
+    return page(request, "workers.html", rows=rows, online=services.online_stats.summary(),
                 models=sorted(heartbeats.served_models(r)))
 
 
 @router.get("/dead-letters")
-def dead(request: Request, r: RedisDep, settings: SettingsDep):
-    return page(request, settings, "dead_letters.html", entries=dead_letters.latest(r, 100))
+def dead(request: Request, r: RedisDep, caller: ConsoleCaller):
+    if not caller.is_admin:  # dead entries hold every tenant's request lines
+        return page(request, "missing.html", what="dead letters (the admin key sees them)")
+    return page(request, "dead_letters.html", entries=dead_letters.latest(r, 100))

@@ -23,7 +23,8 @@ router = v1_router("embeddings")
 
 @router.post("/embeddings", summary="Create embeddings (online, through the queue)")
 async def create_embeddings(body: OnlineEmbeddingBody, request: Request, services: ServicesDep, settings: SettingsDep):
-    entry, is_cold = await run_in_threadpool(enqueue, services, settings, EMBEDDINGS, body)
+    entry, is_cold = await run_in_threadpool(enqueue, services, settings, EMBEDDINGS, body,
+                                             request.state.caller.tenant)
     services.online_stats.arrived()
     is_complete = False
     try:

@@ -1,5 +1,6 @@
 """The Files API: POST /v1/files (purpose batch), GET /v1/files (purpose, limit, after, order),
-GET /v1/files/{id} and its /content, DELETE /v1/files/{id}.
+GET /v1/files/{id} and its /content, DELETE /v1/files/{id}. A caller sees its tenant's files
+only (jobs/tenants.py): another tenant's are 404, as if absent.
 
 Uploads stream to storage in 1 MiB chunks and stop at KVFLEET_MAX_UPLOAD_BYTES (413);
 producers/api.py refuses a Content-Length over it before the body is read.
@@ -14,9 +15,10 @@ from fastapi import File, Form, Header, Query, UploadFile
 from fastapi.responses import StreamingResponse
 
 from jobs import files, keys
-from jobs.files import FileNotFound, create_file, file_object, new_file_id, read_file
+from jobs.files import FileNotFound, create_file, file_object, new_file_id, owned_file, read_file
 from jobs.storage import RedisStorage
-from producers.dependencies import RedisDep, Settings, SettingsDep
+from jobs.tenants import Caller
+from producers.dependencies import CallerDep, RedisDep, Settings, SettingsDep
 from producers.errors import APIError
 from producers.idempotency import create_once
 from producers.routes import v1_router
@@ -36,12 +38,12 @@ def file_not_found(file_id: str, param: str | None = None) -> APIError:
 
 @router.post("/files")
 def upload_file(file: Annotated[UploadFile, File()], purpose: Annotated[Literal["batch"], Form()], r: RedisDep,
-                settings: SettingsDep, idempotency_key: IdempotencyKey = None):
-    return create_once(r, "/v1/files", idempotency_key, lambda: store_upload(r, file, purpose, settings),
-                       lambda file_id: file_object(r, file_id))
+                settings: SettingsDep, caller: CallerDep, idempotency_key: IdempotencyKey = None):
+    return create_once(r, "/v1/files", idempotency_key, lambda: store_upload(r, file, purpose, settings, caller),
+                       lambda file_id: file_object(r, file_id), caller.tenant.name)
 
 
-def store_upload(r, file: UploadFile, purpose: str, settings: Settings) -> dict:
+def store_upload(r, file: UploadFile, purpose: str, settings: Settings, caller: Caller) -> dict:
     limit = settings.max_upload_bytes
 
     def chunks():
@@ -54,18 +56,20 @@ def store_upload(r, file: UploadFile, purpose: str, settings: Settings) -> dict:
 
     file_id = new_file_id()
     try:
-        return create_file(r, RedisStorage(r), chunks(), file.filename or "upload.jsonl", purpose, file_id)
+        return create_file(r, RedisStorage(r), chunks(), file.filename or "upload.jsonl", purpose, file_id,
+                           tenant=caller.tenant.name)
     except APIError:
         r.delete(keys.file_content(file_id))  # drop the partial content of a rejected upload
         raise
 
 
 @router.get("/files")
-def list_files(r: RedisDep, purpose: str | None = None, after: str | None = None,
+def list_files(r: RedisDep, caller: CallerDep, purpose: str | None = None, after: str | None = None,
                limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
                order: Annotated[Literal["asc", "desc"], Query()] = "desc"):
     try:
-        data, has_more = files.list_files(r, purpose, after, limit, order)
+        data, has_more = files.list_files(r, purpose, after, limit, order,
+                                          tenant=None if caller.is_admin else caller.tenant.name)
     except FileNotFound:
         raise file_not_found(after, "after") from None
     return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
@@ -73,26 +77,27 @@ def list_files(r: RedisDep, purpose: str | None = None, after: str | None = None
 
 
 @router.delete("/files/{file_id}")
-def delete_file(file_id: str, r: RedisDep):
+def delete_file(file_id: str, r: RedisDep, caller: CallerDep):
     try:
+        owned_file(r, file_id, caller)
         return files.delete_file(r, file_id)
     except FileNotFound:
         raise file_not_found(file_id) from None
 
 
 @router.get("/files/{file_id}")
-def retrieve_file(file_id: str, r: RedisDep):
+def retrieve_file(file_id: str, r: RedisDep, caller: CallerDep):
     try:
-        return file_object(r, file_id)
+        return owned_file(r, file_id, caller)
     except FileNotFound:
         raise file_not_found(file_id) from None
 
 
 @router.get("/files/{file_id}/content", response_class=StreamingResponse,
             responses={200: {"content": {"application/jsonl": {}}, "description": "The file's bytes"}})
-def retrieve_file_content(file_id: str, r: RedisDep):
+def retrieve_file_content(file_id: str, r: RedisDep, caller: CallerDep):
     try:
-        info, chunks = file_object(r, file_id), read_file(r, file_id)
+        info, chunks = owned_file(r, file_id, caller), read_file(r, file_id)
     except FileNotFound:
         raise file_not_found(file_id) from None
     return StreamingResponse(chunks, media_type="application/jsonl",

@@ -14,6 +14,7 @@ KVFLEET_REQUEST_TIMEOUT, is cancelled: the worker aborts it after its next step.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -23,9 +24,17 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from jobs import heartbeats, keys, online, prefixes
+from jobs import heartbeats, keys, online, prefixes, tenants
 from jobs.online import Error, OnlineEntry, ReplyEvent
-from jobs.schemas import CHAT_COMPLETIONS, COMPLETIONS, OnlineChatBody, OnlineCompletionBody, OnlineFields
+from jobs.schemas import (
+    CHAT_COMPLETIONS,
+    COMPLETIONS,
+    EMBEDDINGS,
+    OnlineChatBody,
+    OnlineCompletionBody,
+    OnlineFields,
+)
+from jobs.tenants import OPEN, Tenant
 from producers.dependencies import Services, ServicesDep, Settings, SettingsDep
 from producers.errors import APIError, error_body
 from producers.online_replies import Accumulator, ChunkWriter, event_error, sse
@@ -53,7 +62,8 @@ async def create_chat_completion(body: OnlineChatBody, request: Request, service
     return await answer(CHAT_COMPLETIONS, body, request, services, settings)
 
 
-def enqueue(services: Services, settings: Settings, url: str, body: OnlineFields) -> tuple[OnlineEntry, bool]:
+def enqueue(services: Services, settings: Settings, url: str, body: OnlineFields,
+            tenant: Tenant = OPEN.tenant) -> tuple[OnlineEntry, bool]:
     """Checks that need Redis, then XADD; runs in the thread pool (redis-py is blocking).
     Returns the entry and whether it waits for a cold start (its model has no live worker
     now, but had one: scaled to zero, and the online stream's lag wakes one)."""
@@ -71,9 +81,28 @@ def enqueue(services: Services, settings: Settings, url: str, body: OnlineFields
     batch_body = body.batch_body()
     entry = OnlineEntry(online.new_request_id(), url, batch_body, bool(body.stream), body.priority,
                         now + settings.request_timeout, now,
-                        prefixes.encode(prefixes.prefix_hashes(prefixes.prompt_text(batch_body))))
-    online.enqueue(r, model, entry)
+                        prefixes.encode(prefixes.prefix_hashes(prefixes.prompt_text(batch_body))), tenant.name)
+    tokens = tokens_of(entry)
+    held = tenants.reserve_tokens(r, tenant, entry.request_id, tokens, entry.deadline)
+    if held is None:
+        raise APIError(429, f"Tenant {tenant.name!r} has {tenants.inflight_tokens(r, tenant.name)} online tokens in "
+                            f"flight; this request's {tokens} more would pass its max_inflight_tokens of "
+                            f"{tenant.max_inflight_tokens}.", "quota_exceeded", "max_inflight_tokens",
+                       kind="rate_limit_error")
+    try:
+        online.enqueue(r, model, entry)
+    except BaseException:
+        tenants.release_tokens(r, entry.tenant, entry.request_id, tokens)
+        raise
     return entry, is_cold
+
+
+def tokens_of(entry: OnlineEntry) -> int:
+    """The tokens an online request holds against its tenant's max_inflight_tokens (estimated:
+    jobs/tenants.py); an embeddings request generates none."""
+    if entry.url == EMBEDDINGS:
+        return tenants.estimated_tokens(json.dumps(entry.body.get("input", "")), {}, default_max_tokens=0)
+    return tenants.estimated_tokens(prefixes.prompt_text(entry.body), entry.body)
 
 
 async def next_events(services: Services, entry: OnlineEntry, last_id: str, request: Request | None,
@@ -101,6 +130,7 @@ def finish(r: redis.Redis, entry: OnlineEntry, is_complete: bool) -> None:
         if not is_complete:
             online.cancel(r, entry.request_id)
         r.delete(keys.reply(entry.request_id))
+        tenants.release_tokens(r, entry.tenant, entry.request_id, tokens_of(entry))
     except redis.RedisError as error:  # the reply stream expires by itself; the worker's deadline stops it
         log.warning("request %s: cleanup failed: %s", entry.request_id, error)
 
@@ -136,7 +166,7 @@ async def first_events(services: Services, settings: Settings, entry: OnlineEntr
 
 
 async def answer(url: str, body: OnlineFields, request: Request, services: Services, settings: Settings):
-    entry, is_cold = await run_in_threadpool(enqueue, services, settings, url, body)
+    entry, is_cold = await run_in_threadpool(enqueue, services, settings, url, body, request.state.caller.tenant)
     services.online_stats.arrived()
     is_complete = is_handed_over = False
     try:

@@ -160,7 +160,7 @@ def test_api_key_is_required_when_set(api, monkeypatch):
     assert client_for(api, "sekret").batches.list().data == []
     assert httpx.get(f"{api.url}/healthz").json() == {"status": "ok"}  # service routes stay open
     metrics = httpx.get(f"{api.url}/metrics").text
-    assert 'kvfleet:api_requests_total{route="/v1/batches",status="401"}' in metrics
+    assert 'kvfleet:api_requests_total{route="/v1/batches",status="401",tenant="none"}' in metrics
 
 
 def test_models_lists_what_live_workers_serve_in_openais_shape(r, api):

@@ -1,0 +1,197 @@
+"""Tenants (jobs/tenants.py): each API key's team sees only its own files and batches, on
+every route and in the console, the admin key sees all, and a tenant's queued-lines quota
+is a 429 that names it. Driven by the official `openai` client."""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from jobs import batches, dead_letters, heartbeats, keys
+from jobs.online import OnlineEntry
+from jobs.tenants import (
+    DEFAULT_TENANT,
+    KeyConfigError,
+    Tenant,
+    estimated_tokens,
+    inflight_tokens,
+    key_ring_from_env,
+)
+from producers.api import create_app
+from tests.producers.test_api import act_as_worker, chat_lines, client_for
+from tests.services import ThreadedUvicorn
+
+ADMIN = "key-of-the-operator"
+
+
+@pytest.fixture
+def api(r, redis_server, monkeypatch, tmp_path):
+    keys_file = tmp_path / "keys.json"
+    keys_file.write_text(json.dumps({"key-of-acme": {"tenant": "acme", "weight": 2},
+                                     "key-of-globex": {"tenant": "globex", "max_queued_lines": 5,
+                                                       "max_inflight_tokens": 300}}))
+    monkeypatch.setenv("KVFLEET_API_KEYS", f"@{keys_file}")
+    monkeypatch.setenv("KVFLEET_ADMIN_KEY", ADMIN)
+    monkeypatch.setenv("KVFLEET_API_KEY", "key-of-the-default-team")
+    with ThreadedUvicorn(create_app(redis_server.url)) as server:
+        yield server
+
+
+def create_batch(client: openai.OpenAI, num_lines: int = 2, **options):
+    uploaded = client.files.create(file=("requests.jsonl", chat_lines(num_lines)), purpose="batch", **options)
+    return uploaded, client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                           completion_window="24h")
+
+
+def test_a_tenant_never_reaches_another_tenants_files_or_batches(api, r):
+    acme, globex, admin = client_for(api, "key-of-acme"), client_for(api, "key-of-globex"), client_for(api, ADMIN)
+    file, batch = create_batch(acme)
+    act_as_worker(r, batch.id)
+    done = acme.batches.retrieve(batch.id)
+    assert done.status == "completed" and done.output_file_id
+    for attempt in (lambda: globex.files.retrieve(file.id), lambda: globex.files.content(file.id),
+                    lambda: globex.files.delete(file.id), lambda: globex.files.retrieve(done.output_file_id),
+                    lambda: globex.files.content(done.output_file_id), lambda: globex.batches.retrieve(batch.id),
+                    lambda: globex.batches.cancel(batch.id),
+                    lambda: globex.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
+                                                  completion_window="24h")):
+        with pytest.raises(openai.NotFoundError):  # 404, as if absent: ids cannot be probed
+            attempt()
+    result = httpx.get(f"{api.url}/v1/batches/{batch.id}/results/req-0", headers={"Authorization": "Bearer key-of-globex"})
+    assert result.status_code == 404 and result.json()["error"]["code"] == "batch_not_found"
+    assert globex.files.list().data == [] and globex.batches.list().data == []
+    globex_file, globex_batch = create_batch(globex)
+    assert {f.id for f in acme.files.list()} == {file.id, done.output_file_id}  # its output file is its own
+    assert [b.id for b in acme.batches.list()] == [batch.id]
+    assert {f.id for f in admin.files.list()} == {file.id, done.output_file_id, globex_file.id}
+    assert [b.id for b in admin.batches.list()] == [globex_batch.id, batch.id]
+    assert admin.files.content(file.id).read() == chat_lines(2)  # the admin reaches everything
+    assert batches.load_fields(r, batch.id)["tenant"] == "acme" and r.hget(keys.file(file.id), "tenant") == b"acme"
+    assert acme.files.delete(file.id).deleted and admin.files.retrieve(globex_file.id).id == globex_file.id
+
+
+def test_an_idempotency_key_is_each_tenants_own(api):
+    acme, globex = client_for(api, "key-of-acme"), client_for(api, "key-of-globex")
+    same = {"extra_headers": {"Idempotency-Key": "nightly-run-1"}}
+    first, again = (acme.files.create(file=("a.jsonl", chat_lines(1)), purpose="batch", **same) for _ in range(2))
+    other = globex.files.create(file=("a.jsonl", chat_lines(1)), purpose="batch", **same)
+    assert first.id == again.id and other.id != first.id
+    assert globex.files.retrieve(other.id).id == other.id
+
+
+def test_a_tenant_over_its_queued_lines_gets_a_429_naming_the_quota(api, r):
+    globex = client_for(api, "key-of-globex")  # max_queued_lines 5
+    create_batch(globex, num_lines=4)
+    with pytest.raises(openai.RateLimitError) as error:
+        create_batch(globex, num_lines=2)
+    assert error.value.status_code == 429
+    assert error.value.body["code"] == "quota_exceeded" and error.value.body["param"] == "max_queued_lines"
+    assert "4 batch lines queued" in error.value.body["message"]
+    assert len(globex.batches.list().data) == 1  # nothing was created
+    create_batch(client_for(api, "key-of-acme"), num_lines=9)  # another tenant's lines are its own
+    create_batch(globex, num_lines=1)  # within the quota still
+
+
+def test_a_tenants_online_tokens_in_flight_are_bounded_and_released(api, r, monkeypatch):
+    """globex may hold 300 tokens (estimated: prompt at 4 characters a token + max_tokens):
+    a request of 8 + 200 is in flight until it ends (here: a 504, no worker takes it), and a
+    second one beside it is refused; once the first ends, its tokens are free again."""
+    heartbeats.record_heartbeat(r, "w1", {"models": ["demo"], "root": "demo", "max_model_len": 512}, 30)
+    monkeypatch.setenv("KVFLEET_REQUEST_TIMEOUT", "2")
+    globex = client_for(api, "key-of-globex")
+
+    def ask():
+        return globex.completions.create(model="demo", prompt="x" * 30, max_tokens=200)
+
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(ask)
+        while not r.zcard(keys.tenant_inflight("globex")):
+            assert not first.done()
+            time.sleep(0.02)
+        assert inflight_tokens(r, "globex") == 8 + 200
+        with pytest.raises(openai.RateLimitError) as refused:
+            ask()
+        assert refused.value.body["param"] == "max_inflight_tokens" and "208 online tokens" in refused.value.body[
+            "message"]
+        with pytest.raises(openai.APIStatusError) as timed_out:
+            first.result()
+        assert timed_out.value.status_code == 504
+    assert inflight_tokens(r, "globex") == 0
+    with pytest.raises(openai.APIStatusError) as again:
+        ask()  # room again (and it times out in its turn)
+    assert again.value.status_code == 504
+    assert estimated_tokens("y" * 9, {"n": 2}) == 3 + 2 * 1024  # max_tokens unset: 1,024 a choice
+
+
+def test_keys_are_checked_and_the_single_key_is_the_default_tenant(api):
+    assert client_for(api, "key-of-the-default-team").batches.list().data == []
+    with pytest.raises(openai.AuthenticationError):
+        client_for(api, "no-such-key").batches.list()
+    metrics = httpx.get(f"{api.url}/metrics").text
+    assert 'kvfleet:api_requests_total{route="/v1/batches",status="200",tenant="default"} 1.0' in metrics
+    assert 'kvfleet:api_requests_total{route="/v1/batches",status="401",tenant="none"} 1.0' in metrics
+
+
+def test_the_console_shows_a_tenant_its_own_work_and_the_admin_everyones(api, r):
+    acme, globex = client_for(api, "key-of-acme"), client_for(api, "key-of-globex")
+    acme_file, acme_batch = create_batch(acme)
+    _, globex_batch = create_batch(globex)
+    dead_letters_entry = {b"line": b"{}"}
+    r.xadd(keys.dead_letters(keys.stream("demo")), dead_letters_entry)
+
+    def get(path: str, key: str) -> httpx.Response:
+        return httpx.get(f"{api.url}{path}", headers={"Authorization": f"Bearer {key}"})
+
+    page = get("/ui", "key-of-globex").text
+    assert globex_batch.id in page and acme_batch.id not in page and "tenant globex" in page
+    assert "not found" in get(f"/ui/batches/{acme_batch.id}", "key-of-globex").text.lower()
+    assert get(f"/ui/files/{acme_file.id}", "key-of-globex").status_code == 404
+    assert "admin key" in get("/ui/dead-letters", "key-of-globex").text
+    admin_page = get("/ui", ADMIN).text
+    assert acme_batch.id in admin_page and globex_batch.id in admin_page
+    assert '<td class="tenant">acme</td>' in admin_page and '<td class="tenant">globex</td>' in admin_page
+    assert get(f"/ui/files/{acme_file.id}", ADMIN).status_code == 200
+    assert dead_letters.latest(r, 10) and "admin key" not in get("/ui/dead-letters", ADMIN).text
+    login = httpx.post(f"{api.url}/ui/login", data={"key": "key-of-acme"}, follow_redirects=False)
+    assert login.status_code == 303
+    with httpx.Client(base_url=api.url, cookies=login.cookies) as session:  # the cookie names acme's key
+        page = session.get("/ui").text
+        assert acme_batch.id in page and globex_batch.id not in page
+
+
+def test_key_specs_parse_and_bad_ones_name_their_entry(tmp_path):
+    ring = key_ring_from_env({"KVFLEET_API_KEYS": "key-of-acme=acme:2.5, key-of-globex=globex"})
+    assert ring.caller("key-of-acme").tenant == Tenant("acme", weight=2.5)
+    assert not ring.caller("key-of-globex").is_admin and ring.caller("key-of-globex").tenant.weight == 1.0
+    assert ring.caller("key-of-initech") is None
+    assert key_ring_from_env({}).caller("anything").is_admin  # no keys: one open team
+    alone = key_ring_from_env({"KVFLEET_API_KEY": "the-one-key"}).caller("the-one-key")
+    assert alone.is_admin and alone.tenant.name == DEFAULT_TENANT  # as before tenants
+    beside = key_ring_from_env({"KVFLEET_API_KEY": "the-one-key", "KVFLEET_ADMIN_KEY": "the-admin"})
+    assert not beside.caller("the-one-key").is_admin and beside.caller("the-admin").is_admin
+    bad = {"key-of-acme=": "entry #1: tenant must be", "key-of-acme=acme:zero": "entry #1: weight must be",
+           "key-of-acme=acme,oops": "entry #2: expected KEY=TENANT", "short=acme": "at least 8 characters",
+           "key-of-acme=ac me": "tenant must be"}
+    for spec, message in bad.items():
+        with pytest.raises(KeyConfigError, match=message):
+            key_ring_from_env({"KVFLEET_API_KEYS": spec})
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"key-of-acme": {"tenant": "acme", "max_queued_lines": -1}}))
+    with pytest.raises(KeyConfigError, match="key #1: max_queued_lines must be a positive number"):
+        key_ring_from_env({"KVFLEET_API_KEYS": f"@{path}"})
+    path.write_text(json.dumps({"key-of-acme": {"tenant": "acme", "quota": 1}}))
+    with pytest.raises(KeyConfigError, match="unknown field 'quota'"):
+        key_ring_from_env({"KVFLEET_API_KEYS": f"@{path}"})
+
+
+def test_an_online_entry_carries_its_tenant():
+    entry = OnlineEntry("req-1", "/v1/completions", {"prompt": "hi"}, False, 0, 1.0, 0.5, tenant="acme")
+    fields = {k.encode(): v.encode() for k, v in entry.to_fields().items()}
+    assert OnlineEntry.from_fields(fields).tenant == "acme"
+    del fields[b"tenant"]  # an entry from before tenants
+    assert OnlineEntry.from_fields(fields).tenant == DEFAULT_TENANT
