@@ -105,8 +105,9 @@ def parse_window(window: str) -> int:
 
 def create_batch(r: redis.Redis, batch_id: str, *, endpoint: str, model: str, input_file_id: str | None,
                  completion_window: str, sink: str, metadata: dict[str, str] | None = None,
-                 tenant: str = DEFAULT_TENANT) -> bool:
-    """Create the batch in status validating, owned by `tenant`; False if it already exists
+                 tenant: str = DEFAULT_TENANT, output_expires_after: int | None = None) -> bool:
+    """Create the batch in status validating, owned by `tenant`, its output and error files to
+    expire `output_expires_after` seconds after they are written; False if it already exists
     (idempotent)."""
     validate_batch_id(batch_id)
     created = time.time()
@@ -114,7 +115,8 @@ def create_batch(r: redis.Redis, batch_id: str, *, endpoint: str, model: str, in
     fields = {"id": batch_id, "status": "validating", "endpoint": endpoint, "model": model,
               "input_file_id": input_file_id or "", "completion_window": completion_window, "sink": sink,
               "created_at": now, "expires_at": now + parse_window(completion_window),
-              "metadata": json.dumps(metadata or {}), "total": 0, "enqueued_at": "", "tenant": tenant}
+              "metadata": json.dumps(metadata or {}), "total": 0, "enqueued_at": "", "tenant": tenant,
+              "output_expires_after": output_expires_after or ""}
     # The indexes first (they live in other slots than the batch): an id listed before its
     # hash exists is skipped by readers, a hash never listed would be lost to the sweep.
     pipe = r.pipeline(transaction=False)

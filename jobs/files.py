@@ -10,8 +10,8 @@ from typing import Any
 
 import redis
 
-from jobs import keys
-from jobs.storage import Storage, open_storage
+from jobs import keys, retention
+from jobs.storage import Storage, open_storage, result_stores
 from jobs.tenants import DEFAULT_TENANT, Caller
 
 LIST_PAGE = 500
@@ -26,8 +26,11 @@ def new_file_id() -> str:
 
 
 def create_file(r: redis.Redis, storage: Storage, chunks: Iterable[bytes], filename: str, purpose: str,
-                file_id: str | None = None, tenant: str = DEFAULT_TENANT) -> dict[str, Any]:
-    """Store the content, then the object, owned by `tenant`."""
+                file_id: str | None = None, tenant: str = DEFAULT_TENANT, expires_after: int | None = None,
+                batch_id: str | None = None) -> dict[str, Any]:
+    """Store the content, then the object, owned by `tenant`, expiring `expires_after` seconds
+    after its creation (else by KVFLEET_DEFAULT_RETENTION: jobs/retention.py); `batch_id`: the
+    batch whose output or error file it is (its results expire with it)."""
     file_id = file_id or new_file_id()
     size = 0
 
@@ -39,12 +42,15 @@ def create_file(r: redis.Redis, storage: Storage, chunks: Iterable[bytes], filen
 
     location = storage.put_file(file_id, counted())
     created = time.time()
+    expires_at = retention.expiry_of(expires_after, created)
     r.hset(keys.file(file_id), mapping={"id": file_id, "bytes": size, "created_at": int(created),
                                          "filename": filename, "purpose": purpose, "location": location,
-                                         "sink": storage.url, "tenant": tenant})
+                                         "sink": storage.url, "tenant": tenant, "batch_id": batch_id or "",
+                                         "expires_at": expires_at or ""})
     pipe = r.pipeline(transaction=False)  # after the hash: a listed id always has one
     pipe.zadd(keys.FILES, {file_id: created})
     pipe.zadd(keys.tenant_files(tenant), {file_id: created})
+    retention.schedule(pipe, file_id, expires_at)
     pipe.execute()
     return file_object(r, file_id)
 
@@ -88,17 +94,32 @@ def delete_file(r: redis.Redis, file_id: str) -> dict[str, Any]:
     pipe.delete(keys.file(file_id))
     pipe.zrem(keys.FILES, file_id)
     pipe.zrem(keys.tenant_files(tenant), file_id)
+    pipe.zrem(keys.EXPIRING_FILES, file_id)
     pipe.execute()
     return {"id": file_id, "object": "file", "deleted": True}
 
 
+def delete_expired_file(r: redis.Redis, file_id: str) -> None:
+    """Delete a file at its expiry; a batch's output or error file takes the batch's
+    per-request results with it, from every store that holds them."""
+    batch_id, sink = r.hmget(keys.file(file_id), "batch_id", "sink")
+    if batch_id:
+        for store in result_stores(sink.decode(), r):
+            store.delete_results(batch_id.decode())
+    delete_file(r, file_id)
+
+
 def file_object(r: redis.Redis, file_id: str) -> dict[str, Any]:
+    """OpenAI's file object; FileNotFound for a file past its expiry (the sweep deletes it)."""
     raw = r.hgetall(keys.file(file_id))
     if not raw:
         raise FileNotFound(file_id)
     f = {k.decode(): v.decode() for k, v in raw.items()}
+    expires_at = int(f["expires_at"]) if f.get("expires_at") else None
+    if expires_at is not None and expires_at <= time.time():
+        raise FileNotFound(file_id)
     return {"id": file_id, "object": "file", "bytes": int(f["bytes"]), "created_at": int(f["created_at"]),
-            "filename": f["filename"], "purpose": f["purpose"], "status": "processed"}
+            "expires_at": expires_at, "filename": f["filename"], "purpose": f["purpose"], "status": "processed"}
 
 
 def file_tenant(r: redis.Redis, file_id: str) -> str:

@@ -170,7 +170,8 @@ def _write_files(r: redis.Redis, batch_id: str, fields: dict) -> None:
                 spool.seek(0)
                 created = create_file(r, storage, iter(lambda s=spool: s.read(CHUNK), b""),
                                       f"{batch_id}_{kind}.jsonl", "batch_output",
-                                      tenant=fields.get("tenant") or DEFAULT_TENANT)
+                                      tenant=fields.get("tenant") or DEFAULT_TENANT, batch_id=batch_id,
+                                      expires_after=int(fields.get("output_expires_after") or 0) or None)
                 file_ids[name] = created["id"]
     if file_ids:
         batches.set_files(r, batch_id, file_ids)

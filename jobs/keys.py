@@ -67,6 +67,7 @@ FINALIZE_QUEUE = "kvfleet-finalize"
 BATCHES = f"{PREFIX}:batches"
 FILES = f"{PREFIX}:files"
 OPEN_BATCHES = f"{PREFIX}:batches:open"
+EXPIRING_FILES = f"{PREFIX}:files:expiring"  # file id -> its expires_at (jobs/retention.py)
 WORKERS = f"{PREFIX}:workers:{{workers}}"
 MODELS = f"{PREFIX}:models"
 NUM_CLUSTER_PARTITIONS = 16

@@ -22,6 +22,7 @@ import contextlib
 import errno
 import hashlib
 import os
+import shutil
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -81,6 +82,9 @@ class RedisStorage:
 
     def get_result(self, batch_id: str, custom_id: str) -> bytes | None:
         return self.r.hget(keys.batch_results(batch_id), custom_id)
+
+    def delete_results(self, batch_id: str) -> None:
+        self.r.delete(keys.batch_results(batch_id))
 
     def put_file(self, file_id: str, chunks: Iterable[bytes]) -> str:
         key = keys.file_content(file_id)
@@ -148,6 +152,9 @@ class FileStorage:
         path = self.root / batch_id / "results" / result_name(custom_id)
         return path.read_bytes() if path.exists() else None
 
+    def delete_results(self, batch_id: str) -> None:
+        shutil.rmtree(self.root / batch_id / "results", ignore_errors=True)
+
     def put_file(self, file_id: str, chunks: Iterable[bytes]) -> str:
         path = self.root / "files" / file_id
         self._write_atomically(path, chunks)
@@ -212,6 +219,13 @@ class S3Storage:
             return self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
         except self.client.exceptions.NoSuchKey:
             return None
+
+    def delete_results(self, batch_id: str) -> None:
+        paginator = self.client.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=self._key(batch_id, "results") + "/"):
+            found = [{"Key": item["Key"]} for item in page.get("Contents", [])]
+            if found:  # at most 1,000 a page: one DeleteObjects call's limit
+                self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": found, "Quiet": True})
 
     def put_file(self, file_id: str, chunks: Iterable[bytes]) -> str:
         key = self._key("files", file_id)

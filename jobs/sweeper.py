@@ -28,7 +28,7 @@ from typing import Any
 import redis
 from rq.job import JobStatus
 
-from jobs import batches, heartbeats, keys
+from jobs import batches, heartbeats, keys, retention
 from jobs.entries import BatchEntry, MalformedEntry
 from jobs.finalize import ACTIVE_JOB_STATUSES, job_status, request_finalize
 from jobs.recording import record_result
@@ -111,8 +111,12 @@ class Sweeper:
         self.stopped_since: dict[str, float] = {}  # batch id -> when it was first seen expired or cancelling
 
     def sweep(self) -> list[str]:
-        """The ids finalize was enqueued for again (batches ended here are logged)."""
+        """The ids finalize was enqueued for again (batches ended here are logged). Files past
+        their expiry are deleted too (jobs/retention.py)."""
         self.end_stopped_batches()
+        expired = retention.delete_expired(self.r, self.wall_clock())
+        if expired:
+            log.info("deleted %d files at their expiry", len(expired))
         return self.finalize_counted_batches()
 
     def end_stopped_batches(self) -> list[str]:

@@ -35,7 +35,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from jobs import keys
 from jobs.connection import REDIS_URL_HELP, connect, connect_async
 from jobs.preflight import StartupError, check_startup
-from jobs.tenants import KeyConfigError, key_ring_from_env
+from jobs.retention import default_retention
+from jobs.tenants import key_ring_from_env
 from producers.dependencies import ServedModels, Services, Settings
 from producers.errors import error_response, install_error_handlers, openai_style_schema
 from producers.routes import batches, console, embeddings, files, health, models, online
@@ -46,6 +47,7 @@ MULTIPART_OVERHEAD_BYTES = 64 * 1024  # room for the form's other fields and bou
 
 def create_app(redis_url: str | None = None) -> FastAPI:
     key_ring_from_env()  # a malformed KVFLEET_API_KEYS stops the start, naming the entry
+    default_retention()  # and so does a malformed KVFLEET_DEFAULT_RETENTION
     r = connect(redis_url)
     app = FastAPI(title="kvfleet", description="OpenAI-compatible online completions, Files and Batches API")
     app.state.services = services = Services(r, connect_async(redis_url), ServedModels(r))
@@ -129,8 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         key_ring_from_env()
+        default_retention()
         check_startup(connect(args.redis_url))
-    except (StartupError, KeyConfigError) as error:
+    except (StartupError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     uvicorn.run(create_app(args.redis_url), host=args.host, port=args.port, log_level="info",

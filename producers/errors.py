@@ -7,6 +7,7 @@ document says the same (`openai_style_schema`).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -79,10 +80,15 @@ async def http_error(request: Request, error: StarletteHTTPException) -> JSONRes
                         headers=headers)
 
 
+FORM_FIELD = re.compile(r"^(\w+)\[(\w+)\]$")
+
+
 async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
     """The first invalid field, named by its path in the body: a 400, as OpenAI answers."""
     detail = error.errors()[0]
-    param = ".".join(field_path(tuple(p for p in detail["loc"] if p not in ("body", "query", "path"))))
+    # A form's nested field (OpenAI's `expires_after[seconds]`) is named as in JSON.
+    loc = tuple(FORM_FIELD.sub(r"\1.\2", p) if isinstance(p, str) else p for p in detail["loc"])
+    param = ".".join(field_path(tuple(p for p in loc if p not in ("body", "query", "path"))))
     reason = detail["msg"].removeprefix("Value error, ")
     message = f"{param}: {reason}" if param else reason
     return JSONResponse(error_body(message, "invalid_request_error", "invalid_request", param or None),

@@ -130,7 +130,8 @@ def submit(r: redis.Redis, source: LineSource, *, batch_id: str | None = None, e
            model: str | None = None, sink: str = "redis", completion_window: str = "24h",
            metadata: dict[str, str] | None = None, input_file_id: str | None = None, skip_invalid: bool = False,
            on_progress: Callable[[int], None] | None = None,
-           before_enqueue: Callable[[Report], None] | None = None, tenant: str = DEFAULT_TENANT) -> Submission:
+           before_enqueue: Callable[[Report], None] | None = None, tenant: str = DEFAULT_TENANT,
+           output_expires_after: int | None = None) -> Submission:
     """Validate, then create (or resume) the batch and enqueue its valid lines.
     With errors and without skip_invalid, nothing is created or enqueued.
     `before_enqueue` sees the validated report first; what it raises stops the submission."""
@@ -143,7 +144,8 @@ def submit(r: redis.Redis, source: LineSource, *, batch_id: str | None = None, e
     if before_enqueue is not None:
         before_enqueue(report)
     batches.create_batch(r, batch_id, endpoint=report.endpoint, model=report.model, input_file_id=input_file_id,
-                         completion_window=completion_window, sink=sink, metadata=metadata, tenant=tenant)
+                         completion_window=completion_window, sink=sink, metadata=metadata, tenant=tenant,
+                         output_expires_after=output_expires_after)
     fields = batches.load_fields(r, batch_id)
     batches.set_total(r, batch_id, report.num_lines)
     if fields["status"] == "validating":

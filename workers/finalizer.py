@@ -28,6 +28,7 @@ from jobs import keys
 from jobs.connection import REDIS_URL_HELP, connect
 from jobs.finalize import finalize_queue
 from jobs.preflight import StartupError, check_startup
+from jobs.retention import default_retention
 from jobs.storage import STORAGE_ERRORS
 from jobs.sweeper import DEFAULT_ENQUEUE_GRACE_SECONDS, Sweeper
 
@@ -63,8 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["KVFLEET_REDIS_URL"] = args.redis_url  # what finalize jobs connect to (jobs/finalize.py)
     r = connect(args.redis_url)
     try:
+        default_retention()  # the output files it writes take it
         check_startup(r)
-    except StartupError as error:
+    except (StartupError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     stop = threading.Event()

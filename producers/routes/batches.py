@@ -13,7 +13,7 @@ from fastapi import Query
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from jobs import batches, heartbeats
+from jobs import batches, heartbeats, retention
 from jobs.files import FileNotFound, owned_file, read_lines
 from jobs.schemas import ENDPOINTS
 from jobs.storage import allowed_outputs, check_output_allowed, default_output, find_result
@@ -37,6 +37,8 @@ class CreateBatch(BaseModel):
     output: str = Field(default_factory=default_output,
                         description="kvfleet extension: where results go (redis, s3://..., file:///...)")
     model: str | None = Field(None, description="kvfleet extension: the served model (stream)")
+    output_expires_after: dict[str, Any] | None = Field(None, description="OpenAI's: {anchor: created_at, seconds}, "
+                                                                          "the output and error files' expiry")
 
 
 def load_batch_fields(r, batch_id: str, caller: Caller) -> dict[str, Any]:
@@ -67,11 +69,13 @@ def submit_batch(r, body: CreateBatch, caller: Caller) -> dict[str, Any]:
     try:
         batches.parse_window(body.completion_window)
         check_output_allowed(body.output, allowed_outputs())
+        output_expires_after = retention.parse_expires_after(body.output_expires_after, "output_expires_after")
     except ValueError as error:
         raise APIError(400, str(error), "invalid_request", str(error).split(":")[0]) from None
     submission = submit(r, lambda: read_lines(r, body.input_file_id), endpoint=body.endpoint, model=body.model,
                         sink=body.output, completion_window=body.completion_window, metadata=body.metadata,
                         input_file_id=body.input_file_id, tenant=caller.tenant.name,
+                        output_expires_after=output_expires_after,
                         before_enqueue=lambda report: check_queued_lines(r, caller.tenant, report.num_lines))
     if not submission.accepted:  # OpenAI's behaviour: the batch exists, failed, with the line errors
         return failed_batch(r, submission, body, caller)

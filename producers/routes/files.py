@@ -1,6 +1,7 @@
 """The Files API: POST /v1/files (purpose batch), GET /v1/files (purpose, limit, after, order),
 GET /v1/files/{id} and its /content, DELETE /v1/files/{id}. A caller sees its tenant's files
-only (jobs/tenants.py): another tenant's are 404, as if absent.
+only (jobs/tenants.py): another tenant's are 404, as if absent. `expires_after` (OpenAI's
+form fields) or KVFLEET_DEFAULT_RETENTION sets a file's `expires_at` (jobs/retention.py).
 
 Uploads stream to storage in 1 MiB chunks and stop at KVFLEET_MAX_UPLOAD_BYTES (413);
 producers/api.py refuses a Content-Length over it before the body is read.
@@ -14,7 +15,7 @@ from urllib.parse import quote
 from fastapi import File, Form, Header, Query, UploadFile
 from fastapi.responses import StreamingResponse
 
-from jobs import files, keys
+from jobs import files, keys, retention
 from jobs.files import FileNotFound, create_file, file_object, new_file_id, owned_file, read_file
 from jobs.storage import RedisStorage
 from jobs.tenants import Caller
@@ -38,12 +39,21 @@ def file_not_found(file_id: str, param: str | None = None) -> APIError:
 
 @router.post("/files")
 def upload_file(file: Annotated[UploadFile, File()], purpose: Annotated[Literal["batch"], Form()], r: RedisDep,
-                settings: SettingsDep, caller: CallerDep, idempotency_key: IdempotencyKey = None):
-    return create_once(r, "/v1/files", idempotency_key, lambda: store_upload(r, file, purpose, settings, caller),
+                settings: SettingsDep, caller: CallerDep, idempotency_key: IdempotencyKey = None,
+                anchor: Annotated[Literal["created_at"], Form(alias="expires_after[anchor]")] = None,  # type: ignore[assignment]
+                seconds: Annotated[int, Form(alias="expires_after[seconds]", ge=retention.MIN_SECONDS,
+                                             le=retention.MAX_SECONDS)] = None):  # type: ignore[assignment]
+    # OpenAI's expires_after, as its client sends it in a form (optional, yet typed without
+    # null: a form field has no null). `created_at` is the only anchor, so seconds alone mean
+    # it, and an anchor alone sets nothing.
+    expires_after = seconds
+    return create_once(r, "/v1/files", idempotency_key,
+                       lambda: store_upload(r, file, purpose, settings, caller, expires_after),
                        lambda file_id: file_object(r, file_id), caller.tenant.name)
 
 
-def store_upload(r, file: UploadFile, purpose: str, settings: Settings, caller: Caller) -> dict:
+def store_upload(r, file: UploadFile, purpose: str, settings: Settings, caller: Caller,
+                 expires_after: int | None) -> dict:
     limit = settings.max_upload_bytes
 
     def chunks():
@@ -57,7 +67,7 @@ def store_upload(r, file: UploadFile, purpose: str, settings: Settings, caller: 
     file_id = new_file_id()
     try:
         return create_file(r, RedisStorage(r), chunks(), file.filename or "upload.jsonl", purpose, file_id,
-                           tenant=caller.tenant.name)
+                           tenant=caller.tenant.name, expires_after=expires_after)
     except APIError:
         r.delete(keys.file_content(file_id))  # drop the partial content of a rejected upload
         raise
