@@ -3,6 +3,7 @@ storage that holds it (input uploads in Redis, outputs in the batch's sink)."""
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Iterable, Iterator
@@ -15,6 +16,7 @@ from jobs.storage import Storage, open_storage, result_stores
 from jobs.tenants import DEFAULT_TENANT, Caller
 
 LIST_PAGE = 500
+log = logging.getLogger(__name__)
 
 
 class FileNotFound(KeyError):
@@ -158,3 +160,23 @@ def _stored_at(r: redis.Redis, file_id: str) -> tuple[Storage, str]:
     if location is None:
         raise FileNotFound(file_id)
     return open_storage(sink.decode(), r), location.decode()
+
+
+def delete_expired(r: redis.Redis, now: float | None = None) -> list[str]:
+    """Delete the files past their expiry (a batch's output or error file takes the batch's
+    results with it); returns their ids."""
+    now = time.time() if now is None else now
+    due = [member.decode() for member in
+           r.zrangebyscore(keys.EXPIRING_FILES, "-inf", now, start=0, num=retention.SWEEP_BATCH)]
+    for file_id in due:
+        try:
+            delete_expired_file(r, file_id)
+        except FileNotFound:
+            pass  # deleted meanwhile by its owner
+        except (redis.ConnectionError, redis.TimeoutError):
+            raise  # an outage: the next sweep tries again
+        except Exception:  # noqa: BLE001 (a bucket that is gone must not stop the sweep)
+            log.exception("file %s: could not delete it at its expiry; trying again at the next sweep", file_id)
+            continue
+        r.zrem(keys.EXPIRING_FILES, file_id)
+    return due

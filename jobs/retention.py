@@ -3,7 +3,7 @@
 - `expires_after` on an upload (POST /v1/files) and `output_expires_after` on a batch (its
   output and error files): {"anchor": "created_at", "seconds": N}, N from an hour to 30 days.
   The file object's `expires_at` says when; from then on the file does not exist for any
-  route (jobs/files.py), and the finalizer's sweep (`delete_expired`) deletes it from the
+  route (jobs/files.py), and the finalizer's sweep (`files.delete_expired`) deletes it from the
   storage that holds it, Redis, a folder or a bucket. A batch's per-request results go with
   its output and error files: they are the same data.
 - KVFLEET_DEFAULT_RETENTION (seconds) applies to every file made without its own expiry;
@@ -14,17 +14,13 @@ Expiring files wait in one sorted set by expiry time, so a sweep reads only what
 
 from __future__ import annotations
 
-import logging
 import os
-import time
 from collections.abc import Mapping
 from typing import Any
 
 import redis
 
 from jobs import keys
-
-log = logging.getLogger(__name__)
 
 MIN_SECONDS = 3600
 MAX_SECONDS = 30 * 86400
@@ -68,24 +64,3 @@ def expiry_of(seconds: int | None, created_at: float, environ: Mapping[str, str]
 def schedule(pipe: redis.Redis | redis.client.Pipeline, file_id: str, expires_at: int | None) -> None:
     if expires_at is not None:
         pipe.zadd(keys.EXPIRING_FILES, {file_id: expires_at})
-
-
-def delete_expired(r: redis.Redis, now: float | None = None) -> list[str]:
-    """Delete the files past their expiry (a batch's output or error file takes the batch's
-    results with it); returns their ids."""
-    from jobs import files  # noqa: PLC0415 (files imports this module)
-
-    now = time.time() if now is None else now
-    due = [member.decode() for member in r.zrangebyscore(keys.EXPIRING_FILES, "-inf", now, start=0, num=SWEEP_BATCH)]
-    for file_id in due:
-        try:
-            files.delete_expired_file(r, file_id)
-        except files.FileNotFound:
-            pass  # deleted meanwhile by its owner
-        except (redis.ConnectionError, redis.TimeoutError):
-            raise  # an outage: the next sweep tries again
-        except Exception:  # noqa: BLE001 (a bucket that is gone must not stop the sweep)
-            log.exception("file %s: could not delete it at its expiry; trying again at the next sweep", file_id)
-            continue
-        r.zrem(keys.EXPIRING_FILES, file_id)
-    return due

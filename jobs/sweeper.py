@@ -28,7 +28,7 @@ from typing import Any
 import redis
 from rq.job import JobStatus
 
-from jobs import batches, heartbeats, keys, retention
+from jobs import batches, files, heartbeats, keys
 from jobs.entries import BatchEntry, MalformedEntry
 from jobs.finalize import ACTIVE_JOB_STATUSES, job_status, request_finalize
 from jobs.recording import record_result
@@ -114,7 +114,7 @@ class Sweeper:
         """The ids finalize was enqueued for again (batches ended here are logged). Files past
         their expiry are deleted too (jobs/retention.py)."""
         self.end_stopped_batches()
-        expired = retention.delete_expired(self.r, self.wall_clock())
+        expired = files.delete_expired(self.r, self.wall_clock())
         if expired:
             log.info("deleted %d files at their expiry", len(expired))
         return self.finalize_counted_batches()

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from jobs import keys, retention
+from jobs import files, keys, retention
 from jobs.files import create_file, file_object
 from jobs.storage import open_storage
 from jobs.sweeper import Sweeper
@@ -115,7 +115,7 @@ def test_an_expired_output_file_takes_its_batchs_results_from_folders_and_bucket
     output = create_file(r, storage, [b"lines\n"], "batch_abc_output.jsonl", "batch_output",
                          expires_after=HOUR, batch_id="batch_abc")
     assert len(list(storage.iter_results("batch_abc"))) == 3
-    retention.delete_expired(r, now=output["expires_at"] + 1)
+    files.delete_expired(r, now=output["expires_at"] + 1)
     assert list(storage.iter_results("batch_abc")) == [] and storage.get_result("batch_abc", "req-0") is None
     assert list(storage.iter_results("batch_other")) == [b"{}"]  # another batch's stay
     with pytest.raises(KeyError):
