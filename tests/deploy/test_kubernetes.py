@@ -200,6 +200,10 @@ def test_the_api_key_secret_is_required(target):
     api = container(objects(target, "Deployment")["kvfleet-api"])
     [key] = [variable for variable in api["env"] if variable["name"] == "KVFLEET_API_KEY"]
     assert key["valueFrom"]["secretKeyRef"].get("optional") in (None, False)
+    tenants = {v["name"]: v["valueFrom"]["secretKeyRef"] for v in api["env"]
+               if v["name"] in ("KVFLEET_ADMIN_KEY", "KVFLEET_API_KEYS")}  # tenants: from the same Secret, optional
+    assert tenants == {"KVFLEET_ADMIN_KEY": {"name": "kvfleet-api", "key": "admin-key", "optional": True},
+                       "KVFLEET_API_KEYS": {"name": "kvfleet-api", "key": "tenant-keys", "optional": True}}
 
 
 @pytest.mark.parametrize("target", TARGETS)
