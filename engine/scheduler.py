@@ -106,7 +106,7 @@ class Scheduler:
                 index += 1
 
         # 2. Waiting sequences, in order, while their blocks are free.
-        if not preempted:
+        if self.waiting and not preempted:
             self._admit_waiting(batch, budget)
         # Forked samples join after this step's scheduling: they compute nothing in it.
         for children in batch.forks.values():
