@@ -90,12 +90,12 @@ def delete_file(r: redis.Redis, file_id: str) -> dict[str, Any]:
     """Remove the file's content from the storage that holds it (Redis, the folder, the bucket),
     then its object; OpenAI's deletion object."""
     storage, location = _stored_at(r, file_id)
-    tenant = file_tenant(r, file_id)
+    tenant = r.hget(keys.file(file_id), "tenant")
     storage.delete_file(location)
     pipe = r.pipeline(transaction=False)
     pipe.delete(keys.file(file_id))
     pipe.zrem(keys.FILES, file_id)
-    pipe.zrem(keys.tenant_files(tenant), file_id)
+    pipe.zrem(keys.tenant_files(tenant.decode() if tenant else DEFAULT_TENANT), file_id)
     pipe.zrem(keys.EXPIRING_FILES, file_id)
     pipe.execute()
     return {"id": file_id, "object": "file", "deleted": True}
@@ -113,29 +113,32 @@ def delete_expired_file(r: redis.Redis, file_id: str) -> None:
 
 def file_object(r: redis.Redis, file_id: str) -> dict[str, Any]:
     """OpenAI's file object; FileNotFound for a file past its expiry (the sweep deletes it)."""
-    raw = r.hgetall(keys.file(file_id))
-    if not raw:
-        raise FileNotFound(file_id)
-    f = {k.decode(): v.decode() for k, v in raw.items()}
-    expires_at = int(f["expires_at"]) if f.get("expires_at") else None
-    if expires_at is not None and expires_at <= time.time():
-        raise FileNotFound(file_id)
-    return {"id": file_id, "object": "file", "bytes": int(f["bytes"]), "created_at": int(f["created_at"]),
-            "expires_at": expires_at, "filename": f["filename"], "purpose": f["purpose"], "status": "processed"}
-
-
-def file_tenant(r: redis.Redis, file_id: str) -> str:
-    """The tenant that owns the file (`default` for one made before tenants existed)."""
-    raw = r.hget(keys.file(file_id), "tenant")
-    return raw.decode() if raw else DEFAULT_TENANT
+    return _as_object(file_id, _live_fields(r, file_id))
 
 
 def owned_file(r: redis.Redis, file_id: str, caller: Caller) -> dict[str, Any]:
     """The file object, if the caller may see it; FileNotFound as if absent otherwise."""
-    info = file_object(r, file_id)
-    if not caller.owns(file_tenant(r, file_id)):
+    fields = _live_fields(r, file_id)
+    if not caller.owns(fields.get("tenant")):  # none: made before tenants existed
         raise FileNotFound(file_id)
-    return info
+    return _as_object(file_id, fields)
+
+
+def _live_fields(r: redis.Redis, file_id: str) -> dict[str, str]:
+    """The file's hash, decoded; FileNotFound if there is none or it is past its expiry."""
+    raw = r.hgetall(keys.file(file_id))
+    if not raw:
+        raise FileNotFound(file_id)
+    fields = {k.decode(): v.decode() for k, v in raw.items()}
+    if fields.get("expires_at") and int(fields["expires_at"]) <= time.time():
+        raise FileNotFound(file_id)
+    return fields
+
+
+def _as_object(file_id: str, f: dict[str, str]) -> dict[str, Any]:
+    return {"id": file_id, "object": "file", "bytes": int(f["bytes"]), "created_at": int(f["created_at"]),
+            "expires_at": int(f["expires_at"]) if f.get("expires_at") else None, "filename": f["filename"],
+            "purpose": f["purpose"], "status": "processed"}
 
 
 def read_lines(r: redis.Redis, file_id: str) -> Iterator[bytes]:

@@ -59,11 +59,14 @@ class Caller:
     tenant: Tenant
     is_admin: bool = False
 
-    def owns(self, owner: str | bytes | None) -> bool:
+    def owns(self, owner: str | None) -> bool:
         """Whether this caller may see an object its `owner` tenant made."""
-        if isinstance(owner, bytes):
-            owner = owner.decode()
         return self.is_admin or (owner or DEFAULT_TENANT) == self.tenant.name
+
+    @property
+    def listed_tenant(self) -> str | None:
+        """Whose objects this caller's lists show: its tenant's, or every one's (None) for the admin."""
+        return None if self.is_admin else self.tenant.name
 
 
 OPEN = Caller(Tenant(DEFAULT_TENANT), is_admin=True)  # no key configured
@@ -82,10 +85,6 @@ class KeyRing:
         if self.is_open:
             return OPEN
         return self.by_hash.get(key_hash(token))
-
-    def tenants(self) -> dict[str, Tenant]:
-        """Every configured tenant by name (the admin's included)."""
-        return {caller.tenant.name: caller.tenant for caller in self.by_hash.values()}
 
 
 def key_hash(key: str) -> bytes:

@@ -113,7 +113,7 @@ def failed_batch(r, submission: Submission, body: CreateBatch, caller: Caller) -
 def list_batches(r: RedisDep, caller: CallerDep, after: str | None = None,
                  limit: Annotated[int, Query(ge=1, le=100)] = 20):
     try:
-        ids = batches.list_batch_ids(r, after, limit + 1, tenant=None if caller.is_admin else caller.tenant.name)
+        ids = batches.list_batch_ids(r, after, limit + 1, tenant=caller.listed_tenant)
     except batches.BatchNotFound:
         raise APIError(404, f"No batch found with id '{after}'.", "batch_not_found", "after") from None
     data = [batches.as_openai(fields) for fields in batches.load_many(r, ids[:limit]) if fields is not None]

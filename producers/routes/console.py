@@ -149,7 +149,7 @@ def batch_list(request: Request, r: RedisDep, services: ServicesDep, caller: Con
                status: str | None = None, limit: int = 50):
     rows = []
     batch_ids = batches.list_batch_ids(r, limit=200 if status else min(limit, 200),
-                                       tenant=None if caller.is_admin else caller.tenant.name)
+                                       tenant=caller.listed_tenant)
     for fields in batches.load_many(r, batch_ids):
         if fields is None or (status and fields["status"] != status):  # None: listed while being created
             continue

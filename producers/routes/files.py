@@ -79,7 +79,7 @@ def list_files(r: RedisDep, caller: CallerDep, purpose: str | None = None, after
                order: Annotated[Literal["asc", "desc"], Query()] = "desc"):
     try:
         data, has_more = files.list_files(r, purpose, after, limit, order,
-                                          tenant=None if caller.is_admin else caller.tenant.name)
+                                          tenant=caller.listed_tenant)
     except FileNotFound:
         raise file_not_found(after, "after") from None
     return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
