@@ -37,7 +37,7 @@ def parse_expires_after(value: Any, param: str) -> int | None:
     if value.get("anchor") != "created_at":
         raise ValueError(f"{param}.anchor: must be 'created_at'")
     seconds = value.get("seconds")
-    if isinstance(seconds, str) and seconds.strip().isdigit():  # a multipart form sends text
+    if isinstance(seconds, str) and seconds.strip().isdigit():  # digits as text, as a form encodes them
         seconds = int(seconds)
     if not isinstance(seconds, int) or isinstance(seconds, bool) or not MIN_SECONDS <= seconds <= MAX_SECONDS:
         raise ValueError(f"{param}.seconds: must be an integer from {MIN_SECONDS} (1 hour) to {MAX_SECONDS} "
