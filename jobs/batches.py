@@ -20,7 +20,7 @@ from typing import Any
 
 import redis
 
-from jobs import keys
+from jobs import keys, outlook
 from jobs.tenants import DEFAULT_TENANT, Caller
 
 BATCH_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,128}")
@@ -228,8 +228,13 @@ def _fields(raw: dict, partitions: list) -> dict[str, Any] | None:
 
 
 def batch_object(r: redis.Redis, batch_id: str) -> dict[str, Any]:
-    """The batch as OpenAI's API returns it."""
-    return as_openai(load_fields(r, batch_id))
+    """The batch as OpenAI's API returns it, with kvfleet's eta_at and at_risk."""
+    return openai_object(r, load_fields(r, batch_id))
+
+
+def openai_object(r: redis.Redis, fields: dict[str, Any]) -> dict[str, Any]:
+    """load_fields' fields as OpenAI's batch object, with kvfleet's eta_at and at_risk."""
+    return as_openai(outlook.annotate(r, fields, load_many))
 
 
 def as_openai(f: dict[str, Any]) -> dict[str, Any]:
@@ -251,6 +256,8 @@ def as_openai(f: dict[str, Any]) -> dict[str, Any]:
         **{name: f.get(name) for name in TIMESTAMP_FIELDS.values()},
         "request_counts": {"total": f["total"], "completed": f["completed"], "failed": f["failed"]},
         "usage": usage, "metadata": f["metadata"] or None,
+        # kvfleet's extensions (jobs/outlook.py), where the fields were annotated
+        "eta_at": f.get("eta_at"), "at_risk": bool(f.get("at_risk")),
     }
 
 

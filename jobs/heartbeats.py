@@ -22,7 +22,7 @@ from jobs import keys
 INT_FIELDS = ("free_blocks", "total_blocks", "running", "waiting", "unstarted", "unstarted_blocks_needed",
               "preemptions", "in_flight", "draining", "max_model_len", "tensor_parallel_size", "num_params",
               "num_active_params")
-FLOAT_FIELDS = ("tokens_per_s", "heartbeat_seconds", "started_at")
+FLOAT_FIELDS = ("tokens_per_s", "batch_tokens_per_s", "heartbeat_seconds", "started_at")
 
 
 def record_heartbeat(r: redis.Redis, name: str, record: dict[str, Any], ttl_seconds: int) -> None:

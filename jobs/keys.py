@@ -6,7 +6,10 @@ MULTI. Every script and MULTI in kvfleet touches keys of one tag.
 
 | key                                   | type         | holds                                                    |
 |---------------------------------------|--------------|----------------------------------------------------------|
-| kvfleet:stream:{pN}:{model}           | stream       | requests of partition N: jobs/entries.py's BatchEntry    |
+| kvfleet:stream:{pN}:{model}:{batch}   | stream       | the batch's requests of partition N: jobs/entries.py's   |
+|                                       |              | BatchEntry (one queue per batch: jobs/queues.py)         |
+| kvfleet:queues:{model}                | sorted set   | the model's batch streams by their batch's deadline      |
+| kvfleet:tenant-weights                | hash         | tenant -> its fair-share weight (the API publishes it)   |
 | kvfleet:done:{pN}:{batch}             | set          | custom ids of the batch's partition-N requests with a    |
 |                                       |              | durable result (each counted once)                       |
 | kvfleet:counts:{pN}:{batch}           | hash         | that partition's total, completed, failed and usage      |
@@ -32,16 +35,15 @@ MULTI. Every script and MULTI in kvfleet touches keys of one tag.
 | kvfleet:models                        | sorted set   | served model names by the last time a worker served them |
 | rq:queue:kvfleet-finalize             | RQ queue     | finalize_batch jobs (JSON serializer), one per batch     |
 
-Partitions. On one Redis there is one partition (N = 0). On a Redis Cluster each model's
-stream is split into NUM_CLUSTER_PARTITIONS streams, so one model's load spreads over
+Partitions. On one Redis there is one partition (N = 0). On a Redis Cluster each batch's
+stream is split into NUM_CLUSTER_PARTITIONS streams, so one batch's load spreads over
 every master instead of pinning one slot. A batch's lines go to partitions in runs of
 PARTITION_LINES lines, starting at a partition chosen by the batch id: a small batch
 stays in one partition (a few keys), a large one spreads over all. Its counting keys
 (done, counts) are per partition, tagged like the stream, so recording a result and
 acking its entry stay one script; the batch hash (status, total) has a tag of its own,
-and its counts are the sum of its partitions'. Workers read the partitions in rotation.
-The trade-off: with P partitions a worker makes up to P reads to find work, and a batch's
-counts take P reads; P = 16 covers clusters of up to 16 masters.
+and its counts are the sum of its partitions'. The trade-off: a batch's counts take P
+reads; P = 16 covers clusters of up to 16 masters.
 
 RQ cannot run on a Redis Cluster (its transactions span slots: rq/rq#1942), so with a
 cluster the finalize queue lives on a plain Redis named by KVFLEET_QUEUE_URL
@@ -84,12 +86,31 @@ def partition_of(batch_id: str, line_index: int, num_partitions: int) -> int:
     return (zlib.crc32(batch_id.encode()) + line_index // PARTITION_LINES) % num_partitions
 
 
-def stream(model: str, partition: int = 0) -> str:
-    return f"{PREFIX}:stream:{{p{partition}}}:{model}"
+def batch_stream(model: str, batch_id: str, partition: int = 0) -> str:
+    """A batch's queue of requests in one partition (jobs/queues.py). Batch ids hold no ':'."""
+    return f"{PREFIX}:stream:{{p{partition}}}:{model}:{batch_id}"
 
 
-def streams(model: str, num_partitions: int) -> list[str]:
-    return [stream(model, partition) for partition in range(num_partitions)]
+def batch_streams(model: str, batch_id: str, num_partitions: int) -> list[str]:
+    return [batch_stream(model, batch_id, partition) for partition in range(num_partitions)]
+
+
+def batch_of_stream(stream_key: str) -> str:
+    """The batch id a batch stream's key names."""
+    return stream_key.rsplit(":", 1)[1]
+
+
+def model_of_stream(stream_key: str) -> str:
+    """The model a batch stream's key names (a model name may hold ':')."""
+    return stream_key.split("}:", 1)[1].rsplit(":", 1)[0]
+
+
+def queues(model: str) -> str:
+    """The model's batch streams, scored by their batch's deadline (jobs/queues.py)."""
+    return f"{PREFIX}:queues:{{{model}}}"
+
+
+TENANT_WEIGHTS = f"{PREFIX}:tenant-weights"
 
 
 def stream_partition(stream_key: str) -> int:

@@ -1,12 +1,13 @@
 """Every batch ends: the finalizer's sweep (workers/finalizer.py runs `Sweeper.sweep` every
 few seconds) walks every open batch and ends those that cannot end by themselves.
 
-  * Past its completion window, or cancelling: each request without a result gets an
-    error line (`batch_expired`, `batch_cancelled`), then finalize ends the batch `expired`
-    (OpenAI's semantics: the partial results, and an error file of what did not run) or
-    `cancelled`. Workers do the same for what they run; the sweep acts at once when no
-    live worker serves the batch's model, else after the grace period, and both record
-    idempotently.
+  * Past its completion window: at once, each request without a result gets a
+    `batch_expired` error line, and finalize ends the batch `expired` (OpenAI's semantics:
+    the partial results, and an error file of what did not run), whether or not a worker
+    ever pulled its lines. Workers abort the lines they still run at their next check.
+  * Cancelling: the same with `batch_cancelled`, ended `cancelled`; workers settle what
+    they run themselves, so the sweep acts at once only when no live worker serves the
+    model, else after the grace period. Both record idempotently (each request counts once).
   * Enqueue never finished (its producer died halfway): after `enqueue_grace_seconds` the
     batch fails with `enqueue_incomplete`. (Re-running `producers.submit` with the same
     --batch-id before then resumes the enqueue instead.)
@@ -14,8 +15,8 @@ few seconds) walks every open batch and ends those that cannot end by themselves
     with back-off after a failed job (1, 2, 4, ... s, up to the grace period), after the
     grace period for a job lost with Redis or a crash between counting and enqueueing.
 
-Finding the requests without a result reads the batch's entries in its model's streams,
-which hold every request not yet acknowledged.
+Finding the requests without a result reads the batch's own streams (jobs/queues.py),
+which hold every request not yet acknowledged. A batch that ended has its streams retired.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 import redis
 from rq.job import JobStatus
 
-from jobs import batches, files, heartbeats, keys
+from jobs import batches, files, heartbeats, keys, queues
 from jobs.entries import BatchEntry, MalformedEntry
 from jobs.finalize import ACTIVE_JOB_STATUSES, job_status, request_finalize
 from jobs.recording import record_result
@@ -48,6 +49,8 @@ def open_batches(r: redis.Redis) -> list[dict[str, Any]]:
     for batch_id, fields in zip(batch_ids, batches.load_many(r, batch_ids)):
         if fields is None or fields["status"] in batches.TERMINAL:
             r.srem(keys.OPEN_BATCHES, batch_id)  # the hash is gone, or its transition's SREM was lost
+            if fields is not None:
+                queues.retire(r, fields["model"], batch_id)
         else:
             found.append(fields)
     return found
@@ -72,7 +75,7 @@ def stop_reason(fields: dict[str, Any], now: float) -> tuple[str, str] | None:
 def unfinished_entries(r: redis.Redis, fields: dict[str, Any]) -> Iterator[tuple[str, str, str]]:
     """(stream, entry id, custom id) of the batch's entries whose request has no result counted."""
     done = batches.counted_ids(r, fields["id"])
-    for stream in keys.streams(fields["model"], keys.num_partitions(r)):
+    for stream in keys.batch_streams(fields["model"], fields["id"], keys.num_partitions(r)):
         start = "-"
         while entries := r.xrange(stream, min=start, count=SCAN_COUNT):
             for entry_id, entry_fields in entries:
@@ -145,7 +148,8 @@ class Sweeper:
         if reason is None or fields.get("finalize_requested"):
             return False
         since = self.stopped_since.setdefault(batch_id, now)
-        if fields["model"] in served and now - since < self.grace_seconds:
+        is_cancel = reason == batches.CANCELLED_REQUEST
+        if is_cancel and fields["model"] in served and now - since < self.grace_seconds:
             return False  # its workers settle it themselves
         num_settled = end_batch(self.r, fields, *reason)
         log.info("batch %s: %s; settled %d requests without a result", batch_id, reason[0], num_settled)

@@ -208,3 +208,19 @@ def inflight_tokens(r: redis.Redis, tenant: str) -> int:
 
 def release_tokens(r: redis.Redis, tenant: str, request_id: str, tokens: int) -> None:
     r.zrem(keys.tenant_inflight(tenant), f"{request_id} {tokens}")
+
+
+def publish_weights(r: redis.Redis, ring: KeyRing) -> dict[str, float]:
+    """Put the ring's tenant weights where the workers' fair share reads them (the API does
+    this at start-up: the workers never see the keys). A tenant not listed weighs 1."""
+    found: dict[str, float] = {}
+    for caller in sorted(ring.by_hash.values(), key=lambda c: c.is_admin):  # a tenant's own key first
+        found.setdefault(caller.tenant.name, caller.tenant.weight)
+    if found:
+        r.hset(keys.TENANT_WEIGHTS, mapping={name: repr(weight) for name, weight in found.items()})
+    return found
+
+
+def weights(r: redis.Redis) -> dict[str, float]:
+    """Tenant -> fair-share weight, as the API published them."""
+    return {name.decode(): float(weight) for name, weight in r.hgetall(keys.TENANT_WEIGHTS).items()}

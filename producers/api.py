@@ -22,9 +22,11 @@ KVFLEET_CORS_ORIGINS lists the allowed origins.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
+import redis
 import uvicorn
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -32,7 +34,7 @@ from starlette.datastructures import Headers
 from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from jobs import keys
+from jobs import keys, tenants
 from jobs.connection import REDIS_URL_HELP, connect, connect_async
 from jobs.preflight import StartupError, check_startup
 from jobs.retention import default_retention
@@ -42,6 +44,7 @@ from producers.errors import error_response, install_error_handlers, openai_styl
 from producers.routes import batches, console, embeddings, files, health, models, online
 from producers.routes.files import file_too_large
 
+log = logging.getLogger("kvfleet.api")
 MULTIPART_OVERHEAD_BYTES = 64 * 1024  # room for the form's other fields and boundaries
 
 
@@ -49,6 +52,7 @@ def create_app(redis_url: str | None = None) -> FastAPI:
     key_ring_from_env()  # a malformed KVFLEET_API_KEYS stops the start, naming the entry
     default_retention()  # and so does a malformed KVFLEET_DEFAULT_RETENTION
     r = connect(redis_url)
+    _publish_weights(r)
     app = FastAPI(title="kvfleet", description="OpenAI-compatible online completions, Files and Batches API")
     app.state.services = services = Services(r, connect_async(redis_url), ServedModels(r))
     app.state.metrics_registry = services.metrics_registry
@@ -65,6 +69,15 @@ def create_app(redis_url: str | None = None) -> FastAPI:
     app.add_middleware(CountRequests)
     app.openapi = lambda: openai_style_schema(app)
     return app
+
+
+def _publish_weights(r) -> None:
+    """The tenants' fair-share weights, for the workers (they never see the keys). Redis down at
+    start: the workers weigh every tenant 1 until an API starts with Redis up."""
+    try:
+        tenants.publish_weights(r, key_ring_from_env())
+    except redis.RedisError as error:
+        log.warning("could not publish the tenants' weights: %s", error)
 
 
 class UploadLimit:

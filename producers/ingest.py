@@ -9,6 +9,8 @@ Two streaming passes, so memory stays bounded whatever the file's length:
      stream by one script that also marks the chunk enqueued and adds it to the
      partition's total; so a re-run resumes where a crashed one stopped and never
      enqueues a line twice. The scripts are pipelined, CHUNK_LINES lines a round trip.
+     The streams are the batch's own (jobs/queues.py), registered for its model's workers
+     first.
      Each window of GROUP_WINDOW_LINES lines goes in prefix-group order
      (jobs/prefixes.py): lines that share a prompt prefix sit together in the stream, so
      one worker tends to pull a whole group and prefill the prefix once. The order is a
@@ -29,13 +31,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import redis
 
-from jobs import batches, keys, prefixes
+from jobs import batches, keys, prefixes, queues
 from jobs.entries import BATCH_ENTRY_FIELDS, BatchEntry
 from jobs.recording import record_result
 from jobs.results import error_line
 from jobs.schemas import COMPLETIONS, ENDPOINTS, MAX_REPORTED_ERRORS, LineError, custom_id_of, parse_line
 from jobs.storage import open_storage, validate_sink
-from jobs.tenants import DEFAULT_TENANT
+from jobs.tenants import DEFAULT_TENANT, estimated_tokens
 
 CHUNK_LINES = 1000
 GROUP_WINDOW_LINES = 4096  # lines put in prefix-group order at once (their text is held meanwhile)
@@ -51,6 +53,7 @@ class Report:
     invalid: dict[int, str] = field(default_factory=dict)  # line number -> custom id, for --skip-invalid
     endpoint: str | None = None
     model: str | None = None
+    estimated_tokens: int = 0  # of the valid lines, as fair share counts them (jobs/outlook.py)
 
     def add_error(self, error: LineError, custom_id: str) -> None:
         self.num_errors += 1
@@ -150,7 +153,13 @@ def submit(r: redis.Redis, source: LineSource, *, batch_id: str | None = None, e
     batches.set_total(r, batch_id, report.num_lines)
     if fields["status"] == "validating":
         batches.transition(r, batch_id, "in_progress")
+    num_valid = report.num_lines - len(report.invalid)
+    num_partitions = keys.num_partitions(r)
+    queues.register(r, report.model, batch_id, {
+        keys.partition_of(batch_id, start, num_partitions) for start in range(0, num_valid, keys.PARTITION_LINES)},
+        fields["expires_at"])
     num_enqueued = _enqueue(r, source, batch_id, report, on_progress=on_progress)
+    r.hset(keys.batch(batch_id), "estimated_tokens", report.estimated_tokens)
     if report.invalid:
         storage = open_storage(sink, r)
         for line_number, custom_id in report.invalid.items():
@@ -193,7 +202,7 @@ def _enqueue(r: redis.Redis, source: LineSource, batch_id: str, report: Report,
         chunk_index = (index - 1) // keys.PARTITION_LINES
         partition = keys.partition_of(batch_id, chunk_index * keys.PARTITION_LINES, num_partitions)
         # execute_command: redis-py's cluster pipeline has no eval(), but routes EVAL by its keys
-        pipe.execute_command("EVAL", _ENQUEUE_CHUNK_LUA, 2, keys.stream(report.model, partition),
+        pipe.execute_command("EVAL", _ENQUEUE_CHUNK_LUA, 2, keys.batch_stream(report.model, batch_id, partition),
                              keys.partition_counts(batch_id, partition), f"chunk:{chunk_index}",
                              len(BATCH_ENTRY_FIELDS), *BATCH_ENTRY_FIELDS, *chunk)
         chunk.clear()
@@ -215,20 +224,24 @@ def _enqueue(r: redis.Redis, source: LineSource, batch_id: str, report: Report,
 def _grouped_entries(source: LineSource, batch_id: str, report: Report) -> Iterator[BatchEntry]:
     """The valid lines as stream entries, each window of GROUP_WINDOW_LINES in prefix-group order."""
     window: list[tuple[int, bytes]] = []
+    report.estimated_tokens = 0
     for line_number, raw in _lines(source):
         if line_number not in report.invalid:
             window.append((line_number, raw))
         if len(window) == GROUP_WINDOW_LINES:
-            yield from _in_group_order(window, batch_id)
+            yield from _in_group_order(window, batch_id, report)
             window = []
-    yield from _in_group_order(window, batch_id)
+    yield from _in_group_order(window, batch_id, report)
 
 
-def _in_group_order(window: list[tuple[int, bytes]], batch_id: str) -> list[BatchEntry]:
+def _in_group_order(window: list[tuple[int, bytes]], batch_id: str, report: Report) -> list[BatchEntry]:
     chains = []
     for _, raw in window:
         line = json.loads(raw)  # valid: pass 1 parsed it
-        chains.append(prefixes.prefix_hashes(prefixes.prompt_text(line.get("body", line))))
+        body = line.get("body", line)
+        text = prefixes.prompt_text(body)
+        chains.append(prefixes.prefix_hashes(text))
+        report.estimated_tokens += estimated_tokens(text, body)
     now = time.time()
     return [BatchEntry(batch_id, custom_id_of(window[i][1], window[i][0]), window[i][0], window[i][1].strip(), now,
                        prefix=prefixes.encode(chains[i])) for i in prefixes.group_order(chains)]

@@ -19,10 +19,19 @@ from jobs import batches, keys
 from jobs.connection import REDIS_URL_HELP, connect
 
 
-def summary(batch: dict) -> str:
+def summary(batch: dict, now: float | None = None) -> str:
+    """One line: the counts and, while open, the ETA against the deadline (jobs/outlook.py)."""
     counts = batch["request_counts"]
-    return (f"{batch['id']}  {batch['status']}  {counts['completed']} completed, {counts['failed']} failed "
+    line = (f"{batch['id']}  {batch['status']}  {counts['completed']} completed, {counts['failed']} failed "
             f"of {counts['total']}")
+    return line if batch["status"] in batches.TERMINAL else f"{line}  {due(batch, now or time.time())}"
+
+
+def due(batch: dict, now: float) -> str:
+    """"ETA 4.5m, deadline 2.0h", and AT RISK when the ETA passes the deadline."""
+    eta = "—" if batch.get("eta_at") is None else duration(batch["eta_at"] - now)
+    risk = "  AT RISK" if batch.get("at_risk") else ""
+    return f"ETA {eta}, deadline {duration(batch['expires_at'] - now)}{risk}"
 
 
 def duration(seconds: float | None) -> str:
@@ -37,13 +46,15 @@ def duration(seconds: float | None) -> str:
 
 
 def table(rows: list[dict], now: float | None = None) -> str:
-    """Recent batches, one line each: id, status, model, done/total, failed, age."""
+    """Recent batches, one line each: id, status, model, done/total, failed, age and, while
+    open, the ETA against the deadline."""
     now = now or time.time()
-    header = ("BATCH", "STATUS", "MODEL", "DONE", "FAILED", "AGE")
+    header = ("BATCH", "STATUS", "MODEL", "DONE", "FAILED", "AGE", "DUE")
     lines = [header] + [(b["id"], b["status"], b["model"],
                          f"{b['request_counts']['completed'] + b['request_counts']['failed']}/"
                          f"{b['request_counts']['total']}", str(b["request_counts"]["failed"]),
-                         duration(now - b["created_at"])) for b in rows]
+                         duration(now - b["created_at"]), "" if b["status"] in batches.TERMINAL else due(b, now))
+                        for b in rows]
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in lines)
 
@@ -92,7 +103,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, r: redis.Red
         if args.watch:
             parser.error("--watch needs a BATCH_ID")
         # None: listed while being created or deleted
-        rows = [batches.as_openai(fields) for fields in batches.load_many(r, batches.list_batch_ids(r, limit=args.limit))
+        rows = [batches.openai_object(r, fields) for fields in batches.load_many(r, batches.list_batch_ids(r, limit=args.limit))
                 if fields is not None]
         print(json.dumps(rows) if args.json else table(rows) if rows else "no batches")
         return 0

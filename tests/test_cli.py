@@ -4,6 +4,7 @@ progress bar with an ETA."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs import batches, keys
+from jobs import batches
 from jobs.recording import record_result
 from jobs.results import error_line, success_line
 from jobs.storage import RedisStorage
@@ -48,9 +49,12 @@ def test_status_without_an_id_lists_recent_batches(r, redis_server, capsys):
     record_result(r, RedisStorage(r), second, error_line("c0", "invalid_request", "no"))
     assert kvfleet(["status", "--redis-url", redis_server.url]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["BATCH", "STATUS", "MODEL", "DONE", "FAILED", "AGE"]
+    assert lines[0].split() == ["BATCH", "STATUS", "MODEL", "DONE", "FAILED", "AGE", "DUE"]
     assert lines[1].split()[:5] == [second, "in_progress", "tiny", "1/3", "1"]  # newest first
     assert lines[2].split()[:5] == [first, "in_progress", "tiny", "0/1", "0"]
+    # Open batches: the ETA against the 24 h deadline. `first` has no result and no worker: no ETA.
+    assert re.search(r"ETA \d+s, deadline (24\.0h|1\.0d)$", lines[1]), lines[1]
+    assert re.search(r"ETA —, deadline (24\.0h|1\.0d)$", lines[2]), lines[2]
 
 
 def test_status_watch_draws_a_progress_bar_with_an_eta_until_the_batch_ends(r, redis_server, capsys):
@@ -60,7 +64,7 @@ def test_status_watch_draws_a_progress_bar_with_an_eta_until_the_batch_ends(r, r
         for i in range(4):
             time.sleep(0.3)
             record_result(r, RedisStorage(r), batch_id, success_line(f"c{i}", {}),
-                          ack=None, partition=keys.stream_partition(keys.stream("tiny")))
+                          ack=None, partition=0)
         batches.transition(r, batch_id, "completed")
 
     threading.Thread(target=finish_slowly, daemon=True).start()

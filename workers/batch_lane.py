@@ -5,12 +5,15 @@ redelivery of finished work); results go to their batch's storage through the fl
 
 How much it pulls is workers/admission.py's: what the free KV blocks hold, beyond the
 online reserve; what it pulled but cannot start now goes back to the stream at once.
-Entries other workers forwarded here come first; fresh entries whose prompt prefix another
-worker holds are forwarded to it (workers/affinity.py).
+Whose it pulls is workers/fair_share.py's: each batch has its own stream (jobs/queues.py),
+and fair share picks among them by tenant share, then deadline. Entries other workers
+forwarded here come first; fresh entries whose prompt prefix another worker holds are
+forwarded to it (workers/affinity.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -20,10 +23,13 @@ import redis
 from engine import LLMEngine, ProcessedRequest, RequestOutput
 from jobs import batches, keys
 from jobs.entries import BatchEntry, MalformedEntry
+from jobs.queues import Queue
 from jobs.results import error_line
 from jobs.schemas import MAX_PRIORITY, LineError, Request, parse_line
+from jobs.tenants import DEFAULT_TENANT
 from workers import stream_ops
 from workers.affinity import AFFINITY_OFF, Affinity, Forwarded, GroupSummary, claim_groups, forward
+from workers.fair_share import Candidate, FairShare
 from workers.flush import PendingResult, ResultFlusher
 from workers.lanes import Lane, LaneConfig, Work, engine_request_id
 from workers.served_streams import ServedStreams
@@ -50,6 +56,16 @@ def stop_reason(batch: dict | None) -> tuple[str, str] | None:
     return None
 
 
+@contextlib.contextmanager
+def gone_streams_skipped():
+    """A batch stream retired while this worker looked at it (its batch ended) holds nothing."""
+    try:
+        yield
+    except redis.ResponseError as error:
+        if not stream_ops.is_gone(error):
+            raise
+
+
 class BatchLane(Lane):
     name = "batch"
 
@@ -60,6 +76,7 @@ class BatchLane(Lane):
         self.affinity = affinity or Affinity(config.consumer, wait_seconds=0)
         self.forwarded = Forwarded(r, config.consumer)
         self.summary = GroupSummary(r, config.consumer)  # the prefix groups it ran last, published
+        self.fair_share = FairShare()
         self.batch_cache: OrderedDict[str, dict] = OrderedDict()  # LRU, MAX_CACHED_BATCHES
 
     # -- the lane protocol ------------------------------------------------------
@@ -68,7 +85,6 @@ class BatchLane(Lane):
         count = admission.count(self.engine.stats())
         if count <= 0:
             return 0
-        self.served.rotate()  # every partition gets read
         entries = self.take_forwarded(count) if self.affinity.enabled else []
         entries += self.forward_to_owners(self.pull_entries(count - len(entries), reclaim))
         accepted = [work for entry in entries if (work := self.accept_or_dead_letter(*entry)) is not None]
@@ -84,25 +100,90 @@ class BatchLane(Lane):
             self.start(work)
         return len(entries)
 
+    def pull_entries(self, count: int, reclaim: bool) -> list[tuple]:
+        """Up to `count` entries: stale ones of dead workers first (with `reclaim`), then new
+        ones from the queues fair share picks (workers/fair_share.py)."""
+        if count <= 0:
+            return []
+        queues = self.served.refresh()
+        entries = self.reclaim([queue.stream for queue in queues if queue.pending], count) if reclaim else []
+        plan = self.fair_share.plan(self.candidates(queues, count), count - len(entries))
+        found = stream_ops.read_planned(self.r, self.config.consumer, [(q.stream, num) for q, num in plan])
+        for queue, num in plan:
+            self.served.note_read(queue.stream, num, sum(1 for entry in found if entry[0] == queue.stream))
+        entries += [(stream, entry_id, fields, 1) for stream, entry_id, fields in found]
+        return [entry for entry in entries if not self.is_running(entry[0], entry[1])]
+
+    def reclaim(self, streams: list[str], count: int) -> list[tuple]:
+        """Entries of dead workers (idle past the lease), up to `count`."""
+        entries: list[tuple] = []
+        for stream in streams:
+            try:
+                entries += [(stream, *entry) for entry in stream_ops.reclaim_stale(
+                    self.r, stream, self.config.consumer, self.config.lease_ms, count - len(entries))]
+            except redis.ResponseError as error:
+                if not stream_ops.is_gone(error):
+                    raise
+        return entries
+
+    def candidates(self, queues: list[Queue], count: int) -> list[Candidate]:
+        """The queues with new entries, with their batch's tenant and its weight."""
+        found = []
+        for queue in queues:
+            if not self.served.has_new(queue.stream):
+                continue
+            tenant = self.tenant_of(queue.batch_id)
+            if tenant is None:
+                continue  # deleted: the sweep retires its streams
+            lag = self.served.lag.get(queue.stream)
+            found.append(Candidate(queue, tenant, self.served.weights.get(tenant, 1.0),
+                                   count if lag is None else min(count, lag)))
+        return found
+
+    def tenant_of(self, batch_id: str) -> str | None:
+        """The batch's tenant; None if it was deleted. A batch whose hash is broken is the default
+        tenant's here: its entries are dead-lettered when taken (accept_or_dead_letter)."""
+        try:
+            batch = self.batch(batch_id)
+        except Exception:  # noqa: BLE001
+            return DEFAULT_TENANT
+        return None if batch is None else batch.get("tenant") or DEFAULT_TENANT
+
+    def charge(self, work: BatchWork) -> None:
+        """Count started work against its tenant's share."""
+        tenant = self.tenant_of(work.batch_id) or DEFAULT_TENANT
+        self.fair_share.charge(tenant, self.served.weights.get(tenant, 1.0), self.cost(work))
+
+    def cost(self, work: Work) -> int:
+        """The tokens a request may take: its prompt and max_tokens for each choice."""
+        params = work.request.params
+        return len(work.processed.prompt_token_ids) + params.max_tokens * params.n
+
     def start(self, work: Work) -> None:
         super().start(work)
+        self.charge(work)
         if self.affinity.enabled:
             self.summary.add(work.fields.get(b"prefix"))
 
     def take_forwarded(self, count: int) -> list[tuple]:
         """Entries other workers forwarded here, up to `count`."""
         entries = []
-        for stream in self.streams:
+        for stream in self.streams_with_pending():
             held = {entry_id for s, entry_id in self.held() if s == stream}
-            entries += self.forwarded.take(stream, held, count - len(entries))
+            with gone_streams_skipped():
+                entries += self.forwarded.take(stream, held, count - len(entries))
         self.config.metrics.affinity_received.inc(len(entries))
         return entries
+
+    def streams_with_pending(self) -> list[str]:
+        """The queues some worker holds entries of: only they can hold forwarded ones."""
+        return [queue.stream for queue in self.served.refresh() if queue.pending]
 
     def forward_to_owners(self, entries: list[tuple]) -> list[tuple]:
         """Forward the fresh entries another worker's prefix cache serves better; the rest stay."""
         if not self.affinity.enabled:
             return entries
-        fresh = [(self.served.model_of[stream], stream, entry_id, fields)
+        fresh = [(self.served.model_of(stream), stream, entry_id, fields)
                  for stream, entry_id, fields, deliveries in entries if deliveries == 1]
         claims = {model: claim_groups(self.r, model, self.affinity.proposed_claims(
             model, [fields for m, _, _, fields in fresh if m == model])) for model in {m for m, *_ in fresh}}
@@ -120,14 +201,16 @@ class BatchLane(Lane):
     def release_stale_forwarded(self) -> None:
         """Entries forwarded here and not started within the affinity wait go back to their
         stream, for any worker: affinity never holds work up longer than that."""
-        for stream in self.streams:
+        for stream in self.streams_with_pending():
             held = {entry_id for s, entry_id in self.held() if s == stream}
-            for entry_id, fields in self.forwarded.stale(stream, held, self.affinity.wait_seconds):
-                stream_ops.release(self.r, stream, entry_id, {**fields, **AFFINITY_OFF})
-                self.config.metrics.affinity_released.inc()
+            with gone_streams_skipped():
+                for entry_id, fields in self.forwarded.stale(stream, held, self.affinity.wait_seconds):
+                    stream_ops.release(self.r, stream, entry_id, {**fields, **AFFINITY_OFF})
+                    self.config.metrics.affinity_released.inc()
 
     def on_output(self, output: RequestOutput) -> None:
         work = self.in_flight.pop(output.request_id)  # batch outputs arrive finished (FINAL_ONLY)
+        self.config.metrics.num_batch_work_tokens += self.cost(work)
         if work.checkpoint_key is not None:
             self.finished_checkpoints.append(work.checkpoint_key)
         self.count(work, sum(len(c.token_ids) for c in output.outputs))
@@ -136,7 +219,7 @@ class BatchLane(Lane):
             line = error_line(work.custom_id, "structured_outputs_error", output.error)
             self.add_result(PendingResult(work.stream, work.entry_id, work.batch_id, line))
             return
-        model = (self.batch(work.batch_id) or {}).get("model") or self.served.model_of[work.stream]
+        model = (self.batch(work.batch_id) or {}).get("model") or self.served.model_of(work.stream)
         line, usage = to_result_line(work.custom_id, work.request, output, model, self.engine.tokenizer)
         self.add_result(PendingResult(work.stream, work.entry_id, work.batch_id, line, usage))
 
@@ -228,7 +311,7 @@ class BatchLane(Lane):
                 entry.custom_id, "max_deliveries_exceeded", f"The request failed {deliveries - 1} times on workers.")))
             return True
         if entry.requeues > self.max_requeues:
-            model = self.served.model_of[stream]
+            model = self.served.model_of(stream)
             self.add_result(PendingResult(stream, entry_id, entry.batch_id, error_line(
                 entry.custom_id, "cannot_fit", f"No worker of model {model!r} had room for this request: it was "
                                                f"handed back {entry.requeues} times (max_requeues {self.max_requeues}).")))

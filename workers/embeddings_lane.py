@@ -58,7 +58,6 @@ class EmbeddingOnlineLane(OnlineLane):
 
 class EmbeddingBatchLane(BatchLane):
     def pull(self, reclaim: bool) -> int:
-        self.served.rotate()  # every partition gets read
         return pull_by_tokens(self, reclaim)
 
     def prepare(self, request_id: str, line: Request) -> tuple[EmbeddingRequest, ProcessedEmbeddingRequest]:
@@ -66,10 +65,14 @@ class EmbeddingBatchLane(BatchLane):
         return request, self.engine.process_request(request_id, request.inputs, request.params,
                                                     priority=BATCH_PRIORITY)
 
+    def cost(self, work) -> int:
+        return work.processed.num_tokens
+
     def on_output(self, output: EmbeddingRequestOutput) -> None:
         work = self.in_flight.pop(output.request_id)
         self.config.metrics.observe_embedded(output, work.enqueued_at, "batch")
-        model = (self.batch(work.batch_id) or {}).get("model") or self.served.model_of[work.stream]
+        self.config.metrics.num_batch_work_tokens += self.cost(work)
+        model = (self.batch(work.batch_id) or {}).get("model") or self.served.model_of(work.stream)
         body, usage = to_embedding_response(work.request, output, model)
         self.add_result(PendingResult(work.stream, work.entry_id, work.batch_id, success_line(work.custom_id, body),
                                       usage))

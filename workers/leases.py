@@ -57,7 +57,11 @@ def renew(r: redis.Redis, consumer: str, held: list[tuple[str, str]]) -> set[tup
         pipe.execute_command("EVAL", TRANSFER_OWNED_LUA, 1, stream, keys.CONSUMER_GROUP, consumer, consumer,
                              *entry_ids)
     lost = set()
-    for stream, reply in zip(by_stream, pipe.execute()):
+    for (stream, entry_ids), reply in zip(by_stream.items(), pipe.execute(raise_on_error=False)):
+        if isinstance(reply, redis.ResponseError):  # NOGROUP: its batch ended and its stream is gone
+            reply = entry_ids
+        elif isinstance(reply, Exception):
+            raise reply
         lost |= {(stream, entry_id.decode() if isinstance(entry_id, bytes) else entry_id) for entry_id in reply}
     return lost
 

@@ -68,6 +68,10 @@ class WorkerMetrics:
         self.wall_offset = time.time() - time.monotonic()  # the engine's monotonic times -> wall-clock
         self.num_generation_tokens = 0  # both lanes: the heartbeat's tokens/s
         self._token_samples: deque[tuple[float, int]] = deque()
+        # Batch work finished, in fair-share tokens (prompt + max output): the heartbeat's
+        # batch_tokens_per_s, the rate a batch's ETA is reckoned at (jobs/outlook.py).
+        self.num_batch_work_tokens = 0
+        self._work_samples: deque[tuple[float, int]] = deque()
 
     def _add_fleet_counters(self, counter) -> None:
         """Resumes, recomputation and prefix affinity: the work of the fleet, not of one request."""
@@ -85,11 +89,11 @@ class WorkerMetrics:
 
     def generation_tokens_per_s(self, now: float, window_seconds: float = 10.0) -> float:
         """Generated tokens per second over about the last window; call it once per heartbeat."""
-        self._token_samples.append((now, self.num_generation_tokens))
-        while len(self._token_samples) > 2 and now - self._token_samples[1][0] >= window_seconds:
-            self._token_samples.popleft()
-        start, tokens = self._token_samples[0]
-        return (self.num_generation_tokens - tokens) / (now - start) if now > start else 0.0
+        return rate_over(self._token_samples, now, self.num_generation_tokens, window_seconds)
+
+    def batch_tokens_per_s(self, now: float, window_seconds: float = 60.0) -> float:
+        """Batch work finished per second, in fair-share tokens; once per heartbeat."""
+        return rate_over(self._work_samples, now, self.num_batch_work_tokens, window_seconds)
 
     def observe_resumed(self, num_tokens: int) -> None:
         self.resumed_requests.inc()
@@ -143,3 +147,13 @@ class WorkerMetrics:
         self.prefix_cache_queries.inc(stats.num_prefix_queried_tokens - self._seen_prefix_queries)
         self.prefix_cache_hits.inc(stats.num_prefix_hit_tokens - self._seen_prefix_hits)
         self._seen_prefix_queries, self._seen_prefix_hits = stats.num_prefix_queried_tokens, stats.num_prefix_hit_tokens
+
+
+def rate_over(samples: deque[tuple[float, int]], now: float, total: int, window_seconds: float) -> float:
+    """The rate of a running `total` over about the last window, from (time, total) samples
+    taken once per call."""
+    samples.append((now, total))
+    while len(samples) > 2 and now - samples[1][0] >= window_seconds:
+        samples.popleft()
+    start, then = samples[0]
+    return (total - then) / (now - start) if now > start else 0.0

@@ -1,55 +1,84 @@
 """The streams one worker serves, and the upkeep each of them needs.
 
-Each served model has its batch stream (split into partitions on a Redis Cluster:
-jobs/keys.py) and its online stream. The worker reads them through stream_ops.pull; this
-keeps their list, rotates the partitions so every one gets read, and does what the loop
-does for all of them once per maintain interval: consumer groups, trimming, and
-the backlog numbers the metrics show.
+Each served model has its online stream, and one batch stream per batch (per partition on
+a Redis Cluster: jobs/queues.py), listed in the model's registry. `refresh` reads the
+registry and each stream's backlog at most every REFRESH_SECONDS (two pipelined round
+trips); between refreshes the lane's own reads keep the backlog current enough to plan
+with (`note_read`). Once per maintain interval the loop has it make the online consumer
+groups, trim acknowledged entries and sum the backlog the metrics show.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+import time
+
 import redis
 
-from jobs import keys
+from jobs import keys, queues, tenants
+from jobs.queues import Queue
 from workers import stream_ops
+
+REFRESH_SECONDS = 0.25
 
 
 class ServedStreams:
-    def __init__(self, r: redis.Redis, models: list[str]) -> None:
-        self.r = r
-        num_partitions = keys.num_partitions(r)  # 1 on one Redis; a cluster splits each model's stream
-        self.model_of = {stream: model for model in models for stream in keys.streams(model, num_partitions)}
-        self.batch = list(self.model_of)  # rotated on each pull, so every partition gets read
+    def __init__(self, r: redis.Redis, models: list[str], clock=time.monotonic) -> None:
+        self.r, self.models, self.clock = r, models, clock
         self.online = [keys.online_stream(model) for model in models]
+        self.batch: list[str] = []  # the batch streams of the last refresh (the lane holds this list)
+        self.queues: list[Queue] = []
+        self.lag: dict[str, int | None] = {}  # stream -> entries not yet delivered, as far as known
+        self.weights: dict[str, float] = {}  # tenant -> fair-share weight (jobs/tenants.py)
+        self.refreshed_at = -math.inf
 
     @property
     def all(self) -> list[str]:
         return self.batch + self.online
 
-    def rotate(self) -> list[str]:
-        """The batch streams, starting one further than last time."""
-        self.batch.append(self.batch.pop(0))
-        return self.batch
+    @staticmethod
+    def model_of(stream: str) -> str:
+        return keys.model_of_stream(stream)
+
+    def refresh(self, force: bool = False) -> list[Queue]:
+        """The served models' batch queues with their backlog, earliest deadline first."""
+        if force or self.clock() - self.refreshed_at >= REFRESH_SECONDS:
+            self.queues = queues.active(self.r, self.models)
+            self.batch[:] = [queue.stream for queue in self.queues]
+            self.lag = {queue.stream: queue.lag for queue in self.queues}
+            self.weights = tenants.weights(self.r)
+            self.refreshed_at = self.clock()
+        return self.queues
+
+    def note_read(self, stream: str, asked: int, found: int) -> None:
+        """A read of `asked` entries found `found`: fewer means none is left now."""
+        lag = self.lag.get(stream)
+        self.lag[stream] = 0 if found < asked else (None if lag is None else max(0, lag - found))
+
+    def has_new(self, stream: str) -> bool:
+        lag = self.lag.get(stream)
+        return lag is None or lag > 0
 
     def ensure_groups(self) -> None:
-        for stream in self.all:
+        """The online streams' groups (a batch stream's is made with it: jobs/queues.py)."""
+        for stream in self.online:
             stream_ops.ensure_group(self.r, stream)
 
     def trim(self) -> None:
         for stream in self.all:
-            stream_ops.trim_acknowledged(self.r, stream)
+            with contextlib.suppress(redis.ResponseError):  # a batch stream retired meanwhile
+                stream_ops.trim_acknowledged(self.r, stream)
 
     def backlog(self) -> tuple[int, int, int]:
-        """(pending, lag) of the batch streams, summed over models and partitions, and the entries
-        in their dead-letter streams: one pipelined round trip (per node on a cluster)."""
+        """(pending, lag) of the batch streams, summed, and the entries in the dead-letter
+        streams of all served streams."""
+        pending, lag = queues.backlog(self.refresh(force=True))
+        partitions = range(keys.num_partitions(self.r))  # a batch stream's dead letters go by partition
+        dead_letter_streams = sorted({keys.dead_letters(stream) for stream in self.online} | {
+            keys.dead_letters(keys.batch_stream(model, "any", partition))
+            for model in self.models for partition in partitions})
         pipe = self.r.pipeline(transaction=False)
-        for stream in self.batch:
-            pipe.xinfo_groups(stream)
-        dead_letter_streams = sorted({keys.dead_letters(stream) for stream in self.all})
         for stream in dead_letter_streams:
             pipe.xlen(stream)
-        replies = pipe.execute()
-        backlogs = [stream_ops.group_backlog(groups) for groups in replies[:len(self.batch)]]
-        return (sum(pending for pending, _ in backlogs), sum(lag for _, lag in backlogs),
-                sum(replies[len(self.batch):]))
+        return pending, lag, sum(pipe.execute()) if dead_letter_streams else 0

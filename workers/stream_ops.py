@@ -8,6 +8,8 @@ stuck workers ever go idle past the lease and get reclaimed.
 
 from __future__ import annotations
 
+import time
+
 import redis
 from redis.cluster import RedisCluster
 from redis.exceptions import (
@@ -18,7 +20,7 @@ from redis.exceptions import (
     TryAgainError,
 )
 
-from jobs import keys
+from jobs import keys, queues
 from jobs.entries import REQUEUES_FIELD
 
 GROUP = keys.CONSUMER_GROUP
@@ -29,12 +31,29 @@ OUTAGE_ERRORS = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, Tr
 REQUEUES = REQUEUES_FIELD.encode()
 
 
-def ensure_group(r: redis.Redis, stream: str) -> None:
-    try:
-        r.xgroup_create(stream, GROUP, id="0", mkstream=True)
-    except redis.ResponseError as error:
-        if "BUSYGROUP" not in str(error):
-            raise
+ensure_group = queues.ensure_group
+
+
+def is_gone(error: redis.ResponseError) -> bool:
+    """The stream or its group no longer exists: its batch ended and its stream was retired."""
+    return "NOGROUP" in str(error) or "no such key" in str(error)
+
+
+def read_planned(r: redis.Redis, consumer: str, plan: list[tuple[str, int]]) -> list[tuple[str, str, dict]]:
+    """Never-delivered entries, up to a count from each stream of `plan` ([(stream, count)]), in
+    one pipelined round trip: [(stream, entry_id, fields)]. A stream retired meanwhile (its
+    group is gone) gives none."""
+    pipe = r.pipeline(transaction=False)
+    for stream, count in plan:
+        pipe.xreadgroup(GROUP, consumer, {stream: ">"}, count=count)
+    found = []
+    for reply in pipe.execute(raise_on_error=False):
+        if isinstance(reply, redis.ResponseError) and is_gone(reply):
+            continue  # the batch ended and its stream was retired
+        if isinstance(reply, Exception):
+            raise reply
+        found += _entries(reply)
+    return found
 
 
 def read_new(r: redis.Redis, streams: list[str], consumer: str, count: int, block_ms: int | None):
@@ -69,8 +88,14 @@ def wait_for_new(r: redis.Redis, streams: list[str], block_ms: int) -> None:
     pipe = r.pipeline(transaction=False)
     for stream in streams:
         pipe.xinfo_groups(stream)
-    last_delivered = [(our_group(groups) or {}).get("last-delivered-id", b"0-0") for groups in pipe.execute()]
-    r.xread(dict(zip(streams, last_delivered)), count=1, block=block_ms)
+    waits = {}
+    for stream, groups in zip(streams, pipe.execute(raise_on_error=False)):
+        if not isinstance(groups, Exception):  # a batch stream retired meanwhile is not waited on
+            waits[stream] = (our_group(groups) or {}).get("last-delivered-id", b"0-0")
+    if waits:
+        r.xread(waits, count=1, block=block_ms)
+    else:
+        time.sleep(block_ms / 1000)
 
 
 def _entries(reply) -> list:

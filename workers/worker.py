@@ -250,6 +250,7 @@ class Worker:
                   "preemptions": stats.num_preemptions, "in_flight": self.num_in_flight,
                   "draining": int(self.stopping), "started_at": self.started_at,
                   "tokens_per_s": round(self.metrics.generation_tokens_per_s(time.monotonic()), 1),
+                  "batch_tokens_per_s": round(self.metrics.batch_tokens_per_s(time.monotonic()), 1),
                   "heartbeat_seconds": self.options.maintain_seconds,
                   "forwarded_waiting": self.batch_lane.forwarded.num_waiting,
                   "max_num_seqs": self.engine.config.max_num_seqs}

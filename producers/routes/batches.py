@@ -116,14 +116,14 @@ def list_batches(r: RedisDep, caller: CallerDep, after: str | None = None,
         ids = batches.list_batch_ids(r, after, limit + 1, tenant=caller.listed_tenant)
     except batches.BatchNotFound:
         raise APIError(404, f"No batch found with id '{after}'.", "batch_not_found", "after") from None
-    data = [batches.as_openai(fields) for fields in batches.load_many(r, ids[:limit]) if fields is not None]
+    data = [batches.openai_object(r, fields) for fields in batches.load_many(r, ids[:limit]) if fields is not None]
     return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
             "last_id": data[-1]["id"] if data else None, "has_more": len(ids) > limit}
 
 
 @router.get("/batches/{batch_id}")
 def retrieve_batch(batch_id: str, r: RedisDep, caller: CallerDep):
-    return batches.as_openai(load_batch_fields(r, batch_id, caller))
+    return batches.openai_object(r, load_batch_fields(r, batch_id, caller))
 
 
 @router.post("/batches/{batch_id}/cancel")

@@ -153,7 +153,7 @@ def batch_list(request: Request, r: RedisDep, services: ServicesDep, caller: Con
     for fields in batches.load_many(r, batch_ids):
         if fields is None or (status and fields["status"] != status):  # None: listed while being created
             continue
-        batch = batches.as_openai(fields)
+        batch = batches.openai_object(r, fields)
         rate = services.batch_rates.rate(batch)
         rows.append({"batch": batch, "rate": rate, "eta": eta_seconds(batch, rate),
                      "tenant": fields.get("tenant") or DEFAULT_TENANT})
@@ -169,7 +169,7 @@ def batch_page(request: Request, batch_id: str, r: RedisDep, services: ServicesD
         fields = batches.owned_fields(r, batch_id, caller)
     except batches.BatchNotFound:
         return page(request, "missing.html", what=f"batch {batch_id}")
-    batch = batches.as_openai(fields)
+    batch = batches.openai_object(r, fields)
     rate = services.batch_rates.rate(batch)
     raw = find_result(fields["sink"], r, batch_id, custom_id) if custom_id else None
     result = json.dumps(json.loads(raw), indent=2) if raw is not None else None

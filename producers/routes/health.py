@@ -1,4 +1,5 @@
-"""GET /healthz (Redis answers) and GET /metrics (Prometheus), outside /v1 and its key."""
+"""GET /healthz (Redis answers), GET /metrics (Prometheus) and GET /queue/{model} (the batch
+backlog KEDA scales workers on), outside /v1 and its key: counts only, no one's data."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from jobs import queues
 from producers.dependencies import RedisDep, ServicesDep
 
 router = APIRouter(tags=["health"])
@@ -24,3 +26,13 @@ def healthz(r: RedisDep):
 @router.get("/metrics", response_class=PlainTextResponse)
 def metrics(services: ServicesDep):
     return Response(generate_latest(services.metrics_registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/queue/{model}")
+def queue_backlog(model: str, r: RedisDep):
+    """The model's batch backlog over every batch's queue (jobs/queues.py): `lag`, requests no
+    worker was given yet, is what KEDA's metrics-api trigger scales on; `pending`, requests
+    being run."""
+    found = queues.active(r, [model])
+    pending, lag = queues.backlog(found)
+    return {"model": model, "lag": lag, "pending": pending, "queues": len(found)}

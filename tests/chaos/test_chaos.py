@@ -83,7 +83,7 @@ def test_s3_unreachable_longer_than_the_lease_mid_batch_and_at_finalize(fleet, r
     outage_end = time.monotonic() + 3 * lease
     while time.monotonic() < outage_end:
         # Every pulled entry keeps its lease while its result waits for S3.
-        for entry in r.xpending_range(keys.stream(MODEL), keys.CONSUMER_GROUP, "-", "+", 1000):
+        for entry in r.xpending_range(keys.batch_stream(MODEL, batch_id), keys.CONSUMER_GROUP, "-", "+", 1000):
             assert entry["time_since_delivered"] < lease * 1000, entry
         time.sleep(0.2)
     assert counted(r, batch_id) < 60
@@ -114,7 +114,7 @@ def test_a_lease_outlasted_by_a_hung_s3_put_is_kept_and_nothing_runs_twice(fleet
     s3_proxy.hang()  # puts hang without an answer: each worker's loop waits inside boto3 for ~9 s
     hang_end = time.monotonic() + 4 * lease
     while time.monotonic() < hang_end:
-        for entry in r.xpending_range(keys.stream(MODEL), keys.CONSUMER_GROUP, "-", "+", 1000):
+        for entry in r.xpending_range(keys.batch_stream(MODEL, batch_id), keys.CONSUMER_GROUP, "-", "+", 1000):
             assert entry["time_since_delivered"] < lease * 1000, entry  # renewed from the lease thread
         time.sleep(0.2)
     s3_proxy.resume()

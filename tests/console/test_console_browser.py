@@ -81,7 +81,7 @@ def test_watch_a_batch_finish_cancel_another_and_user_input_stays_text(console_a
 
     hostile = submit_lines(r, [completion(XSS, "x")], model="nobody-serves-this")
     record_result(r, RedisStorage(r), hostile, error_line(XSS, "invalid_request", f"bad {XSS}"),
-                  partition=keys.stream_partition(keys.stream("nobody-serves-this")))
+                  partition=0)
     browser.get(f"{base}/ui/batches/{hostile}")
     errors = text_of(browser, "#errors")
     assert XSS in errors and f"bad {XSS}" in errors  # shown as the characters the user sent
@@ -93,7 +93,7 @@ def test_watch_a_batch_finish_cancel_another_and_user_input_stays_text(console_a
     row = text_of(browser, "#workers tbody tr")
     assert row.startswith("console-worker") and "serving" in row
     browser.save_screenshot(str(SCREENSHOTS / "workers.png"))
-    r.xadd(keys.dead_letters(keys.stream("tiny")), {"batch_id": watched, "custom_id": XSS, "stream": "s",
+    r.xadd(keys.dead_letters(keys.batch_stream("tiny", watched)), {"batch_id": watched, "custom_id": XSS, "stream": "s",
                                                     "error": "delivered 4 times (max_deliveries 3)"})
     browser.get(f"{base}/ui/dead-letters")
     assert "delivered 4 times" in text_of(browser, "#dead-letters")

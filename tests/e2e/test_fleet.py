@@ -77,12 +77,12 @@ def test_three_batches_on_two_workers_exactly_once_and_identical_to_llm(fleet, r
         "w2", "kvfleet:request_success_total") == 200
 
 
-def wait_in_flight(r: redis.Redis, name: str, timeout: float = 60) -> int:
-    """Until the consumer `name` holds delivered, unacknowledged entries; how many."""
+def wait_in_flight(r: redis.Redis, name: str, batch_id: str, timeout: float = 60) -> int:
+    """Until the consumer `name` holds delivered, unacknowledged entries of the batch; how many."""
     deadline = time.monotonic() + timeout
     while True:
         held = {c["name"].decode(): c["pending"]
-                for c in r.xpending(keys.stream("tiny"), keys.CONSUMER_GROUP)["consumers"]}
+                for c in r.xpending(keys.batch_stream("tiny", batch_id), keys.CONSUMER_GROUP)["consumers"]}
         if held.get(name):
             return held[name]
         assert time.monotonic() < deadline, f"{name} never held work"
@@ -98,10 +98,10 @@ def test_sigkill_loses_nothing_and_doubles_nothing(fleet, r):
     fleet.start_worker("victim", lease_seconds=3, max_num_seqs=4)
     fleet.wait_ready("victim")
     batch_id = submit_lines(r, slow_requests(24))
-    assert wait_in_flight(r, "victim") > 0
+    assert wait_in_flight(r, "victim", batch_id) > 0
     fleet.processes["victim"].send_signal(signal.SIGKILL)
     fleet.processes["victim"].wait(timeout=10)
-    assert r.xpending(keys.stream("tiny"), keys.CONSUMER_GROUP)["pending"] > 0  # died holding deliveries
+    assert r.xpending(keys.batch_stream("tiny", batch_id), keys.CONSUMER_GROUP)["pending"] > 0  # died holding deliveries
     assert batches.batch_object(r, batch_id)["request_counts"]["completed"] < 24
     killed_at = time.monotonic()
     fleet.start_worker("rescuer", lease_seconds=3)
@@ -142,7 +142,7 @@ def test_sigterm_drains_and_exits_zero_while_the_other_finishes(fleet, r):
     fleet.start_worker("stayer", max_num_seqs=4)
     fleet.wait_ready("leaver", "stayer")
     batch_id = submit_lines(r, slow_requests(24))
-    assert wait_in_flight(r, "leaver") > 0
+    assert wait_in_flight(r, "leaver", batch_id) > 0
     probe = f"http://127.0.0.1:{fleet.metrics_ports['leaver']}"
     assert httpx.get(f"{probe}/healthz", timeout=5).status_code == 200  # what a readiness probe asks
     assert httpx.get(f"{probe}/livez", timeout=5).status_code == 200
@@ -167,7 +167,7 @@ def test_a_second_sigterm_is_a_cold_shutdown_that_hands_everything_back(fleet, r
     fleet.wait_ready("leaver")
     # 480 tokens each: seconds of work in flight when the signals come.
     batch_id = submit_lines(r, [completion(f"c{i}", f"request {i}", 480, ignore_eos=True) for i in range(12)])
-    assert wait_in_flight(r, "leaver") > 0
+    assert wait_in_flight(r, "leaver", batch_id) > 0
     fleet.processes["leaver"].send_signal(signal.SIGTERM)  # drain: up to 60 s
     time.sleep(0.2)
     assert fleet.processes["leaver"].poll() is None and r.hget(keys.worker("leaver"), "draining") == b"1"
@@ -175,7 +175,7 @@ def test_a_second_sigterm_is_a_cold_shutdown_that_hands_everything_back(fleet, r
     fleet.processes["leaver"].send_signal(signal.SIGTERM)  # and now: at once
     assert fleet.processes["leaver"].wait(timeout=20) == 1, fleet.log("leaver")
     assert time.monotonic() - started < 10
-    held = {c["name"].decode(): c["pending"] for c in r.xpending(keys.stream("tiny"), keys.CONSUMER_GROUP)["consumers"]}
+    held = {c["name"].decode(): c["pending"] for c in r.xpending(keys.batch_stream("tiny", batch_id), keys.CONSUMER_GROUP)["consumers"]}
     assert held.get("leaver", 0) == 0, "the cold shutdown left entries behind"
     assert "cold shutdown" in fleet.log("leaver")
     fleet.start_worker("stayer", max_num_seqs=4)

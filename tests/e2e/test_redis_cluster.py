@@ -32,7 +32,7 @@ from workers.worker import Worker, WorkerOptions
 
 def batch_streams(batch_id: str, num_lines: int) -> list[str]:
     partitions = {keys.partition_of(batch_id, i, keys.NUM_CLUSTER_PARTITIONS) for i in range(num_lines)}
-    return [keys.stream(MODEL, partition) for partition in sorted(partitions)]
+    return [keys.batch_stream(MODEL, batch_id, partition) for partition in sorted(partitions)]
 
 
 def held_by(cluster, streams: list[str], name: str) -> int:

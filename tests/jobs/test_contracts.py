@@ -15,16 +15,16 @@ from jobs.online import ChoiceDelta, Delta, Done, Error
 
 def test_a_batch_entry_survives_a_stream_round_trip(r):
     entry = BatchEntry("batch_1", "c-7", 7, b'{"prompt": "caf\xc3\xa9"}', 1_700_000_000.25)
-    entry_id = r.xadd(keys.stream("m"), entry.to_fields())
-    [(read_id, fields)] = r.xrange(keys.stream("m"))
+    entry_id = r.xadd(keys.batch_stream("m", "b"), entry.to_fields())
+    [(read_id, fields)] = r.xrange(keys.batch_stream("m", "b"))
     assert read_id == entry_id and BatchEntry.from_fields(fields) == entry
     assert tuple(k.decode() for k in fields) == BATCH_ENTRY_FIELDS  # no requeues field on a fresh entry
 
 
 def test_a_handed_back_copy_counts_its_requeues(r):
     entry = BatchEntry("batch_1", "c", 1, b"{}", None, requeues=3)
-    r.xadd(keys.stream("m"), entry.to_fields())
-    [(_, fields)] = r.xrange(keys.stream("m"))
+    r.xadd(keys.batch_stream("m", "b"), entry.to_fields())
+    [(_, fields)] = r.xrange(keys.batch_stream("m", "b"))
     assert fields[REQUEUES_FIELD.encode()] == b"3" and BatchEntry.from_fields(fields) == entry
 
 

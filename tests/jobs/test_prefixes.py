@@ -50,8 +50,8 @@ def test_submit_keeps_interleaved_groups_together_in_the_stream(r):
     for i in range(24):  # group g's lines at g, g + 4, g + 8, ...: interleaved in the file
         prompt = groups[i % 4] + f" question {i}" if i < 20 else f"lone prompt {i}"
         records.append({"custom_id": f"c{i}", "prompt": prompt, "max_tokens": 4})
-    submit_lines(r, records)
-    entries = [BatchEntry.from_fields(fields) for _, fields in r.xrange(keys.stream(MODEL))]
+    batch_id = submit_lines(r, records)
+    entries = [BatchEntry.from_fields(fields) for _, fields in r.xrange(keys.batch_stream(MODEL, batch_id))]
     order = [int(entry.custom_id[1:]) for entry in entries]
     assert order == [0, 4, 8, 12, 16, 1, 5, 9, 13, 17, 2, 6, 10, 14, 18, 3, 7, 11, 15, 19, 20, 21, 22, 23]
     for entry in entries:

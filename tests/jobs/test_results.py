@@ -68,7 +68,7 @@ def test_recording_twice_counts_once_and_finalize_runs_once(r, sink):
 
 def test_record_acks_the_stream_entry_in_the_same_script(r):
     batch_id = make_batch(r, "redis", total=1)
-    stream = keys.stream("m")
+    stream = keys.batch_stream("m", batch_id)
     r.xgroup_create(stream, keys.CONSUMER_GROUP, id="0", mkstream=True)
     r.xadd(stream, {"batch_id": batch_id, "custom_id": "a"})
     entry_id = r.xreadgroup(keys.CONSUMER_GROUP, "w1", {stream: ">"}, count=1)[0][1][0][0]

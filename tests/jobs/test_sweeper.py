@@ -26,8 +26,7 @@ def later(seconds: float):
 
 def finish_one_by_hand(r, batch_id: str, custom_id: str) -> None:
     """What a worker does for one request: read its entry, record its result, ack it."""
-    stream = keys.stream(MODEL)
-    r.xgroup_create(stream, keys.CONSUMER_GROUP, id="0", mkstream=True)
+    stream = keys.batch_stream(MODEL, batch_id)
     for _, entries in r.xreadgroup(keys.CONSUMER_GROUP, "w1", {stream: ">"}, count=100):
         for entry_id, fields in entries:
             if fields[b"custom_id"].decode() == custom_id:
@@ -72,6 +71,25 @@ def test_workers_serving_the_model_get_the_grace_period_first(r):
     assert sweeper.end_stopped_batches() == []
     now[0] += 31
     assert sweeper.end_stopped_batches() == [batch_id]
+
+
+def test_a_deadline_is_enforced_at_once_even_while_workers_serve_the_model(r):
+    """A saturated fleet never pulls the lines: the sweep ends the batch at its deadline, not
+    a grace period later, keeps what finished, and retires its queue."""
+    heartbeats.record_heartbeat(r, "w1", {"models": [MODEL], "root": MODEL, "max_model_len": 64}, 30)
+    batch_id = submit_lines(r, [completion(f"c{i}", f"p{i}") for i in range(4)], completion_window="2m")
+    finish_one_by_hand(r, batch_id, "c1")
+    sweeper = Sweeper(r, grace_seconds=30)
+    assert sweeper.end_stopped_batches() == []
+    # The window runs out now (moved, rather than waited for).
+    r.hset(keys.batch(batch_id), "expires_at", int(time.time()) - 1)
+    assert sweeper.end_stopped_batches() == [batch_id]
+    assert run_finalize_jobs(r) == 1
+    batch = batches.batch_object(r, batch_id)
+    assert batch["status"] == "expired" and batch["request_counts"] == {"total": 4, "completed": 1, "failed": 3}
+    assert [line["custom_id"] for line in read_lines(r, batch["output_file_id"])] == ["c1"]
+    assert {e["error"]["code"] for e in read_lines(r, batch["error_file_id"])} == {"batch_expired"}
+    assert not r.exists(keys.batch_stream(MODEL, batch_id)) and r.zcard(keys.queues(MODEL)) == 0
 
 
 def test_a_batch_whose_enqueue_never_finished_fails_after_the_grace_period(r, monkeypatch):

@@ -39,8 +39,7 @@ def chat_lines(n: int) -> bytes:
 def act_as_worker(r, batch_id: str) -> None:
     """Do what a worker does, through the contract's own functions: read the stream,
     record a chat.completion per request, then let an RQ worker finalize."""
-    stream = keys.stream("demo")
-    r.xgroup_create(stream, keys.CONSUMER_GROUP, id="0", mkstream=True)
+    stream = keys.batch_stream("demo", batch_id)
     storage = open_storage(batches.load_fields(r, batch_id)["sink"], r)
     for _, entries in r.xreadgroup(keys.CONSUMER_GROUP, "w1", {stream: ">"}, count=100):
         for entry_id, fields in entries:
@@ -214,7 +213,9 @@ def test_a_retried_create_with_the_same_idempotency_key_makes_nothing_twice(api,
     retried = client.batches.create(**create, extra_headers={"Idempotency-Key": "nightly-7"})
     other = client.batches.create(**create, extra_headers={"Idempotency-Key": "nightly-8"})
     assert retried.id == first.id != other.id
-    assert r.xlen(keys.stream("demo")) == 4  # two batches of two requests, not three
+    # two batches of two requests, not three
+    assert r.xlen(keys.batch_stream("demo", first.id)) == r.xlen(keys.batch_stream("demo", other.id)) == 2
+    assert r.zcard(keys.queues("demo")) == 2
     assert 0 < r.ttl(next(iter(r.keys("kvfleet:idempotency:*")))) <= 24 * 3600
 
 

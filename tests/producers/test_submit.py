@@ -9,7 +9,7 @@ import tracemalloc
 
 import pytest
 
-from jobs import batches, heartbeats, keys
+from jobs import batches, heartbeats, keys, queues
 from jobs.entries import BATCH_ENTRY_FIELDS, BatchEntry
 from jobs.storage import open_storage
 from producers import ingest
@@ -27,7 +27,9 @@ def chat(custom_id, text="Hi", **body):
 
 
 def stream_entries(r, model="demo"):
-    return [{k.decode(): v.decode() for k, v in fields.items()} for _, fields in r.xrange(keys.stream(model))]
+    """The entries of every batch stream the model's registry lists (jobs/queues.py)."""
+    return [{k.decode(): v.decode() for k, v in fields.items()}
+            for queue in queues.registered(r, [model]) for _, fields in r.xrange(queue.stream)]
 
 
 def run(redis_server, *args) -> int:
@@ -47,7 +49,7 @@ def test_valid_file_is_enqueued_and_batch_printed(r, redis_server, tmp_path, cap
     assert entries[0]["batch_id"] == batch_id and entries[0]["line_number"] == "1"
     assert tuple(entries[0]) == BATCH_ENTRY_FIELDS  # what jobs/entries.py defines, in order
     assert json.loads(entries[0]["line"]) == chat("c0", max_tokens=5)
-    entry = BatchEntry.from_fields(r.xrange(keys.stream("demo"))[0][1])  # what the batch lane reads
+    entry = BatchEntry.from_fields(r.xrange(keys.batch_stream("demo", batch_id))[0][1])  # what the batch lane reads
     assert (entry.batch_id, entry.custom_id, entry.line_number, entry.requeues) == (batch_id, "c0", 1, 0)
 
 
@@ -143,7 +145,7 @@ def test_hundred_thousand_lines_in_bounded_memory(r, tmp_path):
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert submission.num_enqueued == 100_000
-    assert r.xlen(keys.stream("demo")) == 100_000
+    assert r.xlen(keys.batch_stream("demo", submission.batch_id)) == 100_000
     # The duplicate check keeps 8-byte digests (plus a sorted copy); lines are never all held.
     assert peak < 24 * 100_000 + 1_000_000, f"peak {peak} bytes for a {file_size}-byte file"
 

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from jobs import batches, dead_letters, heartbeats, keys
+from jobs import batches, dead_letters, heartbeats, keys, tenants
 from jobs.online import OnlineEntry
 from jobs.tenants import (
     DEFAULT_TENANT,
@@ -142,7 +142,7 @@ def test_the_console_shows_a_tenant_its_own_work_and_the_admin_everyones(api, r)
     acme_file, acme_batch = create_batch(acme)
     _, globex_batch = create_batch(globex)
     dead_letters_entry = {b"line": b"{}"}
-    r.xadd(keys.dead_letters(keys.stream("demo")), dead_letters_entry)
+    r.xadd(keys.dead_letters(keys.batch_stream("demo", acme_batch.id)), dead_letters_entry)
 
     def get(path: str, key: str) -> httpx.Response:
         return httpx.get(f"{api.url}{path}", headers={"Authorization": f"Bearer {key}"})
@@ -195,3 +195,14 @@ def test_an_online_entry_carries_its_tenant():
     assert OnlineEntry.from_fields(fields).tenant == "acme"
     del fields[b"tenant"]  # an entry from before tenants
     assert OnlineEntry.from_fields(fields).tenant == DEFAULT_TENANT
+
+
+def test_the_api_publishes_the_weights_and_the_queue_backlog_for_scaling(api, r):
+    assert tenants.weights(r) == {"acme": 2.0, "globex": 1.0, DEFAULT_TENANT: 1.0}  # for the workers' fair share
+    acme = client_for(api, "key-of-acme")
+    create_batch(acme, num_lines=3)
+    create_batch(client_for(api, "key-of-globex"), num_lines=2)
+    backlog = httpx.get(f"{api.url}/queue/demo")  # no key: KEDA's metrics-api trigger reads it
+    assert backlog.status_code == 200
+    assert backlog.json() == {"model": "demo", "lag": 5, "pending": 0, "queues": 2}
+    assert httpx.get(f"{api.url}/queue/nobody-serves-this").json()["lag"] == 0

@@ -16,7 +16,6 @@ from jobs.storage import open_storage
 from tests.workers.helpers import MODEL, completion, make_worker, submit_lines
 from workers.leases import renew
 
-STREAM = keys.stream(MODEL)
 GROUP = keys.CONSUMER_GROUP
 
 
@@ -25,49 +24,49 @@ def engine(tiny_llama):
     return LLMEngine(EngineConfig(model=tiny_llama, num_kv_blocks=64, max_num_seqs=8))
 
 
-def owners(r) -> dict[str, str]:
-    return {p["message_id"].decode(): p["consumer"].decode() for p in r.xpending_range(STREAM, GROUP, "-", "+", 100)}
+def owners(r, stream: str) -> dict[str, str]:
+    return {p["message_id"].decode(): p["consumer"].decode() for p in r.xpending_range(stream, GROUP, "-", "+", 100)}
 
 
 def test_renewal_resets_the_idle_time_of_owned_entries_and_reports_stolen_ones(r):
-    submit_lines(r, [completion(f"c{i}", f"p {i}") for i in range(3)])
-    r.xgroup_create(STREAM, GROUP, id="0")
-    ids = [entry_id.decode() for _, entries in r.xreadgroup(GROUP, "w1", {STREAM: ">"}) for entry_id, _ in entries]
+    stream = keys.batch_stream(MODEL, submit_lines(r, [completion(f"c{i}", f"p {i}") for i in range(3)]))
+    ids = [entry_id.decode() for _, entries in r.xreadgroup(GROUP, "w1", {stream: ">"}) for entry_id, _ in entries]
     time.sleep(0.3)
-    r.xclaim(STREAM, GROUP, "thief", min_idle_time=0, message_ids=[ids[1]])  # taken over
-    r.xack(STREAM, GROUP, ids[2])  # finished by someone else
-    lost = renew(r, "w1", [(STREAM, entry_id) for entry_id in ids])
-    assert lost == {(STREAM, ids[1]), (STREAM, ids[2])}
-    assert owners(r) == {ids[0]: "w1", ids[1]: "thief"}  # the thief keeps it: never taken back
-    idle = {p["message_id"].decode(): p["time_since_delivered"] for p in r.xpending_range(STREAM, GROUP, "-", "+", 10)}
+    r.xclaim(stream, GROUP, "thief", min_idle_time=0, message_ids=[ids[1]])  # taken over
+    r.xack(stream, GROUP, ids[2])  # finished by someone else
+    lost = renew(r, "w1", [(stream, entry_id) for entry_id in ids])
+    assert lost == {(stream, ids[1]), (stream, ids[2])}
+    assert owners(r, stream) == {ids[0]: "w1", ids[1]: "thief"}  # the thief keeps it: never taken back
+    idle = {p["message_id"].decode(): p["time_since_delivered"] for p in r.xpending_range(stream, GROUP, "-", "+", 10)}
     assert idle[ids[0]] < 250  # renewed
-    assert r.xpending_range(STREAM, GROUP, ids[0], ids[0], 1)[0]["times_delivered"] == 1  # JUSTID counts none
+    assert r.xpending_range(stream, GROUP, ids[0], ids[0], 1)[0]["times_delivered"] == 1  # JUSTID counts none
 
 
 def test_a_running_request_taken_over_is_aborted_and_its_result_never_written(engine, r):
     batch_id = submit_lines(r, [completion("slow", "a long one", max_tokens=60)])
+    stream = keys.batch_stream(MODEL, batch_id)
     worker = make_worker(engine, r, lease_seconds=30)  # the thief's entry never looks stale to it
     worker.run_once()
     assert worker.num_in_flight == 1 and engine.has_unfinished()
-    [entry_id] = owners(r)
-    r.xclaim(STREAM, GROUP, "thief", min_idle_time=0, message_ids=[entry_id])
+    [entry_id] = owners(r, stream)
+    r.xclaim(stream, GROUP, "thief", min_idle_time=0, message_ids=[entry_id])
     worker.leases.renew_now()
     worker.run_once()  # aborts it first thing
     assert worker.num_in_flight == 0 and not engine.has_unfinished()
     for _ in range(20):
         worker.run_once()
     assert batches.num_counted(r, batch_id) == 0 and not r.exists(keys.batch_results(batch_id))
-    assert owners(r) == {entry_id: "thief"}
+    assert owners(r, stream) == {entry_id: "thief"}
     worker.leases.stop()
 
 
 def test_the_line_counted_is_the_line_stored_when_two_attempts_race(r, tmp_path):
     batch_id = submit_lines(r, [completion("c0", "p")])
-    r.xgroup_create(STREAM, GROUP, id="0")
-    [(_, [(entry_id, _)])] = r.xreadgroup(GROUP, "slow", {STREAM: ">"})
-    r.xclaim(STREAM, GROUP, "fast", min_idle_time=0, message_ids=[entry_id])  # the lease lapsed
+    stream = keys.batch_stream(MODEL, batch_id)
+    [(_, [(entry_id, _)])] = r.xreadgroup(GROUP, "slow", {stream: ">"})
+    r.xclaim(stream, GROUP, "fast", min_idle_time=0, message_ids=[entry_id])  # the lease lapsed
     storage = open_storage(f"file://{tmp_path}/out", r)
-    ack = (STREAM, GROUP, entry_id.decode())
+    ack = (stream, GROUP, entry_id.decode())
 
     def line(text: str, usage: Usage) -> dict:
         return success_line("c0", completion_body(MODEL, [Choice(text, "length")], usage))
@@ -80,4 +79,4 @@ def test_the_line_counted_is_the_line_stored_when_two_attempts_race(r, tmp_path)
     stored = json.loads(storage.get_result(batch_id, "c0"))
     assert stored["response"]["body"]["choices"][0]["text"] == "slow"  # the first write won ...
     assert batches.load_fields(r, batch_id)["completion_tokens"] == 7  # ... and its usage is what counts
-    assert r.xpending(STREAM, GROUP)["pending"] == 0
+    assert r.xpending(stream, GROUP)["pending"] == 0

@@ -43,7 +43,7 @@ def test_a_permanently_broken_sink_fails_only_its_own_batch(engine, r, s3_server
     stored = {k.decode(): v for k, v in r.hgetall(keys.batch_results(broken)).items()}  # the Redis fallback
     assert sorted(stored) == [f"b{i}" for i in range(6)]
     assert all(b'"storage_error"' in line and b"s3://no-such-bucket/x" in line for line in stored.values())
-    assert r.xpending(keys.stream(MODEL), keys.CONSUMER_GROUP)["pending"] == 0  # all acked
+    assert r.xpending(keys.batch_stream(MODEL, broken), keys.CONSUMER_GROUP)["pending"] == 0  # all acked
 
 
 def test_leases_hold_while_results_wait_for_storage_and_nothing_runs_twice(engine, r, s3_server, s3_bucket,
@@ -59,7 +59,7 @@ def test_leases_hold_while_results_wait_for_storage_and_nothing_runs_twice(engin
         while time.monotonic() < outage_end:
             worker.run_once()
             # Another worker looking for stale entries finds none: the leases are kept.
-            stale = r.xautoclaim(keys.stream(MODEL), keys.CONSUMER_GROUP, "thief", min_idle_time=1000, count=100)
+            stale = r.xautoclaim(keys.batch_stream(MODEL, batch_id), keys.CONSUMER_GROUP, "thief", min_idle_time=1000, count=100)
             assert stale[1] == [], "a result waiting for storage lost its lease"
         assert len(worker.batch_lane.flusher) == 10 and batches.batch_object(r, batch_id)["request_counts"]["completed"] == 0
     finally:
@@ -70,16 +70,17 @@ def test_leases_hold_while_results_wait_for_storage_and_nothing_runs_twice(engin
     assert len(added) == 10  # each request ran once
 
 
-def test_a_deleted_stream_is_survived_and_its_group_created_again(engine, r):
+def test_a_deleted_stream_is_survived(engine, r):
     worker = make_worker(engine, r)
     first = submit_lines(r, [completion("a", "one")])
-    run_until(worker, r, [first], timeout=60)
-    r.delete(keys.stream(MODEL))  # NOGROUP on the next XREADGROUP
+    r.delete(keys.batch_stream(MODEL, first))  # still listed: NOGROUP on its next XREADGROUP
+    r.delete(keys.online_stream(MODEL))
     for _ in range(5):
-        worker.run_once()  # backs off instead of raising
+        worker.run_once()  # skips it, or backs off, instead of raising
     worker.retry_at = 0.0
     second = submit_lines(r, [completion("b", "two")])
     assert run_until(worker, r, [second], timeout=60)[second]["status"] == "completed"
+    assert r.exists(keys.online_stream(MODEL))  # its group made again
 
 
 def test_hand_backs_are_counted_and_capped(tiny_llama, r):
@@ -113,7 +114,7 @@ def test_a_worker_never_dies_on_one_entry_s_data(engine, r):
     r.hset(keys.batch(broken_sink), "sink", "ftp://nowhere")  # and one whose results cannot be recorded
     done = run_until(worker, r, [healthy], timeout=60)
     assert done[healthy]["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
-    [dead] = [fields for _, fields in r.xrange(keys.dead_letters(keys.stream(MODEL)))]
+    [dead] = [fields for _, fields in r.xrange(keys.dead_letters(keys.batch_stream(MODEL, broken_entry)))]
     assert dead[b"custom_id"] == b"x0" and b"the worker could not take it: KeyError('expires_at')" in dead[b"error"]
     assert batches.num_counted(r, broken_sink) == 0  # its result was never acked: it returns after the lease
-    assert r.xpending(keys.stream(MODEL), keys.CONSUMER_GROUP)["pending"] == 1
+    assert r.xpending(keys.batch_stream(MODEL, broken_sink), keys.CONSUMER_GROUP)["pending"] == 1

@@ -78,7 +78,7 @@ def test_a_bad_or_unsupported_schema_is_a_line_error_at_submit(tmp_path, redis_s
 
     assert submit_cli([str(path), "--redis-url", redis_server.url, "--model", MODEL, "--skip-invalid"]) == 0
     batch_id = capsys.readouterr().out.split()[0]
-    assert [fields[b"custom_id"].decode() for _, fields in r.xrange(keys.stream(MODEL))] == ["good"]
+    assert [fields[b"custom_id"].decode() for _, fields in r.xrange(keys.batch_stream(MODEL, batch_id))] == ["good"]
     assert batches.batch_object(r, batch_id)["request_counts"] == {"total": 2, "completed": 0, "failed": 1}
     error = json.loads(open_storage("redis", r).get_result(batch_id, "bad"))["error"]
     assert error["code"] == "invalid_request" and message in error["message"]

@@ -66,7 +66,9 @@ def test_batch_completes_with_greedy_outputs_equal_to_llm_generate(worker, r, ti
     reference = llm.generate([template_ids], SamplingParams(temperature=0, max_tokens=9), use_tqdm=False)[0]
     assert chat_line["response"]["body"]["object"] == "chat.completion"
     assert chat_line["response"]["body"]["choices"][0]["message"]["content"] == reference.text
-    assert r.xpending(keys.stream(MODEL), keys.CONSUMER_GROUP)["pending"] == 0
+    # Ended batches leave no queue behind: finalize retired their streams (jobs/queues.py).
+    assert not r.exists(keys.batch_stream(MODEL, batch_id), keys.batch_stream(MODEL, chat_batch))
+    assert r.zcard(keys.queues(MODEL)) == 0
 
 
 def test_bad_requests_become_error_lines_and_the_worker_survives(worker, r):
@@ -79,10 +81,10 @@ def test_bad_requests_become_error_lines_and_the_worker_survives(worker, r):
         completion("ok-2", "Memory is the scarce thing"),
     ])
     # A poison entry that never went through submit: its line is not even JSON.
-    r.xadd(keys.stream(MODEL), {"batch_id": batch_id, "custom_id": "poison", "line_number": 9, "line": "{oops"})
+    r.xadd(keys.batch_stream(MODEL, batch_id), {"batch_id": batch_id, "custom_id": "poison", "line_number": 9, "line": "{oops"})
     r.hincrby(keys.batch(batch_id), "total", 1)
-    # And one with no batch at all: it can only go to the dead letters.
-    r.xadd(keys.stream(MODEL), {"garbage": "1"})
+    # And one that is no entry at all: it can only go to the dead letters.
+    r.xadd(keys.batch_stream(MODEL, batch_id), {"garbage": "1"})
     batch = run_until(worker, r, [batch_id])[batch_id]
     assert batch["status"] == "completed"
     assert batch["request_counts"] == {"total": 5, "completed": 2, "failed": 3}
@@ -92,7 +94,7 @@ def test_bad_requests_become_error_lines_and_the_worker_survives(worker, r):
     assert errors["bad-token"]["code"] == "invalid_request"
     assert "token ids must be integers in [0, 512)" in errors["bad-token"]["message"]
     assert errors["poison"]["code"] == "invalid_request" and "not valid JSON" in errors["poison"]["message"]
-    dead = r.xrange(keys.dead_letters(keys.stream(MODEL)))
+    dead = r.xrange(keys.dead_letters(keys.batch_stream(MODEL, batch_id)))
     assert len(dead) == 1 and dead[0][1][b"error"] == b"malformed stream entry"
     # The worker carries on with the next batch.
     after = submit_lines(r, [completion("later", "Questions and answers")])
@@ -148,7 +150,7 @@ def test_s3_outage_mid_batch_lands_everything_exactly_once(worker, r, s3_server,
         worker.run_once()
     during = batches.batch_object(r, batch_id)["request_counts"]["completed"]
     assert during < 24 and worker.batch_lane.flusher, "results must wait for S3, not be acknowledged"
-    pending = r.xpending(keys.stream(MODEL), keys.CONSUMER_GROUP)["pending"]
+    pending = r.xpending(keys.batch_stream(MODEL, batch_id), keys.CONSUMER_GROUP)["pending"]
     assert pending >= len(worker.batch_lane.flusher)  # nothing acked before it is durable
     restarted = S3Server(port=s3_server.port).start()  # moto keeps its buckets in-process
     try:

@@ -1,0 +1,80 @@
+"""When an open batch will finish at the fleet's current rate: the kvfleet extension fields
+`eta_at` (unix seconds, or null when nothing tells) and `at_risk` of the batch object.
+
+Two estimates, the first that has something to go on:
+
+  * the batch's own pace, once it has results: its remaining requests at the rate it has
+    counted them since it was created (queue time included, so early on it errs late);
+  * before that, the fleet's: the tokens left in its tenant's batches for the model due no
+    later than it (itself included; fair share runs them first), over the rate the live
+    workers of the model finish batch work (their heartbeats' batch_tokens_per_s) times the
+    tenant's share (its weight over those of the tenants with work queued for the model).
+    Tokens are counted as fair share counts them: prompt + max output (jobs/tenants.py).
+
+`at_risk` is eta_at past the deadline (expires_at): flagged as soon as the pace says so, not
+at the deadline. A batch no worker serves has no ETA and is not flagged: autoscaling may start
+one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from jobs import heartbeats, queues, tenants
+from jobs.tenants import DEFAULT_TENANT
+
+LoadMany = Callable[[redis.Redis, list[str]], list[dict[str, Any] | None]]
+
+
+def remaining(fields: dict[str, Any]) -> int:
+    return max(0, fields["total"] - fields["completed"] - fields["failed"])
+
+
+def remaining_tokens(fields: dict[str, Any]) -> float:
+    total = fields["total"]
+    return int(fields.get("estimated_tokens") or 0) * remaining(fields) / total if total else 0.0
+
+
+def tenant_of(fields: dict[str, Any]) -> str:
+    return fields.get("tenant") or DEFAULT_TENANT
+
+
+def eta(r: redis.Redis, fields: dict[str, Any], load_many: LoadMany, now: float | None = None) -> float | None:
+    """Unix seconds when the open batch should be done; None when nothing tells."""
+    now = time.time() if now is None else now
+    left = remaining(fields)
+    if not left:
+        return now
+    counted = fields["total"] - left
+    if counted and now > fields["created_at"]:
+        return now + left * (now - fields["created_at"]) / counted
+    return fleet_eta(r, fields, load_many, now)
+
+
+def fleet_eta(r: redis.Redis, fields: dict[str, Any], load_many: LoadMany, now: float) -> float | None:
+    model = fields["model"]
+    rate = sum(worker.get("batch_tokens_per_s", 0.0) for worker in heartbeats.live_workers(r)
+               if model in worker["models"])
+    if rate <= 0:
+        return None
+    batch_ids = sorted({queue.batch_id for queue in queues.registered(r, [model])} - {fields["id"]})
+    queued = [f for f in load_many(r, batch_ids) if f and remaining(f)] + [fields]
+    weights = tenants.weights(r)
+    tenant = tenant_of(fields)
+    share = weights.get(tenant, 1.0) / sum(weights.get(t, 1.0) for t in {tenant_of(f) for f in queued})
+    ahead = sum(remaining_tokens(f) for f in queued
+                if tenant_of(f) == tenant and f["expires_at"] <= fields["expires_at"])
+    return now + ahead / (rate * share)
+
+
+def annotate(r: redis.Redis, fields: dict[str, Any], load_many: LoadMany) -> dict[str, Any]:
+    """`fields` with eta_at and at_risk set (an ended batch has neither)."""
+    if fields["status"] not in ("validating", "in_progress"):
+        return {**fields, "eta_at": None, "at_risk": False}
+    eta_at = eta(r, fields, load_many)
+    return {**fields, "eta_at": None if eta_at is None else int(eta_at),
+            "at_risk": eta_at is not None and eta_at > fields["expires_at"]}

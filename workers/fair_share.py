@@ -1,0 +1,99 @@
+"""Which batch queues a worker reads next: weighted fair share across tenants, counted in
+tokens, then earliest deadline first.
+
+Each tenant has a virtual clock: the tokens (prompt + max output) of the batch work this
+worker started for it, divided by its weight. The next entry comes from the backlogged
+tenant whose clock is furthest behind (start-time fair queuing; deficit round-robin does
+the same in rounds, AIBrix's virtual token counter per request). A clock within SLACK_ENTRIES
+of a tenant's entries of the furthest behind counts as even, and among even tenants the
+earliest deadline goes first: fairness first, then deadlines, so a tight window overtakes a
+loose one of another tenant only while both are at their share. Within a tenant, its
+batches go by deadline.
+
+Idle time earns no credit: a tenant that becomes backlogged again starts at the lowest
+clock among the tenants that stayed backlogged, so it neither takes back the share it gave
+away nor starves the others in a burst. Online requests are not in this: their lane is
+pulled first, by priority, whatever the batch shares.
+
+Each worker keeps its own clocks. Every worker splits its own work by the weights, so the
+fleet does too, with no coordination; a worker that restarts starts even.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jobs.queues import Queue
+
+SLACK_ENTRIES = 1.0  # a tenant this many of its own entries ahead of the furthest behind is still even
+DEFAULT_TOKENS_PER_ENTRY = 512.0  # until a tenant's first entry is charged
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A queue with new entries, whose they are, and how many it may give now."""
+
+    queue: Queue
+    tenant: str
+    weight: float
+    room: int
+
+
+class FairShare:
+    def __init__(self, slack_entries: float = SLACK_ENTRIES, smoothing: float = 0.2) -> None:
+        self.slack_entries, self.smoothing = slack_entries, smoothing
+        self.clock: dict[str, float] = {}  # tenant -> tokens started / weight
+        self.tokens_per_entry: dict[str, float] = {}  # tenant -> running estimate
+        self.backlogged: set[str] = set()  # tenants with new entries at the last plan
+
+    def plan(self, candidates: list[Candidate], count: int) -> list[tuple[Queue, int]]:
+        """Up to `count` entries over the candidates: [(queue, how many)]."""
+        by_tenant: dict[str, list[Candidate]] = {}
+        for candidate in sorted(candidates, key=lambda c: (c.queue.deadline, c.queue.stream)):
+            if candidate.room > 0:
+                by_tenant.setdefault(candidate.tenant, []).append(candidate)
+        self._start_clocks(set(by_tenant))
+        clocks = {tenant: self.clock[tenant] for tenant in by_tenant}
+        heads = dict.fromkeys(by_tenant, 0)  # tenant -> index of its earliest queue with room
+        planned: dict[str, int] = {}
+        for _ in range(count):
+            live = [tenant for tenant, queues in by_tenant.items() if heads[tenant] < len(queues)]
+            if not live:
+                break
+            tenant = self._next_tenant({t: by_tenant[t][heads[t]] for t in live}, clocks)
+            candidate = by_tenant[tenant][heads[tenant]]
+            stream = candidate.queue.stream
+            planned[stream] = planned.get(stream, 0) + 1
+            if planned[stream] >= candidate.room:
+                heads[tenant] += 1
+            clocks[tenant] += self.expected_tokens(tenant) / candidate.weight
+        queues = {c.queue.stream: c.queue for c in candidates}
+        return [(queues[stream], num) for stream, num in planned.items()]
+
+    def _next_tenant(self, heads: dict[str, Candidate], clocks: dict[str, float]) -> str:
+        """The earliest deadline among the tenants even with the furthest behind."""
+        floor = min(clocks[tenant] for tenant in heads)
+        even = [tenant for tenant, head in heads.items()
+                if clocks[tenant] <= floor + self.slack_entries * self.expected_tokens(tenant) / head.weight]
+        return min(even, key=lambda tenant: (heads[tenant].queue.deadline, clocks[tenant], tenant))
+
+    def _start_clocks(self, backlogged: set[str]) -> None:
+        """Tenants backlogged anew start at the lowest clock of those that stayed backlogged
+        (or of the last backlogged ones); with nobody backlogged before, everyone starts even."""
+        if not self.backlogged:
+            self.clock = dict.fromkeys(self.clock, 0.0)
+        stayed = [self.clock[t] for t in self.backlogged & backlogged] or [self.clock[t] for t in self.backlogged]
+        floor = min(stayed, default=0.0)
+        for tenant in backlogged - self.backlogged:
+            self.clock[tenant] = max(self.clock.get(tenant, 0.0), floor)
+        self.backlogged = backlogged
+
+    def expected_tokens(self, tenant: str) -> float:
+        return self.tokens_per_entry.get(tenant, DEFAULT_TOKENS_PER_ENTRY)
+
+    def charge(self, tenant: str, weight: float, num_tokens: int) -> None:
+        """Work of `num_tokens` (prompt + max output) started for `tenant`."""
+        self.clock[tenant] = self.clock.get(tenant, 0.0) + num_tokens / weight
+        estimate = self.tokens_per_entry.get(tenant)
+        self.tokens_per_entry[tenant] = num_tokens if estimate is None else (
+            estimate + self.smoothing * (num_tokens - estimate))
