@@ -115,13 +115,14 @@ def measure_real_path(url: str, admins: list[redis.Redis], model_dir: str, num_r
 def broker_client(url: str, index: int, seconds: float, batch_size: int, results: multiprocessing.Queue) -> None:
     """The broker side of the path with no model: submit, pull, record + ack, finalize."""
     r = redis.Redis.from_url(url)
-    stream, consumer, storage = keys.stream(MODEL), f"client-{index}", RedisStorage(r)
+    consumer, storage = f"client-{index}", RedisStorage(r)
     usage, body = Usage(12, 4), {"object": "text_completion", "choices": [{"index": 0, "text": "four words of text",
                                                                            "finish_reason": "length"}]}
     done, deadline, rounds, batch_ids = 0, time.monotonic() + seconds, 0, []
     while time.monotonic() < deadline:
         batch_lines = lines(batch_size, f"c{index}-{rounds}")
         batch_id = submit(r, lambda batch_lines=batch_lines: batch_lines, model=MODEL).batch_id
+        stream = keys.batch_stream(MODEL, batch_id)  # each batch has its own (jobs/queues.py)
         rounds += 1
         while True:
             entries = stream_ops.pull(r, consumer, 64, 60_000, [], [stream], None)
@@ -140,7 +141,6 @@ def broker_client(url: str, index: int, seconds: float, batch_size: int, results
 def measure_capacity(url: str, clients: int, seconds: float) -> dict:
     admin = redis.Redis.from_url(url)
     admins = [admin]
-    stream_ops.ensure_group(admin, keys.stream(MODEL))
     results = multiprocessing.Queue()
     before = Snapshot(admins)
     started = time.perf_counter()

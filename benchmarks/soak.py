@@ -31,7 +31,7 @@ import redis
 
 from benchmarks.common import print_summary
 from engine.demo_model import demo_config, write_checkpoint
-from jobs import batches, keys
+from jobs import batches, keys, queues
 from jobs.local_redis import RedisServer, free_port
 
 MODEL = "soak"
@@ -130,7 +130,7 @@ def main() -> None:
                 "requests_per_s": (done - last_done) / (now - last_time),
                 "rss_bytes": {name: rss_bytes(p.pid) for name, p in processes.items()},
                 "redis_used_memory": int(r.info("memory")["used_memory"]),
-                "stream_length": r.xlen(keys.stream(MODEL)),
+                "stream_length": sum(r.xlen(q.stream) for q in queues.registered(r, [MODEL])),
             })
             last_time, last_done = now, done
             q = quarters[-1]

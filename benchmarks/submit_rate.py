@@ -17,7 +17,7 @@ from pathlib import Path
 import redis
 
 from benchmarks.common import print_summary
-from jobs import keys
+from jobs import keys, queues
 from jobs.local_redis import RedisServer
 from producers.ingest import submit
 
@@ -48,9 +48,11 @@ def main() -> None:
             start = time.perf_counter()
             submission = submit(r, source, model="bench")
             elapsed = time.perf_counter() - start
-            assert submission.num_enqueued == args.num_lines == r.xlen(keys.stream("bench"))
+            assert submission.num_enqueued == args.num_lines == r.xlen(keys.batch_stream("bench",
+                                                                                      submission.batch_id))
         finally:
-            r.delete(keys.stream("bench"))
+            for queue in queues.registered(r, ["bench"]):
+                r.delete(queue.stream)
             if server:
                 server.kill()
     rate = args.num_lines / elapsed

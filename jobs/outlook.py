@@ -24,7 +24,7 @@ from typing import Any
 
 import redis
 
-from jobs import heartbeats, queues, tenants
+from jobs import heartbeats, keys, queues, tenants
 from jobs.tenants import DEFAULT_TENANT
 
 LoadMany = Callable[[redis.Redis, list[str]], list[dict[str, Any] | None]]
@@ -78,3 +78,27 @@ def annotate(r: redis.Redis, fields: dict[str, Any], load_many: LoadMany) -> dic
     eta_at = eta(r, fields, load_many)
     return {**fields, "eta_at": None if eta_at is None else int(eta_at),
             "at_risk": eta_at is not None and eta_at > fields["expires_at"]}
+
+
+def tenant_shares(r: redis.Redis, load_many: LoadMany) -> list[dict[str, Any]]:
+    """Per tenant with open batches, for the admin's console: its weight, its share of the
+    batch work now (its weight over those of the tenants with requests queued; 0 with none),
+    its requests left, open batches, next deadline and batches at risk."""
+    batch_ids = sorted(batch_id.decode() for batch_id in r.smembers(keys.OPEN_BATCHES))
+    open_batches = [f for f in load_many(r, batch_ids) if f and f["status"] in ("validating", "in_progress")]
+    weights = tenants.weights(r)
+    rows: dict[str, dict[str, Any]] = {}
+    for fields in open_batches:
+        row = rows.setdefault(tenant_of(fields), {"tenant": tenant_of(fields), "weight": 0.0, "share": 0.0,
+                                                  "remaining": 0, "batches": 0, "next_deadline": None,
+                                                  "at_risk": 0})
+        row["remaining"] += remaining(fields)
+        row["batches"] += 1
+        row["next_deadline"] = min(fields["expires_at"], row["next_deadline"] or fields["expires_at"])
+        row["at_risk"] += annotate(r, fields, load_many)["at_risk"]
+    for row in rows.values():
+        row["weight"] = weights.get(row["tenant"], 1.0)
+    total = sum(row["weight"] for row in rows.values() if row["remaining"])
+    for row in rows.values():
+        row["share"] = row["weight"] / total if row["remaining"] else 0.0
+    return sorted(rows.values(), key=lambda row: row["tenant"])

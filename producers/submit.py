@@ -2,7 +2,8 @@
 
     python -m producers.submit FILE.jsonl [--model M] [--endpoint /v1/completions]
         [--output redis|s3://bucket/prefix|file:///dir] [--completion-window 24h]
-        [--metadata k=v ...] [--batch-id ID] [--skip-invalid] [--require-worker] [--wait] [--json]
+        [--metadata k=v ...] [--batch-id ID] [--tenant NAME] [--skip-invalid] [--require-worker]
+        [--wait] [--json]
 
 Validates the whole file first (streaming). Any invalid line is printed as
 FILE:LINE: field: message and nothing is enqueued (exit 1), unless
@@ -10,7 +11,9 @@ FILE:LINE: field: message and nothing is enqueued (exit 1), unless
 requests. Prints the batch id; --json prints the batch object as the last line.
 Re-running with the same --batch-id enqueues nothing twice. When no live worker
 serves the batch's model, a warning names the models that live workers do serve;
---require-worker makes that an error (exit 2, nothing enqueued).
+--require-worker makes that an error (exit 2, nothing enqueued). --tenant files the batch
+as that tenant's (its fair share, its console and API view); this command writes to Redis
+directly, as the operator, so the tenant's API quotas do not apply to it.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from jobs import batches, heartbeats, keys
 from jobs.connection import REDIS_URL_HELP, connect
 from jobs.schemas import ENDPOINTS, MAX_REPORTED_ERRORS
 from jobs.storage import allowed_outputs, check_output_allowed, default_output, validate_sink
+from jobs.tenants import DEFAULT_TENANT, TENANT_NAME
 from producers.ingest import submit
 from producers.status import watch
 
@@ -57,6 +61,12 @@ def parse_metadata(pairs: list[str]) -> dict[str, str]:
     return metadata
 
 
+def tenant_argument(value: str) -> str:
+    if not TENANT_NAME.match(value):
+        raise argparse.ArgumentTypeError("must be 1-64 letters, digits, '_', '.' or '-'")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m producers.submit", description=__doc__.split("\n\n")[0])
     parser.add_argument("file")
@@ -70,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--batch-id", type=batch_id_argument,
                         help="letters, digits, '_' and '-'; re-running with the same id enqueues nothing twice")
+    parser.add_argument("--tenant", type=tenant_argument, default=DEFAULT_TENANT,
+                        help="the tenant the batch belongs to (jobs/tenants.py); default: default")
     parser.add_argument("--skip-invalid", action="store_true")
     parser.add_argument("--require-worker", action="store_true",
                         help="fail (exit 2) instead of warning when no live worker serves the model")
@@ -113,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         submission = submit(r, source, batch_id=args.batch_id, endpoint=args.endpoint, model=args.model,
                             sink=args.output, completion_window=args.completion_window,
                             metadata=parse_metadata(args.metadata), skip_invalid=args.skip_invalid,
-                            on_progress=progress.update,
+                            on_progress=progress.update, tenant=args.tenant,
                             before_enqueue=lambda report: check_served(r, report.model, args.require_worker))
     except NoWorkerServes as error:
         print(f"error: {error}; nothing enqueued", file=sys.stderr)

@@ -151,8 +151,9 @@ class BatchLane(Lane):
 
     def charge(self, work: BatchWork) -> None:
         """Count started work against its tenant's share."""
-        tenant = self.tenant_of(work.batch_id) or DEFAULT_TENANT
-        self.fair_share.charge(tenant, self.served.weights.get(tenant, 1.0), self.cost(work))
+        tenant, cost = self.tenant_of(work.batch_id) or DEFAULT_TENANT, self.cost(work)
+        self.fair_share.charge(tenant, self.served.weights.get(tenant, 1.0), cost)
+        self.config.metrics.count_tenant_tokens(tenant, cost)
 
     def cost(self, work: Work) -> int:
         """The tokens a request may take: its prompt and max_tokens for each choice."""

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from engine import EmbeddingRequestOutput, EngineStats, RequestOutput
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
+MAX_TENANT_LABELS = 32
 TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5)
 
 
@@ -53,9 +54,13 @@ class WorkerMetrics:
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self._add_fleet_counters(counter)
-        self._success = Counter("kvfleet:request_success", "Finished requests by finish reason",
-                                [*names, "lane", "finished_reason"], registry=self.registry)
+        self._success, self._tenant_tokens = (
+            Counter("kvfleet:request_success", "Finished requests by finish reason", [*names, "lane", "finished_reason"],
+                    registry=self.registry),
+            Counter("kvfleet:batch_tenant_tokens", "Batch work started, in fair-share tokens (prompt + max output), "
+                    "by tenant: the split fair share made", [*names, "tenant"], registry=self.registry))
         self._labels = labels
+        self._tenant_labels: set[str] = set()
         self.time_to_first_token = per_lane(Histogram, "time_to_first_token_seconds",
                                             "Engine arrival to first token", buckets=LATENCY_BUCKETS)
         self.inter_token_latency = per_lane(Histogram, "inter_token_latency_seconds", "Between consecutive tokens",
@@ -68,13 +73,13 @@ class WorkerMetrics:
         self.wall_offset = time.time() - time.monotonic()  # the engine's monotonic times -> wall-clock
         self.num_generation_tokens = 0  # both lanes: the heartbeat's tokens/s
         self._token_samples: deque[tuple[float, int]] = deque()
+
+    def _add_fleet_counters(self, counter) -> None:
+        """Resumes, recomputation and prefix affinity: the work of the fleet, not of one request."""
         # Batch work finished, in fair-share tokens (prompt + max output): the heartbeat's
         # batch_tokens_per_s, the rate a batch's ETA is reckoned at (jobs/outlook.py).
         self.num_batch_work_tokens = 0
         self._work_samples: deque[tuple[float, int]] = deque()
-
-    def _add_fleet_counters(self, counter) -> None:
-        """Resumes, recomputation and prefix affinity: the work of the fleet, not of one request."""
         self.resumed_requests = counter("resumed_requests", "Requests continued from a checkpoint another run saved")
         self.resumed_tokens = counter("resumed_tokens", "Generated tokens resumed requests did not have to generate "
                                       "again (they are prefilled instead)")
@@ -94,6 +99,14 @@ class WorkerMetrics:
     def batch_tokens_per_s(self, now: float, window_seconds: float = 60.0) -> float:
         """Batch work finished per second, in fair-share tokens; once per heartbeat."""
         return rate_over(self._work_samples, now, self.num_batch_work_tokens, window_seconds)
+
+    def count_tenant_tokens(self, tenant: str, num_tokens: int) -> None:
+        """Batch work started for `tenant`. The label is bounded: past MAX_TENANT_LABELS tenants,
+        the rest count as "other" (a tenant name is the operator's, but not a small set)."""
+        if tenant not in self._tenant_labels and len(self._tenant_labels) >= MAX_TENANT_LABELS:
+            tenant = "other"
+        self._tenant_labels.add(tenant)
+        self._tenant_tokens.labels(**self._labels, tenant=tenant).inc(num_tokens)
 
     def observe_resumed(self, num_tokens: int) -> None:
         self.resumed_requests.inc()

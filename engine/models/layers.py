@@ -211,8 +211,7 @@ class LowPrecisionLinear(nn.Module):
                                                                   requires_grad=False)
         self.activation = activation
         self.packed_weight = None
-        if weight.device.type == "cpu" and dtype == torch.bfloat16 and hasattr(torch.ops.mkldnn,
-                                                                                "_reorder_linear_weight"):
+        if weight.device.type == "cpu" and dtype == torch.bfloat16 and onednn_bf16_supported():
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1024)  # opaque blocked order
         else:
             self.weight = nn.Parameter(weight, requires_grad=False)
@@ -242,8 +241,15 @@ def cpu_has_native_bf16() -> bool:
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
+def onednn_bf16_supported() -> bool:
+    """oneDNN has a bf16 matmul on this CPU (avx512bw/vl/dq, or avx_ne_convert): a bf16
+    weight can be packed. Without it, bf16 linears run torch's own (emulated, slow) kernels."""
+    return hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def can_use_onednn_linear(device: torch.device, dtype: torch.dtype) -> bool:
-    supported = dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_has_native_bf16())
+    supported = dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_has_native_bf16()
+                                           and onednn_bf16_supported())
     return device.type == "cpu" and supported and torch.backends.mkldnn.is_available() \
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 

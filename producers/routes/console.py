@@ -26,7 +26,7 @@ from fastapi.templating import Jinja2Templates
 from itsdangerous import BadSignature, URLSafeTimedSerializer
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 
-from jobs import batches, dead_letters, heartbeats
+from jobs import batches, dead_letters, heartbeats, outlook
 from jobs.files import FileNotFound, file_object, owned_file, read_file, read_lines
 from jobs.results import is_error_line
 from jobs.storage import find_result, result_stores
@@ -155,11 +155,14 @@ def batch_list(request: Request, r: RedisDep, services: ServicesDep, caller: Con
             continue
         batch = batches.openai_object(r, fields)
         rate = services.batch_rates.rate(batch)
-        rows.append({"batch": batch, "rate": rate, "eta": eta_seconds(batch, rate),
-                     "tenant": fields.get("tenant") or DEFAULT_TENANT})
+        eta = batch["eta_at"] - time.time() if batch["eta_at"] is not None else eta_seconds(batch, rate)
+        rows.append({"batch": batch, "rate": rate, "eta": eta, "tenant": fields.get("tenant") or DEFAULT_TENANT})
         if len(rows) >= limit:
             break
-    return page(request, "batches.html", rows=rows, status=status, statuses=STATUSES)
+    # The admin of a fleet with tenants sees each one's share, queue and deadlines first.
+    shares = outlook.tenant_shares(r, batches.load_many) if caller.is_admin and not key_ring_from_env().is_open \
+        else None
+    return page(request, "batches.html", rows=rows, status=status, statuses=STATUSES, shares=shares)
 
 
 @router.get("/batches/{batch_id}")

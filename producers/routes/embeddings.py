@@ -16,15 +16,14 @@ from producers.dependencies import ServicesDep, SettingsDep
 from producers.errors import error_body
 from producers.online_replies import EventOrder, event_error
 from producers.routes import v1_router
-from producers.routes.online import Cancelled, enqueue, finish, first_events, next_events
+from producers.routes.online import Cancelled, enqueue_when_allowed, finish, first_events, next_events
 
 router = v1_router("embeddings")
 
 
 @router.post("/embeddings", summary="Create embeddings (online, through the queue)")
 async def create_embeddings(body: OnlineEmbeddingBody, request: Request, services: ServicesDep, settings: SettingsDep):
-    entry, is_cold = await run_in_threadpool(enqueue, services, settings, EMBEDDINGS, body,
-                                             request.state.caller.tenant)
+    entry, is_cold = await enqueue_when_allowed(services, settings, EMBEDDINGS, body, request.state.caller.tenant)
     services.online_stats.arrived()
     is_complete = False
     try:

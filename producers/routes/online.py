@@ -44,6 +44,7 @@ from producers.routes.models import model_not_found
 log = logging.getLogger("kvfleet.api")
 router = v1_router("online")
 READ_BLOCK_MS = 500  # between two looks at the client and the clock
+THROTTLE_POLL_SECONDS = 0.05  # between two tries of a request its tenant's max_inflight_tokens holds back
 
 
 class Cancelled(Exception):
@@ -83,18 +84,43 @@ def enqueue(services: Services, settings: Settings, url: str, body: OnlineFields
                         now + settings.request_timeout, now,
                         prefixes.encode(prefixes.prefix_hashes(prefixes.prompt_text(batch_body))), tenant.name)
     tokens = tokens_of(entry)
-    held = tenants.reserve_tokens(r, tenant, entry.request_id, tokens, entry.deadline)
-    if held is None:
-        raise APIError(429, f"Tenant {tenant.name!r} has {tenants.inflight_tokens(r, tenant.name)} online tokens in "
-                            f"flight; this request's {tokens} more would pass its max_inflight_tokens of "
-                            f"{tenant.max_inflight_tokens}.", "quota_exceeded", "max_inflight_tokens",
-                       kind="rate_limit_error")
+    if tenant.max_inflight_tokens is not None and tokens > tenant.max_inflight_tokens:
+        raise APIError(429, f"This request's {tokens} tokens (prompt + max_tokens, estimated) are more than tenant "
+                            f"{tenant.name!r}'s max_inflight_tokens of {tenant.max_inflight_tokens}: it can never "
+                            "run; lower max_tokens.", "quota_exceeded", "max_inflight_tokens", kind="rate_limit_error")
+    if tenants.reserve_tokens(r, tenant, entry.request_id, tokens, entry.deadline) is None:
+        raise Throttled(APIError(
+            429, f"Tenant {tenant.name!r} had {tenants.inflight_tokens(r, tenant.name)} online tokens in flight "
+                 f"until this request's timeout; its {tokens} more would pass max_inflight_tokens of "
+                 f"{tenant.max_inflight_tokens}.", "quota_exceeded", "max_inflight_tokens", kind="rate_limit_error"))
     try:
         online.enqueue(r, model, entry)
     except BaseException:
         tenants.release_tokens(r, entry.tenant, entry.request_id, tokens)
         raise
     return entry, is_cold
+
+
+class Throttled(Exception):
+    """The tenant's online tokens in flight are at max_inflight_tokens: the request waits."""
+
+    def __init__(self, error: APIError) -> None:
+        super().__init__(error.message)
+        self.error = error  # the answer if it is still throttled at its timeout
+
+
+async def enqueue_when_allowed(services: Services, settings: Settings, url: str, body: OnlineFields,
+                               tenant: Tenant) -> tuple[OnlineEntry, bool]:
+    """`enqueue`, waiting while the tenant is at its max_inflight_tokens: its requests queue
+    up here, in no worker's way, until tokens in flight are freed or the request times out."""
+    give_up_at = time.monotonic() + settings.request_timeout
+    while True:
+        try:
+            return await run_in_threadpool(enqueue, services, settings, url, body, tenant)
+        except Throttled as throttled:
+            if time.monotonic() >= give_up_at:
+                raise throttled.error from None
+            await asyncio.sleep(THROTTLE_POLL_SECONDS)
 
 
 def tokens_of(entry: OnlineEntry) -> int:
@@ -166,7 +192,7 @@ async def first_events(services: Services, settings: Settings, entry: OnlineEntr
 
 
 async def answer(url: str, body: OnlineFields, request: Request, services: Services, settings: Settings):
-    entry, is_cold = await run_in_threadpool(enqueue, services, settings, url, body, request.state.caller.tenant)
+    entry, is_cold = await enqueue_when_allowed(services, settings, url, body, request.state.caller.tenant)
     services.online_stats.arrived()
     is_complete = is_handed_over = False
     try:

