@@ -232,9 +232,10 @@ def batch_object(r: redis.Redis, batch_id: str) -> dict[str, Any]:
     return openai_object(r, load_fields(r, batch_id))
 
 
-def openai_object(r: redis.Redis, fields: dict[str, Any]) -> dict[str, Any]:
-    """load_fields' fields as OpenAI's batch object, with kvfleet's eta_at and at_risk."""
-    return as_openai(outlook.annotate(r, fields, load_many))
+def openai_object(r: redis.Redis, fields: dict[str, Any], view: outlook.FleetView | None = None) -> dict[str, Any]:
+    """load_fields' fields as OpenAI's batch object, with kvfleet's eta_at and at_risk; pass one
+    `view` for the batches of one page, so the fleet's numbers are read once."""
+    return as_openai(outlook.annotate(fields, view or outlook.FleetView(r, load_many)))
 
 
 def as_openai(f: dict[str, Any]) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import time
 import redis
 from tqdm import tqdm
 
-from jobs import batches, keys
+from jobs import batches, keys, outlook
 from jobs.connection import REDIS_URL_HELP, connect
 
 
@@ -102,8 +102,9 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, r: redis.Red
     if args.batch_id is None:
         if args.watch:
             parser.error("--watch needs a BATCH_ID")
-        # None: listed while being created or deleted
-        rows = [batches.openai_object(r, fields) for fields in batches.load_many(r, batches.list_batch_ids(r, limit=args.limit))
+        view = outlook.FleetView(r, batches.load_many)  # the fleet's numbers, read once for the table
+        rows = [batches.openai_object(r, fields, view)  # None: listed while being created or deleted
+                for fields in batches.load_many(r, batches.list_batch_ids(r, limit=args.limit))
                 if fields is not None]
         print(json.dumps(rows) if args.json else table(rows) if rows else "no batches")
         return 0

@@ -13,7 +13,7 @@ from fastapi import Query
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from jobs import batches, heartbeats, retention
+from jobs import batches, heartbeats, outlook, retention
 from jobs.files import FileNotFound, owned_file, read_lines
 from jobs.schemas import ENDPOINTS
 from jobs.storage import allowed_outputs, check_output_allowed, default_output, find_result
@@ -116,7 +116,8 @@ def list_batches(r: RedisDep, caller: CallerDep, after: str | None = None,
         ids = batches.list_batch_ids(r, after, limit + 1, tenant=caller.listed_tenant)
     except batches.BatchNotFound:
         raise APIError(404, f"No batch found with id '{after}'.", "batch_not_found", "after") from None
-    data = [batches.openai_object(r, fields) for fields in batches.load_many(r, ids[:limit]) if fields is not None]
+    view = outlook.FleetView(r, batches.load_many)  # the fleet's numbers, read once for the page
+    data = [batches.openai_object(r, fields, view) for fields in batches.load_many(r, ids[:limit]) if fields is not None]
     return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
             "last_id": data[-1]["id"] if data else None, "has_more": len(ids) > limit}
 

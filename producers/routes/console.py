@@ -147,13 +147,13 @@ def script():
 @router.get("/batches")
 def batch_list(request: Request, r: RedisDep, services: ServicesDep, caller: ConsoleCaller,
                status: str | None = None, limit: int = 50):
-    rows = []
+    rows, view = [], outlook.FleetView(r, batches.load_many)  # the fleet's numbers, read once for the page
     batch_ids = batches.list_batch_ids(r, limit=200 if status else min(limit, 200),
                                        tenant=caller.listed_tenant)
     for fields in batches.load_many(r, batch_ids):
         if fields is None or (status and fields["status"] != status):  # None: listed while being created
             continue
-        batch = batches.openai_object(r, fields)
+        batch = batches.openai_object(r, fields, view)
         rate = services.batch_rates.rate(batch)
         eta = batch["eta_at"] - time.time() if batch["eta_at"] is not None else eta_seconds(batch, rate)
         rows.append({"batch": batch, "rate": rate, "eta": eta, "tenant": fields.get("tenant") or DEFAULT_TENANT})

@@ -48,9 +48,9 @@ def test_before_any_result_the_fleet_rate_and_the_tenant_s_share_decide(r):
     fields = batches.load_fields(r, mine)
     now = time.time()
     # (2000 + 3000 tokens ahead) / (100 tokens/s x 1/2) = 100 s: inside 2 minutes.
-    assert outlook.eta(r, fields, batches.load_many, now) == pytest.approx(now + 100)
+    assert outlook.eta(fields, outlook.FleetView(r, batches.load_many), now) == pytest.approx(now + 100)
     r.hset(keys.TENANT_WEIGHTS, mapping={"acme": "3"})  # acme's share 3/4: 5000 / 75 = 66.7 s
-    assert outlook.eta(r, fields, batches.load_many, now) == pytest.approx(now + 5000 / 75)
+    assert outlook.eta(fields, outlook.FleetView(r, batches.load_many), now) == pytest.approx(now + 5000 / 75)
     r.hset(keys.TENANT_WEIGHTS, mapping={"acme": "0.25"})  # 1/5: 5000 / 20 = 250 s, past the deadline
     assert batches.batch_object(r, mine)["at_risk"] is True
     assert batches.batch_object(r, earlier)["at_risk"] is True  # 2000 / 20 = 100 s > 1 minute
