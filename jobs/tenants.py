@@ -80,6 +80,11 @@ class KeyRing:
     def is_open(self) -> bool:
         return not self.by_hash
 
+    @property
+    def has_tenants(self) -> bool:
+        """More than one team holds keys (KVFLEET_API_KEYS is set), not one team's single key."""
+        return len({caller.tenant.name for caller in self.by_hash.values()}) > 1
+
     def caller(self, token: str) -> Caller | None:
         """The caller a bearer token stands for; None: no such key."""
         if self.is_open:

@@ -160,7 +160,7 @@ def batch_list(request: Request, r: RedisDep, services: ServicesDep, caller: Con
         if len(rows) >= limit:
             break
     # The admin of a fleet with tenants sees each one's share, queue and deadlines first.
-    shares = outlook.tenant_shares(r, batches.load_many) if caller.is_admin and not key_ring_from_env().is_open \
+    shares = outlook.tenant_shares(r, batches.load_many) if caller.is_admin and key_ring_from_env().has_tenants \
         else None
     return page(request, "batches.html", rows=rows, status=status, statuses=STATUSES, shares=shares)
 
