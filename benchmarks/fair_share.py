@@ -4,7 +4,7 @@
     python -m benchmarks.fair_share [--big 5000] [--small 250] [--window 30]
 
 Runs, each on a fresh Redis:
-  * alone:   tenant B's 250 lines on half the fleet (one worker of two): the time to beat;
+  * alone:   tenant B's 250 lines on half the fleet (one worker of two, on its own cores): the time to beat;
   * shared:  tenants A (weight 1, 5,000 lines) and B (weight 1, 250) submit at once to the
              whole fleet (two workers); B's time to done. Goal: <= 1.3x alone;
   * in line: the same two batches as one tenant's, A due first: what one stream in arrival
@@ -40,6 +40,8 @@ from jobs.local_redis import RedisServer
 from producers.ingest import submit
 
 MODEL = "bench"
+FLEET_WORKERS = 2
+RUNS = ("alone", "shared", "in line", "weights", "deadlines")
 
 
 def lines(tenant: str, n: int) -> list[bytes]:
@@ -48,7 +50,8 @@ def lines(tenant: str, n: int) -> list[bytes]:
 
 
 class Fleet:
-    """A Redis, `workers` worker processes each on its own cores, and a finalizer."""
+    """A Redis, worker processes each on its own cores (the first `workers` shares of a
+    two-worker fleet's), and a finalizer."""
 
     def __init__(self, model: str, workers: int, folder: Path) -> None:
         self.server = RedisServer(folder / "redis").start()
@@ -56,9 +59,10 @@ class Fleet:
         self.processes = [subprocess.Popen(
             [sys.executable, "-m", "workers", "--model", model, "--served-model-name", MODEL, "--redis-url",
              self.server.url, "--name", f"w{i}", "--max-num-seqs", "16", "--log-level", "WARNING"],
-            preexec_fn=lambda cpus=cpus: os.sched_setaffinity(0, cpus)) for i, cpus in enumerate(worker_cpus(workers))]
+            preexec_fn=lambda cpus=cpus: os.sched_setaffinity(0, cpus))
+            for i, cpus in enumerate(worker_cpus(FLEET_WORKERS)[:workers])]  # alone: half the fleet's cores
         self.processes.append(subprocess.Popen([sys.executable, "-m", "workers.finalizer", "--redis-url",
-                                                self.server.url], stdout=subprocess.DEVNULL))
+                                                self.server.url], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         while not all(self.r.exists(keys.worker(f"w{i}")) for i in range(workers)):
             self.check()
             time.sleep(0.2)
@@ -151,36 +155,42 @@ def main() -> None:
     parser.add_argument("--big", type=int, default=5000)
     parser.add_argument("--small", type=int, default=250)
     parser.add_argument("--window", type=float, default=30.0, help="seconds the weighted split is measured over")
-    parser.add_argument("--skip-in-line", action="store_true", help="skip the arrival-order run (the slowest)")
-    parser.add_argument("--skip-deadlines", action="store_true", help="skip the 2-minute deadline run")
+    parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=RUNS,
+                        help="which runs ('in line' is the slowest: all of A first)")
     args = parser.parse_args()
     runs: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as folder:
-        runs["alone"] = time_small(args.model, Path(folder) / "alone", 1, 0, args.small, False)
-        runs["shared"] = time_small(args.model, Path(folder) / "shared", 2, args.big, args.small, False)
-        if not args.skip_in_line:
-            runs["in line"] = time_small(args.model, Path(folder) / "in-line", 2, args.big, args.small, True)
-        runs["weights"] = weighted_split(args.model, Path(folder) / "weights", args.big, args.window)
-        if not args.skip_deadlines:
-            runs["deadlines"] = deadlines(args.model, Path(folder) / "deadlines", args.big, args.small, args.big)
+        for name in args.runs:
+            where = Path(folder) / name.replace(" ", "-")
+            if name == "weights":
+                runs[name] = weighted_split(args.model, where, args.big, args.window)
+            elif name == "deadlines":
+                runs[name] = deadlines(args.model, where, args.big, args.small, args.big)
+            else:
+                alone = name == "alone"
+                runs[name] = time_small(args.model, where, 1 if alone else FLEET_WORKERS, 0 if alone else args.big,
+                                        args.small, same_tenant=name == "in line")
     for name in ("alone", "shared", "in line"):
         if name in runs:
             print(f"{name:8s} B's {args.small} lines done in {runs[name]['small_seconds']:7.1f} s "
                   f"(A's lines done meanwhile: {runs[name]['big_done_meanwhile']})")
-    slowdown = runs["shared"]["small_seconds"] / runs["alone"]["small_seconds"]
-    split = runs["weights"]["split"]
-    print(f"B shared / alone at half the fleet: {slowdown:.2f}x (goal <= 1.3x)")
-    if "in line" in runs:
+    summary = {"benchmark": "fair_share", "big": args.big, "small": args.small, "runs": runs}
+    if "alone" in runs and "shared" in runs:
+        summary["shared_over_alone"] = runs["shared"]["small_seconds"] / runs["alone"]["small_seconds"]
+        print(f"B shared / alone at half the fleet: {summary['shared_over_alone']:.2f}x (goal <= 1.3x)")
+    if "alone" in runs and "in line" in runs:
         print(f"B in line / alone:                  {runs['in line']['small_seconds'] / runs['alone']['small_seconds']:.2f}x")
-    print(f"weights 3:1, requests done A:B:     {split:.2f}:1 over {args.window:.0f} s (goal 3 +- 0.3)")
+    if "weights" in runs:
+        summary["weighted_split"] = runs["weights"]["split"]
+        print(f"weights 3:1, requests done A:B:     {summary['weighted_split']:.2f}:1 over {args.window:.0f} s "
+              "(goal 3 +- 0.3)")
     if "deadlines" in runs:
         d = runs["deadlines"]
         print(f"deadlines: 2-minute batch {d['urgent_status']} with {d['urgent_seconds_before_deadline']:.0f} s "
               f"to spare; 1-minute batch of {args.big} {d['doomed_status']} {d['doomed_ended_seconds_after_deadline']}"
               f" s after its deadline (goal <= 10), flagged at risk {d['doomed_flagged_seconds_before_deadline']} s "
               f"before it, {d['doomed_completed']} results kept")
-    print_summary({"benchmark": "fair_share", "big": args.big, "small": args.small, "runs": runs,
-                   "shared_over_alone": slowdown, "weighted_split": split})
+    print_summary(summary)
 
 
 if __name__ == "__main__":
