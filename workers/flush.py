@@ -112,7 +112,8 @@ class ResultFlusher:
             recorded = record_result(self.r, storage, result.batch_id, result.line, result.usage, ack=ack,
                                      owner=self.consumer)
             if not recorded.is_owner:
-                log.warning("%s: %s was taken over by another worker; its result here is not counted",
+                log.warning("%s: %s is no longer this worker's (another worker took it over, or the sweep "
+                            "settled it at its batch's deadline); its result here is not counted",
                             self.consumer, result.entry_id)
         except OUTAGE_ERRORS:
             raise  # Redis holds every target's bookkeeping: the loop backs off

@@ -211,7 +211,9 @@ class Worker:
         num_lost = sum(lane.lose(stream, entry_id) for stream, entry_id in self.leases.take_lost()
                        for lane in self.lanes)
         if num_lost:
-            log.warning("%s: %d entries were taken over by other workers; aborted here", self.options.name, num_lost)
+            log.warning("%s: %d entries are no longer this worker's (taken over by another worker, settled by the "
+                        "sweep at their batch's deadline, or their batch ended); aborted here", self.options.name,
+                        num_lost)
 
     def _maintain(self) -> None:
         now = time.monotonic()
