@@ -35,10 +35,6 @@ class Queue:
     def batch_id(self) -> str:
         return keys.batch_of_stream(self.stream)
 
-    @property
-    def has_new(self) -> bool:
-        return self.lag is None or self.lag > 0
-
 
 def ensure_group(r: redis.Redis, stream: str) -> None:
     """The consumer group of `stream`, reading from its start; the stream is made if need be."""

@@ -118,12 +118,9 @@ class BatchLane(Lane):
         """Entries of dead workers (idle past the lease), up to `count`."""
         entries: list[tuple] = []
         for stream in streams:
-            try:
+            with gone_streams_skipped():
                 entries += [(stream, *entry) for entry in stream_ops.reclaim_stale(
                     self.r, stream, self.config.consumer, self.config.lease_ms, count - len(entries))]
-            except redis.ResponseError as error:
-                if not stream_ops.is_gone(error):
-                    raise
         return entries
 
     def candidates(self, queues: list[Queue], count: int) -> list[Candidate]:

@@ -22,6 +22,7 @@ from collections import defaultdict
 import redis
 
 from jobs import keys
+from workers import stream_ops
 
 log = logging.getLogger("kvfleet.worker")
 
@@ -58,7 +59,7 @@ def renew(r: redis.Redis, consumer: str, held: list[tuple[str, str]]) -> set[tup
                              *entry_ids)
     lost = set()
     for (stream, entry_ids), reply in zip(by_stream.items(), pipe.execute(raise_on_error=False)):
-        if isinstance(reply, redis.ResponseError):  # NOGROUP: its batch ended and its stream is gone
+        if isinstance(reply, redis.ResponseError) and stream_ops.is_gone(reply):  # its batch ended
             reply = entry_ids
         elif isinstance(reply, Exception):
             raise reply

@@ -176,7 +176,7 @@ class Worker:
             except OUTAGE_ERRORS as error:
                 self._back_off(f"redis: {error}")
             except redis.ResponseError as error:
-                if "NOGROUP" not in str(error) and "no such key" not in str(error):
+                if not stream_ops.is_gone(error):
                     raise
                 self.is_group_ready = self.health.is_joined = False  # the stream or group was deleted: again
                 self._back_off(f"redis: {error}")
