@@ -1,12 +1,39 @@
 """CPU layers in native code (csrc/cpu_layers.cpp, in the library kernels/cpu_paged_attention.py
-builds): RMSNorm fused with the residual add before it, for bf16 and fp16 models, and
-LayerNorm fused with it for encoders whose matmuls run in bf16 around an fp32 residual stream."""
+builds): RMSNorm fused with the residual add before it, SiLU-and-mul and rotary embedding in
+place, for bf16 and fp16 models, and LayerNorm fused with the residual add for encoders whose
+matmuls run in bf16 around an fp32 residual stream."""
 
 from __future__ import annotations
 
 import torch
 
 from kernels.cpu_paged_attention import load_error
+
+
+def _check_built() -> None:
+    error = load_error()
+    if error is not None:
+        raise RuntimeError(f"the native CPU kernels could not be built: {error}")
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, 2 * width] bf16/fp16 (gate, then up) -> silu(gate) * up [rows, width], rounded
+    as transformers' act(gate) * up is (vLLM's silu_and_mul)."""
+    _check_built()
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = x.new_empty((x.shape[0], x.shape[1] // 2))
+    torch.ops.kvfleet_cpu.silu_and_mul(out, x)
+    return out
+
+
+def rotary_in_place(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half rotary on query [T, Hq, D] and key [T, Hkv, D] (bf16/fp16, dense heads) in
+    place, cos/sin rows [max_positions, D] fp32 picked by positions [T] and rounded to the
+    dtype, as kernels.reference.rotary after transformers' cast. Returns (query, key)."""
+    _check_built()
+    torch.ops.kvfleet_cpu.rotary_in_place(query, key, positions.contiguous(), cos, sin)
+    return query, key
 
 
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
@@ -30,9 +57,7 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
     """LayerNorm(x + residual) in fp32, and its copy in `low_dtype` (bf16 or fp16), in one pass:
     x [rows, hidden] fp32/bf16/fp16, residual fp32 like it or None, weight and bias fp32 [hidden].
     Returns (normed fp32, normed in low_dtype)."""
-    error = load_error()
-    if error is not None:
-        raise RuntimeError(f"the native CPU kernels could not be built: {error}")
+    _check_built()
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty(x.shape, dtype=torch.float32)
     out_low = torch.empty(x.shape, dtype=low_dtype)

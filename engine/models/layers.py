@@ -65,6 +65,7 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"rope_type {self.rope_type!r} is not supported; supported: {self.STATIC_TYPES}")
         factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
         self.rotary_dim = int(head_dim * factor)
+        self.head_dim = head_dim
         init_args = {"layer_type": layer_type} if layer_type is not None else {}
         if self.rope_type == "default":
             theta = params["rope_theta"]
@@ -86,6 +87,13 @@ class RotaryEmbedding(nn.Module):
             self.register_buffer("long_cos", long_cos, persistent=False)
             self.register_buffer("long_sin", long_sin, persistent=False)
         self.kernel = reference.rotary
+        # (positions, query, key, cos, sin) -> rotated in place from the fp32 tables, where a
+        # native kernel has it (use_cpu_layers): whole-head rotary without long factors only.
+        self.fused = None
+
+    @property
+    def can_fuse(self) -> bool:
+        return self.rotary_dim == self.head_dim and self.long_rope_after is None
 
     @staticmethod
     def tables(inv_freq: torch.Tensor, scaling: float, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,6 +105,8 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                 seq_lens: torch.Tensor | None = None):
         """positions [T]; query [T, Hq, D]; key [T, Hkv, D]; seq_lens [T] (longrope)"""
+        if self.fused is not None:
+            return self.fused(positions, query, key, self.cos, self.sin)
         cos, sin = self.cos[positions], self.sin[positions]  # [T, rotary_dim]
         if self.long_rope_after is not None and seq_lens is not None:
             use_long = (seq_lens > self.long_rope_after)[:, None]
@@ -127,14 +137,19 @@ def use_triton_layers(model: nn.Module) -> None:
 
 
 def use_cpu_layers(model: nn.Module) -> None:
-    """Route every RMSNorm of a bf16 or fp16 model through the native CPU kernel that fuses
-    it with its residual add (kernels/cpu_layers.py): one pass per row, where the torch
-    path makes eight over the whole step and allocates a temporary for each."""
-    from kernels.cpu_layers import add_rms_norm  # noqa: PLC0415 (builds the native library)
+    """Route the elementwise layers of a bf16 or fp16 model through native CPU kernels
+    (kernels/cpu_layers.py), each one pass over its rows where the torch path makes several
+    over the whole step and allocates a temporary for each: every RMSNorm with its residual
+    add, SiLU-and-mul in gated MLPs, and whole-head rotary embedding."""
+    from kernels.cpu_layers import add_rms_norm, rotary_in_place, silu_and_mul  # noqa: PLC0415 (builds the library)
 
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.kernel = add_rms_norm
+        elif isinstance(module, RotaryEmbedding) and module.can_fuse:
+            module.fused = rotary_in_place
+        elif getattr(module, "activation", None) in ("silu", "swish") and hasattr(module, "act_and_mul"):
+            module.act_and_mul = silu_and_mul
 
 
 class OneDNNLinear(nn.Module):

@@ -81,9 +81,15 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = parallel.divide(config.intermediate_size, parallel.tp_size(), "intermediate_size")
         self.gate_up_proj = merged_column_linear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
         self.down_proj = row_parallel_linear(config.intermediate_size, config.hidden_size, bias=bias)
-        self.act = ACT2FN[activation or config.hidden_act]
+        self.activation = activation or config.hidden_act
+        self.act = ACT2FN[self.activation]
+        # gate_up [T, 2 * I] -> act(gate) * up [T, I] in one pass, where a native kernel has it
+        # (engine/models/layers.py: use_cpu_layers); None: the torch ops below.
+        self.act_and_mul = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act_and_mul is not None:
+            return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)
 

@@ -72,3 +72,63 @@ def test_add_layer_norm_reads_strided_rows_and_refuses_what_it_cannot():
         add_layer_norm(wide[:, :32], None, weight.bfloat16(), bias, 1e-5, torch.bfloat16)
     with pytest.raises(RuntimeError, match="out_low must be bf16 or fp16"):
         add_layer_norm(wide[:, :32], None, weight, bias, 1e-5, torch.float64)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows, width", [(1, 1536), (37, 1536), (300, 40), (3, 7)])
+def test_silu_and_mul_rounds_where_transformers_does(dtype, rows, width):
+    """transformers' LlamaMLP: act(gate) * up on the halves of gate_up, each op rounding to the
+    dtype. The kernel's exp is a polynomial: an fp32 SiLU sitting within its error of a
+    rounding boundary may land one ulp away, and the product then up to two (relative to
+    the bottom of its binade)."""
+    from kernels.cpu_layers import silu_and_mul  # noqa: PLC0415
+
+    generator = torch.Generator().manual_seed(rows * width)
+    gate_up = (torch.randn(rows, 2 * width, generator=generator) * 4).to(dtype)
+    gate_up[0, :4] = torch.tensor([0.0, -90.0, 90.0, -0.0])  # e^-|x| underflows at +-90: silu -> 0 and x
+    expected = torch.nn.functional.silu(gate_up[:, :width]) * gate_up[:, width:]
+    got = silu_and_mul(gate_up)
+    assert got.shape == (rows, width) and got.dtype == dtype and got.is_contiguous()
+    torch.testing.assert_close(got, expected, rtol=2 ** -6 if dtype == torch.bfloat16 else 2 ** -9, atol=1e-6)
+    assert (got == expected).float().mean() > 0.999
+    strided = torch.cat([gate_up, gate_up], dim=1)[:, : 2 * width]  # rows 4 * width apart
+    assert torch.equal(silu_and_mul(strided), got)
+
+
+def test_silu_and_mul_refuses_fp32():
+    from kernels.cpu_layers import silu_and_mul  # noqa: PLC0415
+
+    with pytest.raises(RuntimeError, match="silu_and_mul runs bf16 and fp16"):
+        silu_and_mul(torch.ones(2, 8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128, 24])  # 24: the scalar tail only
+def test_rotary_in_place_rounds_where_transformers_does(dtype, head_dim):
+    """As the torch path computes it after RotaryEmbedding's cast: q * cos + rotate_half(q) * sin
+    with cos/sin rounded to the dtype and every op rounding: exact, on strided views into one
+    fused qkv tensor (only q and k turn; v is left as it was)."""
+    from kernels.cpu_layers import rotary_in_place  # noqa: PLC0415
+
+    num_tokens, num_heads, num_kv_heads = 19, 9, 3
+    generator = torch.Generator().manual_seed(head_dim)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=generator)
+    angles = torch.rand(4096, head_dim // 2, generator=generator) * 60
+    cos, sin = torch.cat([angles.cos()] * 2, dim=-1), torch.cat([angles.sin()] * 2, dim=-1)  # [4096, D] fp32
+    qkv = (torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=generator) * 3).to(dtype)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q, k, v = (t.view(num_tokens, -1, head_dim) for t in (q, k, v))
+    expected_q, expected_k = reference.rotary(q, k, cos[positions].to(dtype), sin[positions].to(dtype))
+    v_before = v.clone()
+    got_q, got_k = rotary_in_place(positions, q, k, cos, sin)
+    assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()  # in place
+    assert torch.equal(got_q, expected_q) and torch.equal(got_k, expected_k)
+    assert torch.equal(v, v_before)
+
+
+def test_rotary_in_place_refuses_a_position_past_its_table():
+    from kernels.cpu_layers import rotary_in_place  # noqa: PLC0415
+
+    q, k, table = torch.zeros(2, 1, 8, dtype=torch.bfloat16), torch.zeros(2, 1, 8, dtype=torch.bfloat16), torch.ones(4, 8)
+    with pytest.raises(RuntimeError, match="position 4 is outside the rotary table"):
+        rotary_in_place(torch.tensor([0, 4]), q, k, table, table)

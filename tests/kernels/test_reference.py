@@ -124,7 +124,7 @@ def test_store_kv_writes_exact_slots():
     assert key_cache.abs().sum() == 36
 
 
-@pytest.mark.parametrize("num_cached", [0, 5, 16])
+@pytest.mark.parametrize("num_cached", [0, 5, 7, 8, 16])  # up to 7: unmasked (padded); above: masked
 def test_prefill_attention_over_a_cached_prefix(num_cached):
     num_new, num_heads, num_kv_heads, head_dim = 7, 4, 2, 16
     keys = torch.randn(num_cached + num_new, num_kv_heads, head_dim)
