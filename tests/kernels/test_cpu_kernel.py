@@ -87,6 +87,21 @@ def test_half_precision_caches_accumulate_in_fp32(dtype, context_lens):
     assert (got - expected).abs().max() <= (3e-2 if dtype == torch.bfloat16 else 4e-3)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 80])  # 64, 128: avx512_bf16's dot product where the CPU has it
+@pytest.mark.parametrize("context_lens", [[3, 50, 200], MANY])
+def test_bf16_kernel_is_fp32_attention_over_the_same_bf16_values(head_dim, context_lens):
+    """Against the fp32 reference fed the very bf16 values the kernel reads: what is left is
+    the order of fp32 sums and the output's rounding to bf16 (half an ulp: 2^-9 relative)."""
+    key_cache, value_cache, _, block_tables = paged_setup(context_lens, 16, 3, head_dim)
+    key_cache, value_cache = key_cache.bfloat16(), value_cache.bfloat16()
+    query = torch.randn(len(context_lens), 9, head_dim).bfloat16()
+    lens, scale = torch.tensor(context_lens), 1 / math.sqrt(head_dim)
+    expected = reference.paged_decode_attention(query.float(), key_cache.float(), value_cache.float(), block_tables,
+                                                lens, scale, None)
+    got = paged_decode_attention(query, key_cache, value_cache, block_tables, lens, scale, None).float()
+    torch.testing.assert_close(got, expected, rtol=2**-8, atol=1e-5)
+
+
 def test_writes_into_a_strided_out_and_reads_a_strided_query():
     key_cache, value_cache, _, block_tables = paged_setup([9, 40], 16, 2, 64)
     rows = torch.randn(5, 4, 64)  # the decode rows of a step sit after the prefill rows
