@@ -82,7 +82,8 @@ class TorchAttentionBackend:
                 keys = reference.gather_kv(key_cache, span.block_table, span.context_len)
                 values = reference.gather_kv(value_cache, span.block_table, span.context_len)
             bias = None
-            if reference.needs_prefill_bias(span.num_queries, span.context_len, sliding_window):
+            # Sinks always take the bias (their softmax is spelled out); without them only a mask needs it.
+            if sinks is not None or reference.needs_prefill_bias(span.num_queries, span.context_len, sliding_window):
                 if sliding_window not in span.biases:
                     span.biases[sliding_window] = reference.prefill_bias(
                         span.num_queries, span.context_len, sliding_window, query.dtype, query.device)

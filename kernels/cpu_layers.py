@@ -39,9 +39,7 @@ def rotary_in_place(positions: torch.Tensor, query: torch.Tensor, key: torch.Ten
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """Same contract as kernels.reference.rms_norm, in one pass per row: x, residual [..., hidden]
     bf16 or fp16, weight [hidden]. Returns normed, or (normed, x + residual) with `residual`."""
-    error = load_error()
-    if error is not None:
-        raise RuntimeError(f"the native CPU kernels could not be built: {error}")
+    _check_built()
     shape = x.shape  # [..., hidden]: Qwen3's q/k norms pass [T, heads, head_dim]
     rows = x.reshape(-1, shape[-1])
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
