@@ -4,6 +4,7 @@ from engine.config import EngineConfig
 from engine.embedding_engine import EmbeddingEngine, ProcessedEmbeddingRequest
 from engine.llm import LLM
 from engine.llm_engine import ContextLengthExceeded, EngineStats, LLMEngine, ProcessedRequest
+from engine.lora import LoRARequest
 from engine.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from engine.parallel import ParallelGroupError
 from engine.pooling import PoolingParams
@@ -15,4 +16,4 @@ __all__ = ["LLM", "LLMEngine", "ContextLengthExceeded", "EngineConfig", "EngineS
            "ProcessedRequest", "SampleProgress",
            "RequestOutput", "CompletionOutput", "ParallelGroupError",
            "StructuredOutputsParams", "EmbeddingEngine", "ProcessedEmbeddingRequest", "EmbeddingOutput",
-           "EmbeddingRequestOutput", "PoolingParams", "create_engine", "resolve_task"]
+           "EmbeddingRequestOutput", "PoolingParams", "create_engine", "resolve_task", "LoRARequest"]

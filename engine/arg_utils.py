@@ -47,6 +47,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "(encoders) or last (decoders)")
     group.add_argument("--normalize", action=argparse.BooleanOptionalAction,
                        help="embedding models: L2-normalize; default as the folder's modules.json says")
+    group.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters on the base model")
+    group.add_argument("--max-loras", type=int, default=_DEFAULTS["max_loras"],
+                       help="adapters resident on the device at once (one step mixes at most this many)")
+    group.add_argument("--max-lora-rank", type=int, default=_DEFAULTS["max_lora_rank"],
+                       help="the largest adapter rank accepted")
+    group.add_argument("--max-cpu-loras", type=int, help="adapters kept in host memory; default --max-loras")
     group.add_argument("--tensor-parallel-size", type=int, default=_DEFAULTS["tensor_parallel_size"])
     return parser
 

@@ -74,6 +74,14 @@ class EngineConfig:
     normalize: bool | None = None
     """Embedding models: L2-normalize each embedding; default: as the folder's modules.json says
     (a Normalize module), else no."""
+    enable_lora: bool = False
+    """Serve LoRA adapters on the base weights: requests name one (engine/lora/)."""
+    max_loras: int = 1
+    """Adapters in device slots at once: one step mixes at most this many."""
+    max_lora_rank: int = 16
+    """The largest adapter rank accepted; every slot is sized for it."""
+    max_cpu_loras: int | None = None
+    """Adapters kept in host memory (beyond those live requests use); default max_loras."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -100,5 +108,9 @@ class EngineConfig:
             raise ValueError(f"task must be auto, generate or embed, got {self.task!r}")
         if self.pooling is not None and self.pooling not in ("mean", "cls", "last"):
             raise ValueError(f"pooling must be mean, cls or last, got {self.pooling!r}")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {self.max_loras}, {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")

@@ -7,6 +7,7 @@ from collections.abc import Sequence as SequenceOf
 from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
+from engine.lora.request import LoRARequest
 from engine.outputs import EmbeddingRequestOutput, RequestOutput
 from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
@@ -45,8 +46,10 @@ class LLM:
 
     def generate(self, prompts: Prompt | SequenceOf[Prompt],
                  sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Prompts are strings or token-id lists; one SamplingParams for all, or one each.
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | SequenceOf[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Prompts are strings or token-id lists; one SamplingParams for all, or one each;
+        one LoRARequest for all, or one (or None: the base model) each (enable_lora).
         Every request is validated before any runs; outputs come back in input order."""
         if self.engine.task != "generate":
             raise ValueError(f"generate: {self.engine.config.model} is an embedding model; use embed()")
@@ -56,12 +59,16 @@ class LLM:
             sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_request = [lora_request] * len(prompts)
+        if len(lora_request) != len(prompts):
+            raise ValueError(f"lora_request: {len(lora_request)} given for {len(prompts)} prompts")
         request_ids = []
-        for index, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+        for index, (prompt, params, lora) in enumerate(zip(prompts, sampling_params, lora_request)):
             request_id = str(self._next_id)
             self._next_id += 1
             try:
-                self.engine.add_request(request_id, prompt, params)
+                self.engine.add_request(request_id, prompt, params, lora_request=lora)
             except ValueError as error:
                 for queued in request_ids:  # all or nothing: leave the engine as it was
                     self.engine.abort(queued)

@@ -16,6 +16,7 @@ from engine.checkpoint import (
     load_tokenizer,
 )
 from engine.config import EngineConfig
+from engine.lora.request import LoRARequest
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.postprocess import DeltaTracker, StopChecker, make_request_output, request_metrics
@@ -51,6 +52,7 @@ class ProcessedRequest:
     params: SamplingParams
     arrival_time: float | None
     priority: int
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,9 @@ class EngineStats:
     num_recomputed_tokens: int  # prefilled again after a preemption or a resume (since start)
     num_prefix_queried_tokens: int
     num_prefix_hit_tokens: int
+    num_lora_loads: int = 0  # adapters copied into a device slot (since start)
+    resident_loras: tuple[str, ...] = ()  # the adapters in device slots now
+    busy_loras: tuple[str, ...] = ()  # the adapters of requests waiting or running
 
     @property
     def kv_cache_usage(self) -> float:
@@ -144,21 +149,38 @@ class LLMEngine:
                              f"{params.max_tokens}, n={params.n}) but num_kv_blocks is {self.num_total_blocks}")
 
     def process_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                        arrival_time: float | None = None, priority: int = 0) -> ProcessedRequest:
+                        arrival_time: float | None = None, priority: int = 0,
+                        lora_request: LoRARequest | None = None) -> ProcessedRequest:
         """Tokenize and validate a request without queueing it (vLLM's input processing):
-        raises ValueError, naming the field and the limit, if it can never run here."""
+        raises ValueError, naming the field and the limit, if it can never run here. An
+        adapter is read (or found in the host cache) and checked here, once."""
         params = params or SamplingParams(**self.default_sampling_params)
         prompt_token_ids = self.tokenize(prompt)
         self.validate(prompt_token_ids, params)
+        if lora_request is not None:
+            self.load_lora(lora_request)
         return ProcessedRequest(request_id, prompt if isinstance(prompt, str) else None, prompt_token_ids, params,
-                                arrival_time, priority)
+                                arrival_time, priority, lora_request)
+
+    def load_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter into the host cache; ValueError (LoRALoadError) if it
+        cannot run on this engine."""
+        lora = self.model_runner.lora
+        if lora is None:
+            raise ValueError(f"model: adapter {lora_request.lora_name!r} asked for, but this engine serves no "
+                             "adapters (start it with enable_lora)")
+        pinned = {seq.lora_name for request in self.requests.values() for seq in request.seqs if seq.lora_name}
+        lora.load(lora_request, pinned)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
+                    arrival_time: float | None = None, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> None:
         """Queue a request; raises ValueError (and queues nothing) if it can never run.
         A text prompt is echoed in the output. A lower `priority` runs first (vLLM's
-        priority scheduling); equal priorities run in arrival order."""
-        self.add_processed_request(self.process_request(request_id, prompt, params, arrival_time, priority))
+        priority scheduling); equal priorities run in arrival order. `lora_request`: the
+        adapter it runs with (enable_lora)."""
+        self.add_processed_request(self.process_request(request_id, prompt, params, arrival_time, priority,
+                                                        lora_request))
 
     def add_processed_request(self, request: ProcessedRequest, resume: list[SampleProgress] | None = None) -> None:
         """Queue a request `process_request` validated (a worker validates before it admits).
@@ -168,7 +190,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request.request_id!r} is already running")
         params = request.params
         seq = Sequence(request.request_id, request.prompt_token_ids, params, request.arrival_time,
-                       priority=request.priority)
+                       priority=request.priority, lora_request=request.lora_request)
         if params.structured_outputs is not None:
             seq.grammar = self._structured().start(params.structured_outputs)  # compiles in the background
         seqs = [seq]
@@ -266,4 +288,8 @@ class LLMEngine:
             num_recomputed_tokens=self.scheduler.num_recomputed_tokens,
             num_prefix_queried_tokens=manager.num_prefix_queries,
             num_prefix_hit_tokens=manager.num_prefix_hits,
+            num_lora_loads=lora.num_slot_loads if (lora := self.model_runner.lora) else 0,
+            resident_loras=tuple(name for name in lora.slots if name) if lora else (),
+            busy_loras=tuple(sorted({s.lora_name for s in (*self.scheduler.waiting, *self.scheduler.running)
+                                     if s.lora_name is not None})) if lora else (),
         )

@@ -21,6 +21,8 @@ from engine.config import EngineConfig
 from engine.cpu_runtime import pin_threads
 from engine.kv_cache import KVGroup, kv_groups, pool_sizes
 from engine.loader import load_weights, model_weights
+from engine.lora.manager import LoRAModelManager, SlotTable, lora_step_inputs
+from engine.lora.request import LoRARequest
 from engine.models import get_model_class
 from engine.models.layers import (
     can_use_onednn_linear,
@@ -110,6 +112,7 @@ class ModelRunner:
                 self._stop_shards()
                 raise parallel.ParallelGroupError(f"the tensor-parallel group did not form: {error}") from error
         self.model = self._load_model(hf_config)
+        self.lora, self.lora_slots = self._enable_lora() if config.enable_lora else (None, None)
         self.backend = select_backend(config.attention_backend, self.device)
         if self.backend.name == "triton":
             use_triton_layers(self.model)
@@ -143,6 +146,14 @@ class ModelRunner:
         if counts.experts:
             self.num_active_params += round(counts.experts * active_parameter_fraction(hf_config))
         return model.eval()
+
+    def _enable_lora(self) -> tuple[LoRAModelManager, SlotTable | None]:
+        """LoRA-aware linears in place of the loaded ones (before any kernel swap); rank 0
+        also keeps the slot table."""
+        config = self.config
+        manager = LoRAModelManager(self.model, config.max_loras, config.max_lora_rank,
+                                   config.max_cpu_loras or config.max_loras, self.device, self.dtype)
+        return manager, SlotTable(config.max_loras) if self.rank == 0 else None
 
     @property
     def bytes_per_layer_block(self) -> int:
@@ -209,7 +220,7 @@ class ModelRunner:
                 for sampled in (seq, *batch.forks.get(seq.seq_id, ())):
                     rows.append(row - 1)
                     sampled_seqs.append(sampled)
-        inputs = self._step_inputs(seqs, num_new, batch.block_copies, rows)
+        inputs = self._step_inputs(seqs, num_new, batch.block_copies, rows, batch.running_adapters)
         logits = self.run(inputs) if self.world_size == 1 else self._run_group(inputs)
         if not rows:
             return [], SamplerOutput([], [])
@@ -239,6 +250,10 @@ class ModelRunner:
         for group, source, destination in inputs.copies.tolist():
             cache = self.kv_cache_groups[group]
             cache[:, :, destination].copy_(cache[:, :, source])
+        if self.lora is not None:
+            for slot, name, path in inputs.adapters_to_load():
+                self.lora.activate(slot, LoRARequest(name, 0, path))
+            self.lora.set_mapping(inputs.lora_slots, inputs.lens)
         input_ids, positions, metas = self._prepare_inputs(inputs)
         ctx = ForwardContext(metas[0], self.kv_caches, self.backend, metas, self.layer_groups)
         hidden = self.model(input_ids, positions, ctx)  # [num_tokens, hidden]
@@ -273,7 +288,7 @@ class ModelRunner:
         return tensor.pin_memory().to(self.device, non_blocking=True)
 
     def _step_inputs(self, seqs: list[Sequence], num_new: list[int], copies: list[tuple[int, int, int]],
-                     rows: list[int]) -> StepInputs:
+                     rows: list[int], running_adapters: set[str]) -> StepInputs:
         """What a step needs from the sequences, as host tensors (what rank 0 broadcasts)."""
         input_ids: list[int] = []
         for seq, n in zip(seqs, num_new):
@@ -284,7 +299,8 @@ class ModelRunner:
         return StepInputs(torch.tensor(input_ids), torch.tensor([s.num_computed_tokens for s in seqs]),
                           torch.tensor(num_new), padded_tables([s.block_table for s in seqs]),
                           torch.tensor(copies, dtype=torch.int64).view(-1, 3), torch.tensor(rows, dtype=torch.int64),
-                          torch.tensor([s.num_tokens for s in seqs]), sliding_tables)
+                          torch.tensor([s.num_tokens for s in seqs]), sliding_tables,
+                          *lora_step_inputs(self.lora_slots, seqs, running_adapters))
 
     def _prepare_inputs(self, inputs: StepInputs):
         """Every step input is built on the host and copied to the device once; nothing here

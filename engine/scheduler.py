@@ -43,6 +43,8 @@ class ScheduledBatch:
     forks: dict[str, list[Sequence]] = field(default_factory=dict)
     """n > 1: parent seq_id -> samples forked this step. They share the parent's blocks and
     draw their first token from the parent's logits."""
+    running_adapters: set[str] = field(default_factory=set)
+    """The running sequences' LoRA adapters: their device slots stay, even for those not in this step."""
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -57,6 +59,7 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.enable_chunked_prefill = config.enable_chunked_prefill
+        self.max_loras = config.max_loras if config.enable_lora else 0  # adapters running at once
         self.block_manager = make_block_manager(pools or [(num_kv_blocks, None)], config.block_size,
                                                 config.enable_prefix_caching)
         self.waiting: list[Sequence] = []  # both sorted by Sequence.schedule_key
@@ -70,8 +73,10 @@ class Scheduler:
         self.num_rope_recomputes = 0
 
     def add(self, seq: Sequence) -> None:
-        if self.long_rope_after is not None and seq.num_tokens > self.long_rope_after and seq.cache_salt is None:
-            seq.cache_salt, seq.block_hashes = "long-rope", []  # its blocks never match short-factor ones
+        long_rope = self.long_rope_after is not None and seq.num_tokens > self.long_rope_after
+        if long_rope and not (seq.cache_salt or "").startswith("long-rope"):
+            # its blocks never match short-factor ones (and still not another adapter's)
+            seq.cache_salt, seq.block_hashes = f"long-rope|{seq.cache_salt}", []
         bisect.insort(self.waiting, seq, key=lambda s: s.schedule_key)
 
     def take_failed(self) -> list[Sequence]:
@@ -112,6 +117,7 @@ class Scheduler:
         for children in batch.forks.values():
             for child in children:
                 self._insert_running(child)
+        batch.running_adapters = self.running_adapters() if self.max_loras else set()
         now = time.monotonic()
         for seq in batch.seqs:
             if seq.first_scheduled_time is None:
@@ -126,12 +132,14 @@ class Scheduler:
         or two later it finds the prefix cached. 32 requests of one 1,000-token document
         arriving together prefill it once, not 32 times."""
         in_flight = self._blocks_in_flight()
+        adapters = self.running_adapters()
         index = 0
         while index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[index]
             is_fresh = seq.num_computed_tokens == 0
-            if seq.grammar is not None and not seq.grammar.is_ready():
-                index += 1
+            if seq.grammar is not None and not seq.grammar.is_ready() or \
+                    seq.lora_name is not None and seq.lora_name not in adapters and len(adapters) >= self.max_loras:
+                index += 1  # its grammar compiles, or its adapter waits for a slot (max_loras are running)
                 continue
             cached = self.block_manager.find_cached_prefix(seq) if is_fresh else []
             if is_fresh and len(cached) < len(seq.block_hashes) and seq.block_hashes[len(cached)] in in_flight:
@@ -153,9 +161,15 @@ class Scheduler:
                     seq.num_cached_tokens = num_cached_tokens
                 in_flight.update(seq.block_hashes[len(cached):])
             seq.status = SequenceStatus.RUNNING
+            if seq.lora_name is not None:
+                adapters.add(seq.lora_name)
             self._insert_running(seq)
             self._schedule(seq, num_new, batch)
             budget -= num_new
+
+    def running_adapters(self) -> set[str]:
+        """The adapters of the running sequences: at most max_loras (the device slots)."""
+        return {seq.lora_name for seq in self.running if seq.lora_name is not None}
 
     def _blocks_in_flight(self) -> set[int]:
         """Hashes of the full prompt blocks that running prefills have yet to compute (empty

@@ -6,6 +6,7 @@ import enum
 import itertools
 import time
 
+from engine.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams
 
 _arrival_order = itertools.count()  # breaks ties between equal arrival times
@@ -28,7 +29,8 @@ class Sequence:
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival_time: float | None = None, sample_index: int = 0, priority: int = 0) -> None:
+                 arrival_time: float | None = None, sample_index: int = 0, priority: int = 0,
+                 lora_request: LoRARequest | None = None) -> None:
         self.request_id = request_id
         self.sample_index = sample_index
         self.params = params
@@ -47,9 +49,10 @@ class Sequence:
         self.block_table: list[int] = []
         self.sliding_block_table: list[int] = []  # a hybrid model's sliding layers' pool (engine/block_manager.py)
         self.block_hashes: list[int] = []
+        self.lora_request = lora_request  # the adapter it runs with (engine/lora/), None: the base model
         # Separates prefix-cache namespaces: blocks computed under another salt never match
-        # (a longrope model's long-factor blocks against its short-factor ones).
-        self.cache_salt: str | None = None
+        # (another adapter's; a longrope model's long-factor blocks against its short-factor ones).
+        self.cache_salt: str | None = None if lora_request is None else f"lora:{lora_request.lora_name}"
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
@@ -73,6 +76,10 @@ class Sequence:
     def schedule_key(self) -> tuple[int, float, int]:
         """The scheduler's order: (priority, arrival); the largest key is preempted first."""
         return self.priority, self.arrival_time, self.arrival_order
+
+    @property
+    def lora_name(self) -> str | None:
+        return None if self.lora_request is None else self.lora_request.lora_name
 
     @property
     def num_tokens(self) -> int:
@@ -108,7 +115,7 @@ class Sequence:
     def fork(self, sample_index: int) -> Sequence:
         """A sibling sample: the same prompt and progress; blocks are shared by the caller."""
         child = Sequence(self.request_id, self.prompt_token_ids, self.params, self.arrival_time, sample_index,
-                         self.priority)
+                         self.priority, self.lora_request)
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
         child.cache_salt = self.cache_salt

@@ -28,7 +28,7 @@ from engine import parallel
 from engine.config import EngineConfig
 
 STEP, EXIT = 1, 0
-HEADER_SIZE = 7  # STEP or EXIT, then the sizes of the step's tensors
+HEADER_SIZE = 8  # STEP or EXIT, then the sizes of the step's tensors
 
 
 @dataclass
@@ -41,15 +41,20 @@ class StepInputs:
     rows: torch.Tensor  # [R] rows of the flat batch whose logits are sampled
     seq_lens: torch.Tensor  # [S] tokens per sequence, prompt and output (longrope picks its table by them)
     sliding_block_tables: torch.Tensor  # [S, W'] a hybrid model's sliding pool ([S, 0] otherwise)
+    lora_slots: torch.Tensor  # [S] each sequence's adapter slot, -1: the base model
+    lora_loads: torch.Tensor  # [B] uint8: JSON [[slot, name, path], ...], adapters to load first (engine/lora/)
+
+    def adapters_to_load(self) -> list[tuple[int, str, str]]:
+        return [tuple(load) for load in json.loads(bytes(self.lora_loads.tolist()) or b"[]")]
 
     def broadcast(self, device: torch.device) -> None:
         """Rank 0: send these inputs to every other rank."""
         sizes = [len(self.input_ids), len(self.starts), self.block_tables.shape[1], len(self.copies), len(self.rows),
-                 self.sliding_block_tables.shape[1]]
+                 self.sliding_block_tables.shape[1], len(self.lora_loads)]
         parallel.broadcast(torch.tensor([STEP, *sizes], dtype=torch.int64, device=device))
         parallel.broadcast(torch.cat([self.input_ids, self.starts, self.lens, self.block_tables.flatten(),
                                       self.copies.flatten(), self.rows, self.seq_lens,
-                                      self.sliding_block_tables.flatten()])
+                                      self.sliding_block_tables.flatten(), self.lora_slots, self.lora_loads])
                            .to(device=device, dtype=torch.int64))
 
     @staticmethod
@@ -58,13 +63,14 @@ class StepInputs:
         header = parallel.broadcast(torch.zeros(HEADER_SIZE, dtype=torch.int64, device=device)).tolist()
         if header[0] == EXIT:
             return None
-        num_tokens, num_seqs, width, num_copies, num_rows, sliding_width = header[1:]
+        num_tokens, num_seqs, width, num_copies, num_rows, sliding_width, num_load_bytes = header[1:]
         sizes = [num_tokens, num_seqs, num_seqs, num_seqs * width, 3 * num_copies, num_rows, num_seqs,
-                 num_seqs * sliding_width]
+                 num_seqs * sliding_width, num_seqs, num_load_bytes]
         payload = torch.zeros(sum(sizes), dtype=torch.int64, device=device)
         parts = parallel.broadcast(payload).cpu().split(sizes)
         return StepInputs(parts[0], parts[1], parts[2], parts[3].view(num_seqs, width), parts[4].view(-1, 3),
-                          parts[5], parts[6], parts[7].view(num_seqs, sliding_width))
+                          parts[5], parts[6], parts[7].view(num_seqs, sliding_width), parts[8],
+                          parts[9].to(torch.uint8))
 
 
 def send_exit(device: torch.device) -> None:

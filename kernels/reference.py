@@ -18,23 +18,17 @@ from kernels import cdiv
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Write new K/V rows into their cache slots.
-
-    key, value:             [num_tokens, num_kv_heads, head_dim]
-    key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
-    slot_mapping:           [num_tokens] int64
-    """
+    """Write new K/V rows into their cache slots. key, value: [num_tokens, num_kv_heads,
+    head_dim]; key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim];
+    slot_mapping: [num_tokens] int64."""
     num_kv_heads, head_dim = key.shape[1:]
     key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
-    """One sequence's first context_len K (or V) rows.
-
-    cache: [num_blocks, block_size, num_kv_heads, head_dim]; block_table: [num_blocks_of_seq]
-    returns [context_len, num_kv_heads, head_dim]
-    """
+    """One sequence's first context_len K (or V) rows: cache [num_blocks, block_size,
+    num_kv_heads, head_dim], block_table [num_blocks_of_seq] -> [context_len, Hkv, D]."""
     return cache[block_table].flatten(0, 1)[:context_len]
 
 
@@ -307,11 +301,8 @@ def _decode_per_sequence(query, key_cache, value_cache, block_tables, lens, scal
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """RMSNorm as in transformers (fp32 statistics). With `residual`, first adds it
-    and returns (normed, new_residual).
-
-    x, residual: [num_tokens, hidden]; weight: [hidden]
-    """
+    """RMSNorm as in transformers (fp32 statistics); x, residual [num_tokens, hidden],
+    weight [hidden]. With `residual`, first adds it and returns (normed, new_residual)."""
     if residual is not None:
         x = x + residual
         residual = x
@@ -336,7 +327,6 @@ def rotary(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch
 
 
 # -- mixture of experts -------------------------------------------------------------
-
 
 def gated_activation(gate_up: torch.Tensor, activation: str, swiglu_alpha: float = 1.702,
                      swiglu_limit: float = 7.0) -> torch.Tensor:
@@ -367,11 +357,9 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     topk_weights: [T, k] float; topk_ids: [T, k] int
     returns       [T, H]: sum over j of topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t])
 
-    The T * k (token, choice) rows are sorted by expert and each expert runs two matmuls
-    over its rows: a loop over experts, never over tokens. Contributions are added in
-    expert order, as transformers adds them. `linear(x, weight, bias)` runs each matmul
-    (w13 and w2 may then be lists of whatever it takes, e.g. oneDNN-packed weights).
-    """
+    Rows sorted by expert, two matmuls per expert (a loop over experts, never tokens), added
+    in expert order as transformers adds them; `linear(x, weight, bias)` runs each matmul
+    (w13 and w2 may be lists of what it takes, e.g. oneDNN-packed weights)."""
     num_tokens, top_k = topk_ids.shape
     flat_ids = topk_ids.flatten()  # [T * k], row t * k + j
     order = torch.argsort(flat_ids, stable=True)  # rows grouped by expert, token order within
@@ -390,3 +378,17 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
         start += count
     weighted = (out_rows * topk_weights.flatten()[order, None]).to(hidden.dtype)
     return torch.zeros_like(hidden).index_add_(0, token_of_row, weighted)
+
+
+
+def sgmv(x: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, seg_starts: torch.Tensor,
+         seg_slots: torch.Tensor, accumulate: bool = False) -> torch.Tensor:
+    """Segmented gather matmul (punica's SGMV: the LoRA shrink and expand): segment i's rows of
+    x [T, K] times weights[seg_slots[i]] [N, K].T into out [T, N]; slot -1 leaves its rows be."""
+    bounds = seg_starts.tolist()
+    for index, slot in enumerate(seg_slots.tolist()):
+        rows = slice(bounds[index], bounds[index + 1])
+        if slot >= 0:
+            product = (x[rows].float() @ weights[slot].float().T).to(out.dtype)  # [rows, N]
+            out[rows] = out[rows] + product if accumulate else product
+    return out

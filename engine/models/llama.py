@@ -42,8 +42,9 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         full_q = total_heads * self.head_dim
         kv_rows = (kv_start * self.head_dim, kv_end * self.head_dim)
+        full_kv = config.num_key_value_heads * self.head_dim
         self.qkv_proj = ColumnParallelLinear(config.hidden_size, [parallel.shard_range(full_q), kv_rows, kv_rows],
-                                             bias=self.qkv_bias(config))
+                                             bias=self.qkv_bias(config), full_sizes=[full_q, full_kv, full_kv])
         self.o_proj = row_parallel_linear(full_q, config.hidden_size, bias=self.o_bias(config))
 
     def qkv_bias(self, config) -> bool:

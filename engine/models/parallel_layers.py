@@ -34,9 +34,11 @@ class ColumnParallelLinear(nn.Linear):
     the [start, end) of projection i's output rows this rank holds; the rows sit one
     projection after the other. A plain nn.Linear (on one rank, the whole projections)."""
 
-    def __init__(self, in_features: int, output_ranges: list[tuple[int, int]], bias: bool) -> None:
+    def __init__(self, in_features: int, output_ranges: list[tuple[int, int]], bias: bool,
+                 full_sizes: list[int] | None = None) -> None:
         self.output_ranges = output_ranges
         self.sizes = [end - start for start, end in output_ranges]
+        self.full_sizes = full_sizes or self.sizes  # each projection's whole output (what a LoRA B covers)
         super().__init__(in_features, sum(self.sizes), bias=bias)
         for param in self.parameters():
             set_loader(param, self._load, len(output_ranges))
@@ -50,7 +52,7 @@ class ColumnParallelLinear(nn.Linear):
 
 def merged_column_linear(in_features: int, full_sizes: list[int], bias: bool) -> ColumnParallelLinear:
     """Projections of `full_sizes` output features each, split evenly over the group."""
-    return ColumnParallelLinear(in_features, [parallel.shard_range(size) for size in full_sizes], bias)
+    return ColumnParallelLinear(in_features, [parallel.shard_range(size) for size in full_sizes], bias, full_sizes)
 
 
 class RowParallelLinear(nn.Module):
@@ -59,6 +61,7 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
+        self.in_features = in_features  # the whole input; this rank multiplies columns [start, end)
         self.start, self.end = parallel.shard_range(in_features)
         self.weight = nn.Parameter(torch.empty(out_features, self.end - self.start))  # [out, in / N]
         set_loader(self.weight, lambda param, source, _: copy_checked(param, source[:, self.start:self.end]))

@@ -1,0 +1,204 @@
+"""LoRA-aware linears: the base layer's output plus each token's adapter delta, so one step
+mixes adapters (punica's idea, as vLLM and S-LoRA run it).
+
+Every wrapped linear holds `max_loras` slots of stacked adapter weights, zero where a slot
+is empty or its adapter leaves the module alone:
+
+    lora_a  [L, P * R, in]    slot, (part, rank), input features  (this rank's shard of them)
+    lora_b  [L, out, R]       slot, output features, rank          (part p's rows at its offset)
+
+P is the number of projections the linear merges (q/k/v: 3, gate/up: 2, else 1) and R is
+max_lora_rank; smaller adapters are zero-padded. The delta of a token in slot s is
+
+    shrink:  s_tok = x_tok @ lora_a[s].T           [P * R]
+    expand:  out_tok[part p] += s_tok[p] @ lora_b[s, rows of p].T
+
+Two ways to compute it, chosen like the other layers' kernels:
+- the Triton kernel (kernels/lora.py: SGMV over the step's sequences, each one segment of
+  one slot) on CUDA;
+- on the CPU, every slot's shrink in one matmul ([T, L * P * R]), each token's other slots
+  zeroed, then one expand matmul per part: a few large calls beat one small call per
+  adapter, whose fixed cost dominates at decode sizes.
+Under tensor parallelism an adapter is sharded like the layer it modifies: a column-parallel
+layer keeps its own rows of B (A whole), a row-parallel one its columns of A (B whole), and
+its delta joins the partial product before the all-reduce.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine import parallel
+from engine.lora.peft import LoRAAdapter, TargetModule
+from engine.models.parallel_layers import ColumnParallelLinear, RowParallelLinear
+from kernels import reference
+
+
+class LoRAMapping:
+    """Which slot each token of the step uses; shared by every LoRA layer, set once per step
+    (vLLM's punica wrapper). Slot -1: the base model."""
+
+    def __init__(self, max_loras: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.max_loras, self.device, self.dtype = max_loras, device, dtype
+        self.active = False  # some token of this step uses an adapter
+        self.slot_in_use = torch.zeros(max_loras, dtype=torch.bool)  # host: slots some token uses
+        self.seg_starts = self.seg_slots = self.token_mask = None
+
+    def set(self, seq_slots: torch.Tensor, lens: torch.Tensor) -> None:
+        """seq_slots [S] (host, -1: none), lens [S] tokens of each sequence this step."""
+        used = seq_slots >= 0
+        self.active = bool(used.any())
+        if not self.active:
+            return
+        self.slot_in_use = torch.zeros(self.max_loras, dtype=torch.bool)
+        self.slot_in_use[seq_slots[used]] = True
+        starts = torch.zeros(len(lens) + 1, dtype=torch.int64)
+        starts[1:] = lens.cumsum(0)
+        self.seg_starts, self.seg_slots = starts.to(self.device), seq_slots.to(self.device)
+        token_slots = torch.repeat_interleave(seq_slots, lens)  # [T]
+        mask = torch.zeros(len(token_slots), self.max_loras, dtype=self.dtype)  # [T, L] one-hot, zero rows for -1
+        rows = torch.nonzero(token_slots >= 0).squeeze(1)
+        mask[rows, token_slots[rows]] = 1
+        self.token_mask = mask.to(self.device)
+
+
+class LinearWithLoRA(nn.Module):
+    """A linear (plain, oneDNN-packed, low precision or column-parallel: `base`) plus the
+    LoRA delta. `in_range`: the input features this rank's A columns cover; `out_ranges`:
+    per part, the rows of the part's full output this rank holds (B's rows)."""
+
+    def __init__(self, base: nn.Module, mapping: LoRAMapping, max_rank: int, target: TargetModule,
+                 in_range: tuple[int, int], out_ranges: list[tuple[int, int]]) -> None:
+        super().__init__()
+        self.base, self.mapping, self.max_rank, self.target = base, mapping, max_rank, target
+        self.in_range, self.out_ranges = in_range, out_ranges
+        self.out_sizes = [end - start for start, end in out_ranges]
+        self.out_offsets = [sum(self.out_sizes[:p]) for p in range(len(out_ranges))]
+        num_slots, num_parts = mapping.max_loras, len(out_ranges)
+        factory = {"device": mapping.device, "dtype": mapping.dtype}
+        self.register_buffer("lora_a", torch.zeros(num_slots, num_parts * max_rank, in_range[1] - in_range[0],
+                                                   **factory), persistent=False)
+        self.register_buffer("lora_b", torch.zeros(num_slots, sum(self.out_sizes), max_rank, **factory),
+                             persistent=False)
+        # The CPU path's expand operands, one per part: [L * R, out_p], rebuilt when a slot changes.
+        self.b_parts_t: list[torch.Tensor] = []
+        self.slot_filled = [False] * num_slots  # the slot's adapter modifies this module
+        self.kernel = None  # kernels/lora.py's sgmv once use_triton_kernel() ran; None: the CPU path
+
+    def use_triton_kernel(self) -> None:
+        from kernels.lora import sgmv  # noqa: PLC0415 (imports triton)
+
+        self.kernel = sgmv
+
+    def set_slot(self, slot: int, adapter: LoRAAdapter | None, module_name: str) -> None:
+        """Copy this rank's shard of `adapter`'s weights for this module into `slot` (zeros
+        when it leaves the module alone, or when `adapter` is None: the slot is emptied)."""
+        parts = adapter.modules.get(module_name, {}) if adapter is not None else {}
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        rank, (in_start, in_end) = self.max_rank, self.in_range
+        for part, (a, b) in parts.items():
+            r = a.shape[0]
+            self.lora_a[slot, part * rank: part * rank + r].copy_(a[:, in_start:in_end])
+            start, end = self.out_ranges[part]
+            offset = self.out_offsets[part]
+            self.lora_b[slot, offset: offset + end - start, :r].copy_(b[start:end])
+        self.slot_filled[slot] = bool(parts)
+        self.b_parts_t = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] -> [T, out]"""
+        return self.add_lora(x, self.base(x))
+
+    def add_lora(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out [T, out] plus each token's delta (in place)."""
+        mapping = self.mapping
+        if not mapping.active or not any(f and u for f, u in zip(self.slot_filled, mapping.slot_in_use.tolist())):
+            return out
+        if self.kernel is not None:
+            return self._add_lora_sgmv(x, out)
+        return self._add_lora_stacked(x, out)
+
+    def _add_lora_stacked(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        num_slots, num_parts, rank = self.mapping.max_loras, len(self.out_ranges), self.max_rank
+        shrunk = F.linear(x.to(self.lora_a.dtype), self.lora_a.view(-1, self.lora_a.shape[-1]))  # [T, L * P * R]
+        shrunk = shrunk.view(-1, num_slots, num_parts, rank) * self.mapping.token_mask[:, :, None, None]
+        if not self.b_parts_t:
+            self.b_parts_t = [self.lora_b[:, offset: offset + size].permute(0, 2, 1).reshape(-1, size).contiguous()
+                              for offset, size in zip(self.out_offsets, self.out_sizes)]  # [L * R, out_p]
+        for part, (offset, size) in enumerate(zip(self.out_offsets, self.out_sizes)):
+            delta = shrunk[:, :, part].reshape(-1, num_slots * rank) @ self.b_parts_t[part]  # [T, out_p]
+            out[:, offset: offset + size] += delta.to(out.dtype)
+        return out
+
+    def _add_lora_sgmv(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        mapping, rank = self.mapping, self.max_rank
+        shrunk = torch.zeros(x.shape[0], self.lora_a.shape[1], device=x.device, dtype=self.lora_a.dtype)
+        self.kernel(x.to(self.lora_a.dtype), self.lora_a, shrunk, mapping.seg_starts, mapping.seg_slots)
+        for part, (offset, size) in enumerate(zip(self.out_offsets, self.out_sizes)):
+            self.kernel(shrunk[:, part * rank: (part + 1) * rank], self.lora_b[:, offset: offset + size],
+                        out[:, offset: offset + size], mapping.seg_starts, mapping.seg_slots, accumulate=True)
+        return out
+
+
+class RowParallelLinearWithLoRA(LinearWithLoRA):
+    """A row-parallel base (tensor parallelism): the delta of this rank's input columns joins
+    the partial product, and one all-reduce sums both."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base = self.base
+        partial = self.add_lora(x, F.linear(x, base.weight))
+        out = parallel.all_reduce(partial)
+        return out + base.bias if base.bias is not None else out
+
+
+def reference_delta(x: torch.Tensor, layer: LinearWithLoRA) -> torch.Tensor:
+    """The delta through kernels/reference.py's per-segment loop (the tests' oracle)."""
+    mapping, rank = layer.mapping, layer.max_rank
+    shrunk = reference.sgmv(x, layer.lora_a, torch.zeros(x.shape[0], layer.lora_a.shape[1], dtype=x.dtype),
+                            mapping.seg_starts, mapping.seg_slots)
+    out = torch.zeros(x.shape[0], sum(layer.out_sizes), dtype=x.dtype)
+    for part, (offset, size) in enumerate(zip(layer.out_offsets, layer.out_sizes)):
+        reference.sgmv(shrunk[:, part * rank: (part + 1) * rank], layer.lora_b[:, offset: offset + size],
+                       out[:, offset: offset + size], mapping.seg_starts, mapping.seg_slots, accumulate=True)
+    return out
+
+
+def lora_targets(model: nn.Module) -> dict[str, tuple[nn.Module, nn.Module, str]]:
+    """The linears LoRA applies to: those of the decoder layers (attention and MLP
+    projections), not an MoE's experts or router: engine name -> (parent, linear, attribute)."""
+    targets = {}
+    for parent_name, parent in model.named_modules():
+        for attribute, child in parent.named_children():
+            name = f"{parent_name}.{attribute}" if parent_name else attribute
+            in_layer = ".layers." in f".{name}" and "experts" not in name and attribute not in ("gate", "router")
+            if in_layer and isinstance(child, nn.Linear | RowParallelLinear):
+                targets[name] = (parent, child, attribute)
+    return targets
+
+
+def wrap_lora_layers(model: nn.Module, mapping: LoRAMapping, max_rank: int) -> dict[str, LinearWithLoRA]:
+    """Replace every LoRA target of `model` by its LoRA-aware wrapper; engine name -> wrapper.
+    Runs after the weights loaded (the loader reads the base layers by their own names) and
+    before any kernel swap (a swapped base stays inside its wrapper)."""
+    wrapped = {}
+    for name, (parent, linear, attribute) in lora_targets(model).items():
+        if isinstance(linear, RowParallelLinear):
+            target = TargetModule(linear.in_features, (linear.weight.shape[0],))
+            layer = RowParallelLinearWithLoRA(linear, mapping, max_rank, target, (linear.start, linear.end),
+                                              [(0, linear.weight.shape[0])])
+        elif isinstance(linear, ColumnParallelLinear):
+            target = TargetModule(linear.in_features, tuple(linear.full_sizes))
+            layer = LinearWithLoRA(linear, mapping, max_rank, target, (0, linear.in_features),
+                                   list(linear.output_ranges))
+        else:
+            target = TargetModule(linear.in_features, (linear.out_features,))
+            layer = LinearWithLoRA(linear, mapping, max_rank, target, (0, linear.in_features),
+                                   [(0, linear.out_features)])
+        setattr(parent, attribute, layer)
+        wrapped[name] = layer
+    if not wrapped:
+        raise ValueError(f"enable_lora: {type(model).__name__} has no linear LoRA applies to")
+    return wrapped
