@@ -9,7 +9,8 @@ vLLM's priority policy: with every priority equal that is first come, first serv
     1. Running sequences are served, one decode token each or their next prefill
        chunk. One that cannot get a block makes the last running sequence (lowest
        priority, newest) give up its blocks: preemption by recompute.
-    2. Waiting sequences are admitted in order while their blocks are free.
+    2. Waiting sequences are admitted in order while their blocks are free; one whose LoRA
+       adapter would be one more than max_loras running is passed over until a slot frees.
 
 After the model ran, `postprocess` advances progress, appends the sampled tokens
 and finishes the sequences that stop.

@@ -21,14 +21,17 @@ from jobs import keys
 
 INT_FIELDS = ("free_blocks", "total_blocks", "running", "waiting", "unstarted", "unstarted_blocks_needed",
               "preemptions", "in_flight", "draining", "max_model_len", "tensor_parallel_size", "num_params",
-              "num_active_params")
+              "num_active_params", "lora_loads")
 FLOAT_FIELDS = ("tokens_per_s", "batch_tokens_per_s", "heartbeat_seconds", "started_at")
+# LoRA: served adapter -> [base model, folder]; --lora-resolver prefixes; adapters held (workers/adapters.py)
+JSON_FIELDS = ("lora_parents", "lora_resolvers", "lora_held")
 
 
 def record_heartbeat(r: redis.Redis, name: str, record: dict[str, Any], ttl_seconds: int) -> None:
     """`record["models"]` is the list of served model names; the rest are flat fields."""
     now = time.time()
-    fields = {**record, "name": name, "models": json.dumps(record["models"]), "heartbeat": now}
+    fields = {**record, "name": name, "models": json.dumps(record["models"]), "heartbeat": now,
+              **{key: json.dumps(record[key]) for key in JSON_FIELDS if key in record}}
     pipe = r.pipeline(transaction=True)
     pipe.hset(keys.worker(name), mapping=fields)
     pipe.expire(keys.worker(name), ttl_seconds)
@@ -58,6 +61,9 @@ def live_workers(r: redis.Redis) -> list[dict[str, Any]]:
         record: dict[str, Any] = {k.decode(): v.decode() for k, v in raw.items()}
         record["models"] = json.loads(record.get("models") or "[]")
         record["heartbeat"] = float(record.get("heartbeat") or 0)
+        for field in JSON_FIELDS:
+            if field in record:
+                record[field] = json.loads(record[field])
         for field in INT_FIELDS:
             if field in record:
                 record[field] = int(record[field])
@@ -77,14 +83,39 @@ def is_known_model(r: redis.Redis, model: str, max_age_seconds: float) -> bool:
 
 
 def served_models(r: redis.Redis) -> dict[str, dict[str, Any]]:
-    """Model name -> {"max_model_len", "root", "task", "num_workers", "created"} over the live workers
-    (task: generate or embed)."""
+    """Model name -> {"max_model_len", "root", "parent", "task", "num_workers", "created"} over the
+    live workers (task: generate or embed; a LoRA adapter's parent is its base model, its root
+    its folder)."""
     models: dict[str, dict[str, Any]] = {}
     for worker in live_workers(r):
+        parents = worker.get("lora_parents") or {}
         for model in worker["models"]:
-            entry = models.setdefault(model, {"max_model_len": worker.get("max_model_len"),
-                                              "root": worker.get("root", model), "num_workers": 0,
+            parent, root = parents.get(model) or (None, worker.get("root", model))
+            entry = models.setdefault(model, {"max_model_len": worker.get("max_model_len"), "root": root,
+                                              "parent": parent, "num_workers": 0,
                                               "task": worker.get("task", "generate"),
                                               "created": int(float(worker.get("started_at") or 0))})
             entry["num_workers"] += 1
     return models
+
+
+def adapter_allowed(model: str, prefixes: list[str]) -> bool:
+    """`model` names an adapter under one of the --lora-resolver prefixes: it starts with one,
+    and no '..' segment climbs out of it."""
+    return ".." not in model.split("/") and any(model.startswith(prefix) for prefix in prefixes)
+
+
+def resolve_adapter(r: redis.Redis, model: str) -> str | None:
+    """The base model whose live workers load `model` on demand (it starts with one of their
+    --lora-resolver prefixes), registered so that they serve it; None if no worker would."""
+    for worker in live_workers(r):
+        if worker.get("task", "generate") == "generate" and adapter_allowed(model, worker.get("lora_resolvers") or []):
+            base = worker["models"][0]
+            r.hset(keys.LORA_ADAPTERS, model, base)
+            return base
+    return None
+
+
+def requested_adapters(r: redis.Redis) -> dict[str, str]:
+    """Adapters requests named by path or URI -> their base model (resolve_adapter)."""
+    return {k.decode(): v.decode() for k, v in r.hgetall(keys.LORA_ADAPTERS).items()}

@@ -72,6 +72,7 @@ OPEN_BATCHES = f"{PREFIX}:batches:open"
 EXPIRING_FILES = f"{PREFIX}:files:expiring"  # file id -> its expires_at (jobs/retention.py)
 WORKERS = f"{PREFIX}:workers:{{workers}}"
 MODELS = f"{PREFIX}:models"
+LORA_ADAPTERS = f"{PREFIX}:lora-adapters"  # hash: adapter named by path or URI -> the base model whose workers load it
 NUM_CLUSTER_PARTITIONS = 16
 PARTITION_LINES = 100  # consecutive lines of a batch that share a partition
 _TAG = re.compile(r"\{([^}]*)\}")
@@ -149,6 +150,13 @@ DEAD_LETTERS_PATTERN = f"{PREFIX}:dead:*"
 
 def online_stream(model: str) -> str:
     return f"{PREFIX}:online:{{{model}}}"
+
+
+def model_of_any_stream(stream_key: str) -> str:
+    """The model a batch or online stream's key names."""
+    if stream_key.startswith(f"{PREFIX}:online:{{"):
+        return stream_key[len(PREFIX) + len(":online:{"):-1]
+    return model_of_stream(stream_key)
 
 
 def online_enqueued(model: str, request_id: str) -> str:

@@ -62,6 +62,10 @@ KERNELS = {
           "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "DOT_PRECISION": "tf32"},
          {"ROWS_PER_A_ROW": 1, "GATED": False, "ACTIVATION": 1, "HAS_BIAS": True, "MUL_ROUTED_WEIGHT": True,
           "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "DOT_PRECISION": "tf32"}]),
+    # The LoRA gather matmul (shrink and expand are the same kernel; expand accumulates).
+    "lora_sgmv": ("kernels.lora", "_sgmv_kernel", {
+        "x_ptr": "*T", "w_ptr": "*T", "out_ptr": "*T", "seg_starts_ptr": "*i64", "seg_slots_ptr": "*i64"},
+        [{"ACCUMULATE": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64}]),
     "store_kv": ("kernels.store_kv", "_store_kv_kernel", {
         "key_ptr": "*T", "value_ptr": "*T", "key_cache_ptr": "*T", "value_cache_ptr": "*T",
         "slot_mapping_ptr": "*i64"}, [{"ROW": 1024, "ROW_BLOCK": 1024}, {"ROW": 320, "ROW_BLOCK": 512}]),

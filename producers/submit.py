@@ -42,7 +42,7 @@ class NoWorkerServes(Exception):
 def check_served(r: redis.Redis, model: str, required: bool) -> None:
     """Warn on stderr, or raise NoWorkerServes when required, if no live worker serves `model`."""
     served = heartbeats.served_models(r)
-    if model in served:
+    if model in served or heartbeats.resolve_adapter(r, model) is not None:  # or an adapter loaded on demand
         return
     message = (f"no live worker serves model {model!r}; live workers serve: "
                f"{', '.join(repr(m) for m in sorted(served)) or 'none'}")

@@ -10,7 +10,8 @@ each in its own process with its own timeout, so one failure loses nothing else:
   kernels       pytest tests/kernels on the GPU, without TRITON_INTERPRET
   parity        the engine on the GPU: greedy fp32 token-identical to transformers on the
                 tiny checkpoints of every architecture; bf16 under vLLM's check_logprobs_close
-                rule; the triton backend with preemption and with prefix caching
+                rule; the triton backend with preemption and with prefix caching; two LoRA
+                adapters and the base in one batch (SGMV) against the adapters merged
   kernel_bench  benchmarks/kernels_gpu.py: decode attention against the measured copy
                 bandwidth, prefill TFLOP/s, embeddings' packed (varlen) attention, SDPA as the peer
   engine_bench  benchmarks/engine_gpu.py: a ~1.1B random Llama in bf16 against transformers
@@ -48,7 +49,7 @@ def run_kernels(out: Path, dry_run: bool) -> dict:
                "--ignore=tests/kernels/test_cuda_compile.py", "--ignore=tests/kernels/test_cpu_kernel.py",
                f"--junitxml={out / 'kernels.xml'}"]
     if dry_run:
-        command += ["-k", "store_kv or rms_norm or rotary"]  # the interpreter is slow; the rest run in make test
+        command += ["-k", "store_kv or rms_norm or rotary or sgmv"]  # the interpreter is slow; the rest run in make test
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     print(result.stdout[-4000:], result.stderr[-2000:])
     import xml.etree.ElementTree as ElementTree
@@ -134,15 +135,59 @@ def run_parity(out: Path, dry_run: bool) -> dict:
                                            "num_preemptions": small.engine.stats().num_preemptions}
             report["triton_prefix_cache"] = {"identical": [o.token_ids for o in warm] == cold,
                                              "cached_tokens": sum(o.num_cached_tokens for o in warm)}
+            report["lora"] = lora_parity(model_dir, prompts[:3] if dry_run else prompts, device, backend)
     print(json.dumps(report, indent=2))
     # fp32 may flip a near-tie where summation order differs; vLLM's rule judges it, and
     # fp32_identical reports the exact share.
     failures = [arch for arch, numbers in report.items() if numbers.get("fp32_close", 1) < 1
+                or numbers.get("lora_close", 1) < 1 or numbers.get("lora_changed", 1) == 0
                 or numbers.get("bf16_close", 1) < 1 or numbers.get("identical") is False
                 or numbers.get("num_preemptions", 1) == 0]
     if failures:
         raise SystemExit(f"parity failed for {failures}: {report}")
     return report
+
+
+def lora_parity(model_dir: Path, prompts: list[list[int]], device: str, backend: str) -> dict:
+    """Two random adapters and the base in one batch (the LoRA layers' Triton SGMV on CUDA)
+    against transformers with each adapter merged by hand (W += alpha / r * B @ A: peft is
+    not in a GPU image), under vLLM's close-logprobs rule."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from benchmarks.multi_lora import write_random_adapter
+    from engine import LLM, LoRARequest, SamplingParams
+
+    config, folder = AutoConfig.from_pretrained(model_dir), Path(tempfile.mkdtemp(prefix="kvfleet-lora-"))
+    adapters = [LoRARequest(f"a{i}", i + 1, str(write_random_adapter(folder / f"a{i}", config, 8, seed=i, b_scale=0.2)))
+                for i in range(2)]
+    greedy = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=5)
+    which = [None, *adapters] * (len(prompts) // 3 + 1)
+    llm = LLM(str(model_dir), dtype="float32", device=device, attention_backend=backend, num_kv_blocks=512,
+              enable_lora=True, max_loras=2, max_lora_rank=8)
+    outputs = llm.generate(prompts, greedy, use_tqdm=False, lora_request=which[:len(prompts)])
+    base = llm.generate(prompts, greedy, use_tqdm=False)
+    changed = [o.token_ids != b.token_ids for o, b, lora in zip(outputs, base, which) if lora is not None]
+    close = []
+    for prompt, lora, output in zip(prompts, which, outputs):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        if lora is not None:
+            tensors = load_file(Path(lora.lora_path) / "adapter_model.safetensors")
+            params = dict(model.named_parameters())
+            for name, a in tensors.items():
+                if ".lora_A." in name:
+                    b = tensors[name.replace(".lora_A.", ".lora_B.")]
+                    target = name.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+                    params[target].data += 2.0 * (b @ a)  # lora_alpha = 2 r
+        generated = model.to(device).eval().generate(
+            torch.tensor([prompt], device=device), do_sample=False, max_new_tokens=NUM_TOKENS,
+            min_new_tokens=NUM_TOKENS, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        tops = [set(step[0].float().topk(5).indices.tolist()) for step in generated.logits]
+        close.append(logprobs_close(output.token_ids, [set(p) for p in output.logprobs],
+                                    generated.sequences[0, len(prompt):].tolist(), tops)[0])
+    return {"lora_close": sum(close) / len(close), "lora_changed": sum(changed) / len(changed),
+            "lora_loads": llm.engine.stats().num_lora_loads}
 
 
 def run_benchmark(module: str, out: Path, dry_run: bool) -> dict:

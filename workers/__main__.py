@@ -21,6 +21,7 @@ import logging  # noqa: E402
 import os  # noqa: E402
 import socket  # noqa: E402
 import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 from engine import create_engine  # noqa: E402
 from engine.arg_utils import add_engine_args, engine_config_from_args  # noqa: E402
@@ -28,6 +29,7 @@ from engine.cpu_runtime import pin_threads  # noqa: E402
 from jobs import keys  # noqa: E402
 from jobs.connection import REDIS_URL_HELP, connect  # noqa: E402
 from jobs.preflight import StartupError, check_startup  # noqa: E402
+from workers.adapters import Adapters, parse_lora_modules  # noqa: E402
 from workers.allocator import preloaded_allocator  # noqa: E402
 from workers.health import DEFAULT_STALL_SECONDS, Health, serve  # noqa: E402
 from workers.metrics import WorkerMetrics  # noqa: E402
@@ -70,7 +72,32 @@ def build_parser() -> argparse.ArgumentParser:
     fleet.add_argument("--heartbeat-seconds", type=float, default=1.0,
                        help="how often to heartbeat, renew in-flight leases and check batch status")
     fleet.add_argument("--log-level", default="INFO")
+    lora = parser.add_argument_group("LoRA adapters (with --enable-lora)")
+    lora.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
+                      help="adapters served by name, each a PEFT folder or s3:// URI; a request names one as its "
+                           "model (it is listed by GET /v1/models with this model as its parent)")
+    lora.add_argument("--lora-resolver", action="append", metavar="PREFIX",
+                      help="a request may name an adapter by a folder or s3:// URI that starts with PREFIX; it is "
+                           "loaded on first use (repeat for several prefixes)")
+    lora.add_argument("--lora-cache-dir", help="where s3:// adapters are downloaded; default: a kvfleet-lora-cache "
+                                                "folder in the system's temporary folder")
+    lora.add_argument("--lora-wait-seconds", type=float, default=10.0,
+                      help="an adapter's queued work waits this long for a worker that holds the adapter before "
+                           "any worker loads it (workers/adapters.py)")
     return parser
+
+
+def adapters_from_args(args: argparse.Namespace, base_names: list[str]) -> Adapters | None:
+    """The LoRA adapters to serve; ValueError for a malformed --lora-modules or a missing --enable-lora."""
+    modules = parse_lora_modules(args.lora_modules, base_names)
+    if not (modules or args.lora_resolver):
+        return None
+    if not args.enable_lora:
+        raise ValueError("--lora-modules and --lora-resolver need --enable-lora")
+    adapters = Adapters(modules, list(args.lora_resolver or []))
+    if args.lora_cache_dir:
+        adapters.cache_dir = Path(args.lora_cache_dir)
+    return adapters
 
 
 def served_model_names(args: argparse.Namespace) -> list[str]:
@@ -86,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--prefix-affinity-wait must be >= 0")
     if args.checkpoint_tokens < 0:
         parser.error("--checkpoint-tokens must be >= 0")
+    try:
+        adapters = adapters_from_args(args, served_model_names(args))
+    except ValueError as error:
+        parser.error(str(error))
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     names = served_model_names(args)
     r = connect(args.redis_url)
@@ -108,11 +139,15 @@ def main(argv: list[str] | None = None) -> int:
                             drain_seconds=args.drain_seconds, drain_mode=args.drain_mode,
                             online_reserve=args.online_reserve,
                             checkpoint_tokens=args.checkpoint_tokens, prefix_affinity_wait=args.prefix_affinity_wait,
-                            maintain_seconds=args.heartbeat_seconds)
+                            maintain_seconds=args.heartbeat_seconds, adapters=adapters,
+                            lora_wait_seconds=args.lora_wait_seconds)
     worker = Worker(engine, r, options, metrics, health)
     worker.install_signal_handlers()
     capacity = (f"{engine.num_total_blocks} KV blocks" if engine.task == "generate"
                 else f"embeddings, {engine.config.max_num_batched_tokens} tokens a step")
+    if adapters is not None:
+        capacity += (f"; LoRA adapters {', '.join(map(repr, adapters.modules)) or 'none by name'}, "
+                     f"{engine.config.max_loras} at once, resolving {adapters.resolvers or 'no prefix'}")
     logging.getLogger("kvfleet.worker").info("%s: serving %s from %s with %s; %s", args.name,
                                              ", ".join(map(repr, names)), args.redis_url, capacity,
                                              preloaded_allocator())

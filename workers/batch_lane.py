@@ -28,6 +28,7 @@ from jobs.results import error_line
 from jobs.schemas import MAX_PRIORITY, LineError, Request, parse_line
 from jobs.tenants import DEFAULT_TENANT
 from workers import stream_ops
+from workers.adapters import AdapterPreference
 from workers.affinity import AFFINITY_OFF, Affinity, Forwarded, GroupSummary, claim_groups, forward
 from workers.fair_share import Candidate, FairShare
 from workers.flush import PendingResult, ResultFlusher
@@ -76,6 +77,7 @@ class BatchLane(Lane):
         self.affinity = affinity or Affinity(config.consumer, wait_seconds=0)
         self.forwarded = Forwarded(r, config.consumer)
         self.summary = GroupSummary(r, config.consumer)  # the prefix groups it ran last, published
+        self.adapter_preference: AdapterPreference | None = None  # set by the worker when it serves adapters
         self.fair_share = FairShare()
         self.batch_cache: OrderedDict[str, dict] = OrderedDict()  # LRU, MAX_CACHED_BATCHES
 
@@ -124,11 +126,11 @@ class BatchLane(Lane):
         return entries
 
     def candidates(self, queues: list[Queue], count: int) -> list[Candidate]:
-        """The queues with new entries, with their batch's tenant and its weight."""
+        """The queues with new entries, with their batch's tenant and its weight; of a LoRA
+        adapter's queues, those the adapter preference reads now (workers/adapters.py)."""
         found = []
-        for queue in queues:
-            if not self.served.has_new(queue.stream):
-                continue
+        queues = [queue for queue in queues if self.served.has_new(queue.stream)]
+        for queue in self.preferred_by_adapter(queues):
             tenant = self.tenant_of(queue.batch_id)
             if tenant is None:
                 continue  # deleted: the sweep retires its streams
@@ -136,6 +138,20 @@ class BatchLane(Lane):
             found.append(Candidate(queue, tenant, self.served.weights.get(tenant, 1.0),
                                    count if lag is None else min(count, lag)))
         return found
+
+    def preferred_by_adapter(self, queues: list[Queue]) -> list[Queue]:
+        """The base model's queues, and those of the adapters this worker reads now."""
+        preference, adapters = self.adapter_preference, self.config.adapters
+        if preference is None:
+            return queues
+        models = {queue.stream: self.served.model_of(queue.stream) for queue in queues}
+        wanted = sorted({model for model in models.values() if adapters.is_adapter(model)})
+        if not wanted:
+            return queues
+        stats = self.engine.stats()
+        chosen = preference.choose(wanted, set(stats.resident_loras) | set(stats.busy_loras), set(stats.busy_loras))
+        return [queue for queue in queues if not adapters.is_adapter(models[queue.stream])
+                or models[queue.stream] in chosen]
 
     def tenant_of(self, batch_id: str) -> str | None:
         """The batch's tenant; None if it was deleted. A batch whose hash is broken is the default
@@ -283,7 +299,7 @@ class BatchLane(Lane):
             return None
         try:
             request, processed = self.prepare(engine_request_id(stream, entry_id),
-                                              parse_line(entry.line, entry.line_number))
+                                              parse_line(entry.line, entry.line_number), stream)
         except (LineError, RequestRejected, ValueError) as error:
             line = error_line(entry.custom_id, error_code(error), str(error))
             self.add_result(PendingResult(stream, entry_id, entry.batch_id, line))
@@ -294,11 +310,11 @@ class BatchLane(Lane):
                          + CHECKPOINT_GRACE_SECONDS,
                          batch_id=entry.batch_id, custom_id=entry.custom_id)
 
-    def prepare(self, request_id: str, line: Request) -> tuple[EngineRequest, ProcessedRequest]:
+    def prepare(self, request_id: str, line: Request, stream: str) -> tuple[EngineRequest, ProcessedRequest]:
         """The engine's request for a line, validated (ValueError if it can never run here)."""
         request = to_engine_request(line, self.engine.tokenizer, self.engine.default_sampling_params)
         processed = self.engine.process_request(request_id, request.prompt_token_ids, request.params,
-                                                priority=BATCH_PRIORITY)
+                                                priority=BATCH_PRIORITY, lora_request=self.config.lora_request(stream))
         return request, processed
 
     def _is_settled(self, stream: str, entry_id: str, fields: dict, deliveries: int, entry: BatchEntry) -> bool:

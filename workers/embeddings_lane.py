@@ -42,7 +42,8 @@ class EmbeddingOnlineLane(OnlineLane):
     def pull(self, reclaim: bool) -> int:
         return pull_by_tokens(self, reclaim)
 
-    def prepare(self, request_id: str, entry: OnlineEntry) -> tuple[EmbeddingRequest, ProcessedEmbeddingRequest]:
+    def prepare(self, request_id: str, entry: OnlineEntry,
+                stream: str) -> tuple[EmbeddingRequest, ProcessedEmbeddingRequest]:
         request = to_embedding_request(Request(custom_id=entry.request_id, url=entry.url, body=entry.body))
         return request, self.engine.process_request(request_id, request.inputs, request.params,
                                                     priority=entry.priority)
@@ -60,7 +61,8 @@ class EmbeddingBatchLane(BatchLane):
     def pull(self, reclaim: bool) -> int:
         return pull_by_tokens(self, reclaim)
 
-    def prepare(self, request_id: str, line: Request) -> tuple[EmbeddingRequest, ProcessedEmbeddingRequest]:
+    def prepare(self, request_id: str, line: Request,
+                stream: str) -> tuple[EmbeddingRequest, ProcessedEmbeddingRequest]:
         request = to_embedding_request(line)
         return request, self.engine.process_request(request_id, request.inputs, request.params,
                                                     priority=BATCH_PRIORITY)

@@ -36,8 +36,10 @@ from dataclasses import dataclass, field
 
 import redis
 
-from engine import LLMEngine, ProcessedRequest, RequestOutput, SampleProgress
+from engine import LLMEngine, LoRARequest, ProcessedRequest, RequestOutput, SampleProgress
+from jobs import keys
 from workers import checkpoints, stream_ops
+from workers.adapters import Adapters
 from workers.admission import Admission, TokenBudget
 from workers.metrics import WorkerMetrics
 from workers.translate import EngineRequest
@@ -60,6 +62,11 @@ class LaneConfig:
     metrics: WorkerMetrics
     token_budget: TokenBudget | None = None  # embedding workers: admission by tokens
     checkpoint_tokens: int = 0  # generated tokens between checkpoints; 0: none (embedding workers)
+    adapters: Adapters | None = None  # the LoRA adapters served (workers/adapters.py)
+
+    def lora_request(self, stream: str) -> LoRARequest | None:
+        """The adapter a request from `stream` runs with: its model's, if that is an adapter."""
+        return None if self.adapters is None else self.adapters.request_for(keys.model_of_any_stream(stream))
 
 
 @dataclass

@@ -53,6 +53,8 @@ class WorkerMetrics:
         # vLLM's prefix-cache counters, in tokens: looked up in the cache, and found there.
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.lora_loads = counter("lora_loads", "LoRA adapters copied into a device slot")
+        self.num_loras_resident = gauge("num_loras_resident", "LoRA adapters in device slots")
         self._add_fleet_counters(counter)
         self._success, self._tenant_tokens = (
             Counter("kvfleet:request_success", "Finished requests by finish reason", [*names, "lane", "finished_reason"],
@@ -70,6 +72,7 @@ class WorkerMetrics:
         self.request_queue_time = per_lane(Histogram, "request_queue_time_seconds",
                                            "Stream enqueue to engine start", buckets=LATENCY_BUCKETS)
         self._seen_preemptions = self._seen_prefix_queries = self._seen_prefix_hits = self._seen_recomputed = 0
+        self._seen_lora_loads = 0
         self.wall_offset = time.time() - time.monotonic()  # the engine's monotonic times -> wall-clock
         self.num_generation_tokens = 0  # both lanes: the heartbeat's tokens/s
         self._token_samples: deque[tuple[float, int]] = deque()
@@ -160,6 +163,9 @@ class WorkerMetrics:
         self.prefix_cache_queries.inc(stats.num_prefix_queried_tokens - self._seen_prefix_queries)
         self.prefix_cache_hits.inc(stats.num_prefix_hit_tokens - self._seen_prefix_hits)
         self._seen_prefix_queries, self._seen_prefix_hits = stats.num_prefix_queried_tokens, stats.num_prefix_hit_tokens
+        self.lora_loads.inc(stats.num_lora_loads - self._seen_lora_loads)
+        self._seen_lora_loads = stats.num_lora_loads
+        self.num_loras_resident.set(len(stats.resident_loras))
 
 
 def rate_over(samples: deque[tuple[float, int]], now: float, total: int, window_seconds: float) -> float:

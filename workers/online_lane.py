@@ -183,7 +183,7 @@ class OnlineLane(Lane):
                       "(KVFLEET_REQUEST_TIMEOUT) before a worker started it.", attempt.number))
             return None
         try:
-            request, processed = self.prepare(engine_request_id(stream, entry_id), entry)
+            request, processed = self.prepare(engine_request_id(stream, entry_id), entry, stream)
         except (LineError, RequestRejected, ValueError) as error:
             message = error.message if isinstance(error, LineError) else str(error)
             self.fail(stream, entry_id, entry.request_id, Error(400, error_code(error), message, attempt.number))
@@ -199,14 +199,15 @@ class OnlineLane(Lane):
             return None
         return work
 
-    def prepare(self, request_id: str, entry: OnlineEntry) -> tuple[EngineRequest, ProcessedRequest]:
+    def prepare(self, request_id: str, entry: OnlineEntry, stream: str) -> tuple[EngineRequest, ProcessedRequest]:
         """The engine's request for an entry, validated (ValueError if it can never run here);
         its tokens come out step by step (DELTA)."""
         request = to_engine_request(Request(custom_id=entry.request_id, url=entry.url, body=entry.body),
                                     self.engine.tokenizer, self.engine.default_sampling_params)
         params = dataclasses.replace(request.params, output_kind=RequestOutputKind.DELTA)
         return request, self.engine.process_request(request_id, request.prompt_token_ids, params,
-                                                    priority=entry.priority)
+                                                    priority=entry.priority,
+                                                    lora_request=self.config.lora_request(stream))
 
     def emit(self, request_id: str, event: ReplyEvent, work: OnlineWork | None = None) -> None:
         """Queue an event, numbered within its attempt: a running `work`'s attempt and next

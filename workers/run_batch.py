@@ -36,6 +36,7 @@ from engine.arg_utils import add_engine_args, engine_config_from_args  # noqa: E
 from engine.cpu_runtime import pin_threads  # noqa: E402
 from jobs.results import error_line, success_line  # noqa: E402
 from jobs.schemas import MAX_REPORTED_ERRORS, LineError, custom_id_of, parse_line  # noqa: E402
+from workers.adapters import Adapters, parse_lora_modules  # noqa: E402
 from workers.translate import (  # noqa: E402
     EmbeddingRequest,
     EngineRequest,
@@ -55,8 +56,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--served-model-name", help="the model name in results; default: --model as given")
     parser.add_argument("--skip-invalid", action="store_true", help="write error lines for invalid lines and run the rest")
     parser.add_argument("--resume", action="store_true", help="skip custom ids already in OUTPUT; append the rest")
+    parser.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
+                        help="LoRA adapters (with --enable-lora) a line may name as its body.model")
     add_engine_args(parser)
     return parser
+
+
+def lora_adapters(args: argparse.Namespace) -> Adapters | None:
+    """The adapters lines may name; ValueError for a malformed --lora-modules or no --enable-lora."""
+    modules = parse_lora_modules(args.lora_modules, [args.served_model_name or args.model])
+    if modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    return Adapters(modules) if modules else None
 
 
 def numbered_lines(path: str) -> Iterator[tuple[int, bytes]]:
@@ -99,8 +110,8 @@ def finished_custom_ids(path: str) -> set[str]:
 class Runner:
     """Feeds requests to the engine as it has room, and writes each result when it finishes."""
 
-    def __init__(self, engine: LLMEngine | EmbeddingEngine, model: str, out) -> None:
-        self.engine, self.model, self.out = engine, model, out
+    def __init__(self, engine: LLMEngine | EmbeddingEngine, model: str, out, adapters: Adapters | None = None) -> None:
+        self.engine, self.model, self.out, self.adapters = engine, model, out, adapters
         self.is_embedding = engine.task == "embed"
         # engine request id -> (custom_id, request)
         self.pending: dict[str, tuple[str, EngineRequest | EmbeddingRequest]] = {}
@@ -119,7 +130,8 @@ class Runner:
                 self.engine.add_request(str(line_number), work.inputs, work.params)
             else:
                 work = to_engine_request(request, self.engine.tokenizer, self.engine.default_sampling_params)
-                self.engine.add_request(str(line_number), work.prompt_token_ids, work.params)
+                lora = self.adapters.request_for(work.body.model) if self.adapters and work.body.model else None
+                self.engine.add_request(str(line_number), work.prompt_token_ids, work.params, lora_request=lora)
         except ValueError as error:  # RequestRejected, or can never fit here
             self.write(error_line(request.custom_id, error_code(error), str(error)))
             return
@@ -162,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         pin_threads(args.device, args.tensor_parallel_size)  # on the CPU: one pinned thread per core
-        engine = create_engine(engine_config_from_args(args))
+        adapters, engine = lora_adapters(args), create_engine(engine_config_from_args(args))
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -170,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM ends the run like Ctrl-C
     to_stdout = args.output_file == "-"
     with nullcontext(sys.stdout) if to_stdout else open(args.output_file, "a" if done else "w", encoding="utf-8") as out:
-        runner = Runner(engine, args.served_model_name or args.model, out)
+        runner = Runner(engine, args.served_model_name or args.model, out, adapters)
         progress = tqdm(total=num_lines - len(done), unit="req", file=sys.stderr,
                         disable=to_stdout or not sys.stderr.isatty())
         try:

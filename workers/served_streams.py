@@ -13,20 +13,28 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from pathlib import Path
 
 import redis
 
-from jobs import keys, queues, tenants
+from engine.lora.peft import CONFIG_FILE
+from jobs import heartbeats, keys, queues, tenants
 from jobs.queues import Queue
 from workers import stream_ops
+from workers.adapters import S3_PREFIX, Adapters
 
 REFRESH_SECONDS = 0.25
+MAX_SERVED_MODELS = 256  # base names, named adapters and those requests named by path or URI
 
 
 class ServedStreams:
-    def __init__(self, r: redis.Redis, models: list[str], clock=time.monotonic) -> None:
-        self.r, self.models, self.clock = r, models, clock
+    def __init__(self, r: redis.Redis, models: list[str], clock=time.monotonic, adapters: Adapters | None = None,
+                 bases: list[str] | None = None) -> None:
+        self.r, self.models, self.clock = r, list(models), clock
         self.online = [keys.online_stream(model) for model in models]
+        # Adapters requests name by path or URI join the served models once registered for one
+        # of `bases` (jobs/heartbeats.py: resolve_adapter), when a --lora-resolver prefix allows them.
+        self.adapters, self.bases = adapters, set(bases or models)
         self.batch: list[str] = []  # the batch streams of the last refresh (the lane holds this list)
         self.queues: list[Queue] = []
         self.lag: dict[str, int | None] = {}  # stream -> entries not yet delivered, as far as known
@@ -44,12 +52,26 @@ class ServedStreams:
     def refresh(self, force: bool = False) -> list[Queue]:
         """The served models' batch queues with their backlog, earliest deadline first."""
         if force or self.clock() - self.refreshed_at >= REFRESH_SECONDS:
+            if self.adapters is not None and self.adapters.resolvers:
+                self.add_requested_adapters()
             self.queues = queues.active(self.r, self.models)
             self.batch[:] = [queue.stream for queue in self.queues]
             self.lag = {queue.stream: queue.lag for queue in self.queues}
             self.weights = tenants.weights(self.r)
             self.refreshed_at = self.clock()
         return self.queues
+
+    def add_requested_adapters(self) -> None:
+        """Serve the adapters requests named by path or URI that this worker may load."""
+        for name, base in heartbeats.requested_adapters(self.r).items():
+            if len(self.models) >= MAX_SERVED_MODELS:
+                break  # clients may name adapters freely under a prefix: the streams read stay bounded
+            is_there = name.startswith(S3_PREFIX) or Path(name, CONFIG_FILE).is_file()
+            if base in self.bases and name not in self.models and self.adapters.allows(name) and is_there:
+                self.models.append(name)
+                stream = keys.online_stream(name)
+                stream_ops.ensure_group(self.r, stream)
+                self.online.append(stream)  # the online lane reads this same list
 
     def note_read(self, stream: str, asked: int, found: int) -> None:
         """A read of `asked` entries found `found`: fewer means none is left now."""

@@ -42,6 +42,7 @@ import redis
 from engine import LLMEngine, ParallelGroupError
 from jobs import heartbeats
 from workers import stream_ops
+from workers.adapters import AdapterPreference, Adapters
 from workers.admission import Admission, TokenBudget, default_online_reserve
 from workers.affinity import Affinity
 from workers.batch_lane import BatchLane
@@ -80,6 +81,8 @@ class WorkerOptions:
     maintain_seconds: float = 1.0  # heartbeat, lease keeping and batch status checks
     online_reserve: int | None = None  # seats kept free of batch work; default: one in sixteen
     prefix_affinity_wait: float = 30.0  # seconds a forwarded entry may wait at the owner of its prefix; 0: off
+    adapters: Adapters | None = None  # LoRA adapters served (workers/adapters.py)
+    lora_wait_seconds: float = 10.0  # an adapter's queue waits this long for a worker holding it
 
 
 class Worker:
@@ -88,7 +91,9 @@ class Worker:
         self.engine, self.r, self.options = engine, r, options
         self.health = health or Health()
         self.health.is_loaded = True  # the engine exists
-        self.streams = ServedStreams(r, options.served_model_names)
+        adapters = options.adapters if options.adapters is not None and options.adapters.enabled else None
+        self.streams = ServedStreams(r, options.served_model_names + list(adapters.modules if adapters else ()),
+                                     adapters=adapters, bases=options.served_model_names)
         self.metrics = metrics or WorkerMetrics(options.name, options.served_model_names[0])
         max_num_seqs = engine.config.max_num_seqs
         reserve = options.online_reserve
@@ -97,7 +102,8 @@ class Worker:
         self.task = getattr(engine, "task", "generate")
         token_budget = TokenBudget(engine.config.max_num_batched_tokens) if self.task == "embed" else None
         config = LaneConfig(options.name, int(options.lease_seconds * 1000), options.max_deliveries, admission,
-                            self.metrics, token_budget, options.checkpoint_tokens if self.task == "generate" else 0)
+                            self.metrics, token_budget, options.checkpoint_tokens if self.task == "generate" else 0,
+                            adapters)
         online_cls, batch_cls = (EmbeddingOnlineLane, EmbeddingBatchLane) if self.task == "embed" else (OnlineLane,
                                                                                                          BatchLane)
         self.online_lane = online_cls(r, engine, self.streams.online, config)
@@ -105,6 +111,9 @@ class Worker:
         self.batch_lane = batch_cls(r, engine, self.streams, config,
                                     ResultFlusher(r, options.name, options.max_backoff_seconds), options.max_requeues,
                                     affinity)
+        if adapters is not None:
+            self.batch_lane.adapter_preference = AdapterPreference(options.name, engine.config.max_loras,
+                                                                   options.lora_wait_seconds)
         self.lanes: list[Lane] = [self.online_lane, self.batch_lane]  # pulled in this order
         # Renewed from a thread, so no engine step or storage put outlasts a lease; it stops with the worker.
         self.leases = LeaseKeeper(r, options.name, min(options.maintain_seconds, options.lease_seconds / 4))
@@ -225,8 +234,13 @@ class Worker:
         self.last_maintain = now
         self.is_reclaim_due = True
         self._heartbeat()
-        if self.batch_lane.affinity.enabled:  # who owns which prefix group: heartbeats and group summaries
-            records, summary = heartbeats.live_workers(self.r), self.batch_lane.summary
+        preference = self.batch_lane.adapter_preference
+        if self.batch_lane.affinity.enabled or preference is not None:  # who holds which prefix group or adapter
+            records = heartbeats.live_workers(self.r)
+            if preference is not None:
+                preference.refresh(records)
+        if self.batch_lane.affinity.enabled:
+            summary = self.batch_lane.summary
             summary.publish(now)
             self.batch_lane.affinity.refresh(records, summary.read_all([w["name"] for w in records], now))
         for lane in self.lanes:
@@ -242,7 +256,7 @@ class Worker:
     def _heartbeat(self) -> None:
         stats = self.engine.stats()
         self.metrics.update_engine(stats)
-        record = {"models": self.options.served_model_names, "root": self.engine.config.model, "task": self.task,
+        record = {"models": self.streams.models, "root": self.engine.config.model, "task": self.task,
                   "max_model_len": self.engine.max_model_len,
                   "tensor_parallel_size": self.engine.config.tensor_parallel_size,
                   "num_params": self.engine.num_params, "num_active_params": self.engine.num_active_params,
@@ -255,8 +269,20 @@ class Worker:
                   "batch_tokens_per_s": round(self.metrics.batch_tokens_per_s(time.monotonic()), 1),
                   "heartbeat_seconds": self.options.maintain_seconds,
                   "forwarded_waiting": self.batch_lane.forwarded.num_waiting,
-                  "max_num_seqs": self.engine.config.max_num_seqs}
+                  "max_num_seqs": self.engine.config.max_num_seqs, **self._lora_record(stats)}
         heartbeats.record_heartbeat(self.r, self.options.name, record, max(3, int(self.options.lease_seconds)))
+
+    def _lora_record(self, stats) -> dict:
+        """The heartbeat's LoRA fields: each adapter's base and folder, the resolver prefixes, and
+        the adapters held here (in a slot, or with requests queued: workers/adapters.py)."""
+        adapters = self.streams.adapters
+        if adapters is None:
+            return {}
+        base = self.options.served_model_names[0]
+        served = [m for m in self.streams.models if adapters.is_adapter(m)]
+        return {"lora_parents": {m: [base, adapters.modules.get(m, m)] for m in served},
+                "lora_resolvers": adapters.resolvers, "lora_loads": stats.num_lora_loads,
+                "lora_held": sorted(set(stats.resident_loras) | set(stats.busy_loras))}
 
     # -- admission ---------------------------------------------------------------
     def _admit(self) -> None:

@@ -80,7 +80,8 @@ def submit_batch(r, body: CreateBatch, caller: Caller) -> dict[str, Any]:
     if not submission.accepted:  # OpenAI's behaviour: the batch exists, failed, with the line errors
         return failed_batch(r, submission, body, caller)
     batch = load_batch(r, submission.batch_id)
-    if batch["model"] not in heartbeats.served_models(r):  # kvfleet extension: it would wait silently
+    if batch["model"] not in heartbeats.served_models(r) and heartbeats.resolve_adapter(r, batch["model"]) is None:
+        # kvfleet extension: it would wait silently
         batch["warnings"] = [f"No live worker serves model {batch['model']!r}: the batch waits for one, and "
                              f"expires at the end of its completion window."]
     return batch

@@ -16,7 +16,7 @@ def model_object(name: str, served: dict[str, Any]) -> dict[str, Any]:
     """OpenAI's model object, with vLLM's max_model_len and root, and what the model does
     (`task`: generate, or embed for /v1/embeddings)."""
     return {"id": name, "object": "model", "created": served["created"], "owned_by": "kvfleet",
-            "root": served["root"], "parent": None, "max_model_len": served["max_model_len"],
+            "root": served["root"], "parent": served.get("parent"), "max_model_len": served["max_model_len"],
             "task": served["task"]}
 
 

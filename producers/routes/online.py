@@ -72,7 +72,8 @@ def enqueue(services: Services, settings: Settings, url: str, body: OnlineFields
     is_cold = model not in services.served_models.get()
     if is_cold:
         services.served_models.forget()  # maybe it just started: look again next time
-        if not heartbeats.is_known_model(r, model, settings.known_model_seconds):
+        if not heartbeats.is_known_model(r, model, settings.known_model_seconds) and \
+                heartbeats.resolve_adapter(r, model) is None:  # nor an adapter a worker loads on demand
             raise model_not_found(model)
     if online.online_backlog(r, model) >= settings.max_online_queue:
         raise APIError(429, f"Too many online requests queued for model '{model}' (KVFLEET_MAX_ONLINE_QUEUE "

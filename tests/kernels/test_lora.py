@@ -54,7 +54,7 @@ def adapter(name: str, rank: int, parts: dict[int, int], in_features: int) -> Lo
 def test_lora_linear_delta_matches_the_reference(use_triton):
     torch.manual_seed(1)
     part_sizes, in_features = (32, 16, 16), 48
-    mapping = LoRAMapping(4, torch.device("cpu"), torch.float32)
+    mapping = LoRAMapping(4, torch.empty(0).device, torch.float32)  # the CPU, or CUDA under gpu_check
     base = nn.Linear(in_features, sum(part_sizes), bias=False)
     layer = LinearWithLoRA(base, mapping, 8, TargetModule(in_features, part_sizes), (0, in_features),
                            [(0, 32), (0, 16), (0, 16)])

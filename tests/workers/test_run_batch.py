@@ -163,3 +163,28 @@ def test_embeddings_lines_on_an_embedding_model(tmp_path):
     assert lines["long"]["error"]["code"] == "context_length_exceeded"
     assert lines["completion"]["error"]["code"] == "invalid_request"
     assert "this model is an embedding model" in lines["completion"]["error"]["message"]
+
+
+def test_lines_name_lora_adapters_by_their_model(tiny_llama, tmp_path):
+    from engine import LoRARequest
+    from tests.lora_adapters import EIGHT, write_adapter
+
+    folder = write_adapter(tiny_llama, tmp_path / "sql", EIGHT[3], seed=4, scale=0.3)
+    prompts = ["the fleet reads", "a queue of requests"]
+    source = write_jsonl(tmp_path / "in.jsonl", [
+        {"custom_id": f"{model}-{i}", "method": "POST", "url": "/v1/completions",
+         "body": {"model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0}}
+        for model in ("sql", "base") for i, prompt in enumerate(prompts)])
+    out = tmp_path / "out.jsonl"
+    assert main([str(source), "-o", str(out), "--model", tiny_llama, "--served-model-name", "base", "--dtype",
+                 "float32", "--num-kv-blocks", "64", "--enable-lora", "--max-lora-rank", "64",
+                 "--lora-modules", f"sql={folder}"]) == 0
+    llm = LLM(tiny_llama, num_kv_blocks=64, enable_lora=True, max_lora_rank=64)
+    params = SamplingParams(temperature=0, max_tokens=6)
+    expected = {f"sql-{i}": o.text for i, o in enumerate(llm.generate(
+        prompts, params, use_tqdm=False, lora_request=LoRARequest("sql", 1, str(folder))))}
+    expected |= {f"base-{i}": o.text for i, o in enumerate(llm.generate(prompts, params, use_tqdm=False))}
+    lines = read_jsonl(out)
+    assert {line["custom_id"]: line["response"]["body"]["choices"][0]["text"] for line in lines} == expected
+    assert {line["response"]["body"]["model"] for line in lines} == {"sql", "base"}
+    assert expected["sql-0"] != expected["base-0"] or expected["sql-1"] != expected["base-1"]
