@@ -36,6 +36,7 @@ def test_the_dry_run_runs_every_part_and_writes_the_report(tmp_path):
     assert parity["triton_preemption"] == {"identical": True, "num_preemptions": parity["triton_preemption"]
                                            ["num_preemptions"]} and parity["triton_preemption"]["num_preemptions"] > 0
     assert parity["triton_prefix_cache"]["identical"] and parity["triton_prefix_cache"]["cached_tokens"] > 0
+    assert parity["lora"]["lora_close"] == 1.0 and parity["lora"]["lora_changed"] > 0  # the adapters mattered
     bench = parts["kernel_bench"]["result"]
     assert bench["copy_bytes_per_s"] > 0 and len(bench["decode"]) == 2 and bench["prefill"]["triton_s"] > 0
     assert bench["varlen"]["tokens"] == 31 and bench["varlen"]["triton_s"] > 0
