@@ -83,7 +83,10 @@ def test_a_folder_under_a_resolver_prefix_loads_on_first_use(lora_worker, client
     folder = str(adapter_dirs["dynamic"])
     response = client.completions.create(model=folder, prompt=PROMPT, max_tokens=12, temperature=0)
     assert response.choices[0].text == expected(lora_reference, adapter_dirs["dynamic"], folder, PROMPT).text
-    assert folder in {model.id for model in client.models.list().data}  # served from now on
+    deadline = time.monotonic() + 10  # served from now on: listed from the worker's next heartbeat
+    while folder not in {model.id for model in client.models.list().data}:
+        assert time.monotonic() < deadline, "the adapter named by its folder never joined the served models"
+        time.sleep(0.05)
 
 
 def test_an_s3_adapter_is_downloaded_once(lora_worker, client, lora_reference, adapter_dirs, s3_server):
