@@ -83,7 +83,16 @@ class LoRAMapping:
         self.active = False  # some token of this step uses an adapter
         self.slot_in_use = [False] * max_loras  # slots some token uses
         self.seg_starts = self.seg_slots = None  # the Triton path's segments
-        self.groups: SlotGroups | None = None  # the CPU path's groups
+        self.token_slots: torch.Tensor | None = None
+        self._groups: SlotGroups | None = None
+
+    @property
+    def groups(self) -> SlotGroups:
+        """The torch path's groups (the CPU's; CUDA's without the Triton layers), built once a step
+        on first use: the Triton path never builds them."""
+        if self._groups is None:
+            self._groups = group_by_slot(self.token_slots, self.max_loras, self.device, self.dtype)
+        return self._groups
 
     def set(self, seq_slots: torch.Tensor, lens: torch.Tensor) -> None:
         """seq_slots [S] (host, -1: none), lens [S] tokens of each sequence this step."""
@@ -96,9 +105,7 @@ class LoRAMapping:
         starts = torch.zeros(len(lens) + 1, dtype=torch.int64)
         starts[1:] = lens.cumsum(0)
         self.seg_starts, self.seg_slots = starts.to(self.device), seq_slots.to(self.device)
-        if self.device.type == "cpu":
-            self.groups = group_by_slot(torch.repeat_interleave(seq_slots, lens), self.max_loras, self.device,
-                                        self.dtype)
+        self.token_slots, self._groups = torch.repeat_interleave(seq_slots, lens), None  # [T] host
 
 
 class LinearWithLoRA(nn.Module):
