@@ -169,18 +169,23 @@ class FileStorage:
                 yield chunk
 
 
+def s3_client(endpoint_url: str | None = None):
+    """A boto3 S3 client on `endpoint_url`, else KVFLEET_S3_ENDPOINT_URL, else AWS's. A hung
+    call is bounded (read timeout x attempts), so no lease or loop waits on it for ever."""
+    import boto3
+    from botocore.config import Config
+
+    endpoint_url = endpoint_url or os.environ.get("KVFLEET_S3_ENDPOINT_URL") or None
+    read_timeout = float(os.environ.get("KVFLEET_S3_TIMEOUT_SECONDS", DEFAULT_S3_TIMEOUT_SECONDS))
+    return boto3.client("s3", endpoint_url=endpoint_url, config=Config(
+        retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=3, read_timeout=read_timeout))
+
+
 class S3Storage:
     def __init__(self, bucket: str, prefix: str, endpoint_url: str | None = None) -> None:
-        import boto3
-        from botocore.config import Config
-
         self.bucket, self.prefix = bucket, prefix.strip("/")
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
-        endpoint_url = endpoint_url or os.environ.get("KVFLEET_S3_ENDPOINT_URL") or None
-        # NOTE: a hung call is bounded (read timeout x attempts); leases are renewed meanwhile.
-        read_timeout = float(os.environ.get("KVFLEET_S3_TIMEOUT_SECONDS", DEFAULT_S3_TIMEOUT_SECONDS))
-        self.client = boto3.client("s3", endpoint_url=endpoint_url, config=Config(
-            retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=3, read_timeout=read_timeout))
+        self.client = s3_client(endpoint_url)  # leases are renewed while a call waits
         self.is_conditional = True  # first write wins (If-None-Match), unless the store lacks it
 
     def check_writable(self) -> None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine import LoRARequest
-from jobs import heartbeats
+from jobs import heartbeats, storage
 
 S3_PREFIX = "s3://"
 
@@ -47,14 +47,12 @@ def parse_lora_modules(values: list[str] | None, base_names: list[str]) -> dict[
 def download_s3_folder(uri: str, cache_dir: Path) -> Path:
     """Every object under the s3:// prefix, into a folder of `cache_dir` named by the URI's hash;
     a folder already complete is reused. ValueError when nothing is there."""
-    import boto3  # noqa: PLC0415 (only workers that resolve s3:// adapters need it)
-
     bucket, _, prefix = uri.removeprefix(S3_PREFIX).partition("/")
     prefix = prefix.rstrip("/") + "/" if prefix else ""
     target = cache_dir / hashlib.sha256(uri.encode()).hexdigest()[:24]
     if (target / ".complete").exists():
         return target
-    client = boto3.client("s3", endpoint_url=os.environ.get("KVFLEET_S3_ENDPOINT_URL") or None)
+    client = storage.s3_client()
     staging = Path(tempfile.mkdtemp(dir=cache_dir))
     found = 0
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
