@@ -16,9 +16,11 @@ max_lora_rank; smaller adapters are zero-padded. The delta of a token in slot s 
 Two ways to compute it, chosen like the other layers' kernels:
 - the Triton kernel (kernels/lora.py: SGMV over the step's sequences, each one segment of
   one slot) on CUDA;
-- on the CPU, every slot's shrink in one matmul ([T, L * P * R]), each token's other slots
-  zeroed, then one expand matmul per part: a few large calls beat one small call per
-  adapter, whose fixed cost dominates at decode sizes.
+- on the CPU (and on CUDA without the Triton layers), the step's tokens grouped by slot: one
+  batched matmul over the slots in use for shrink and one for expand (B laid out so each
+  part's rank rows feed only its own columns), each delta then added at its token; a matmul
+  pair per slot when the groups are too uneven to pad (a long prefill beside a few decodes).
+  Few large calls: at decode sizes a call's fixed cost, paid once per adapter, would dominate.
 Under tensor parallelism an adapter is sharded like the layer it modifies: a column-parallel
 layer keeps its own rows of B (A whole), a row-parallel one its columns of A (B whole), and
 its delta joins the partial product before the all-reduce.
