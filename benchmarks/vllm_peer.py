@@ -5,7 +5,8 @@
 
 WORKLOAD.json: {"prompts": [[token ids]...], "output_lens": [...], "max_num_seqs": N, and
 optionally "dtype" (float32), "max_model_len" (1024), "enable_prefix_caching" (false), and "lora":
-{"adapters": [[name, folder]...], "max_loras", "max_lora_rank"} (request i runs adapter i % len)}.
+{"adapters": [[name, folder]...], "max_loras", "max_lora_rank"} (request i runs adapter i % len),
+"warm_up" (false: an untimed pass of 4 tokens a request first)}.
 Token-id prompts, no tokenizer, greedy, ignore_eos. Prints the result as a line
 `KVFLEET_RESULT {"seconds", "output_tokens"}` (vLLM logs to stdout too). Imports
 nothing from kvfleet.
@@ -38,6 +39,9 @@ def main() -> None:
 
         adapters = [LoRARequest(name, index + 1, path) for index, (name, path) in enumerate(lora["adapters"])]
         loras = [adapters[i % len(adapters)] for i in range(len(prompts))]
+    if workload.get("warm_up"):  # an untimed pass over the same shapes, as the kvfleet side runs
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, detokenize=False),
+                     use_tqdm=False, lora_request=loras)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
     seconds = time.perf_counter() - start

@@ -118,6 +118,8 @@ class ModelRunner:
             use_triton_layers(self.model)
         elif self.backend.name == "cpu" and self.dtype != torch.float32:  # the native library is built
             use_cpu_layers(self.model)
+        if self.lora is not None and self.backend.name == "cpu":
+            self.lora.use_cpu_kernel()
         if config.onednn_linear and can_use_onednn_linear(self.device, self.dtype):
             use_onednn_linears(self.model, batch_size_hint=config.max_num_seqs)
         # longrope: tokens past this use the long factors (engine/models/layers.py); else None

@@ -1,7 +1,8 @@
 """CPU layers in native code (csrc/cpu_layers.cpp, in the library kernels/cpu_paged_attention.py
 builds): RMSNorm fused with the residual add before it, SiLU-and-mul and rotary embedding in
 place, for bf16 and fp16 models, and LayerNorm fused with the residual add for encoders whose
-matmuls run in bf16 around an fp32 residual stream."""
+matmuls run in bf16 around an fp32 residual stream; and the LoRA delta of a mixed-adapter
+step (csrc/lora_cpu.cpp), in every dtype."""
 
 from __future__ import annotations
 
@@ -62,3 +63,16 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
     torch.ops.kvfleet_cpu.add_layer_norm(out, out_low, x, None if residual is None else residual.contiguous(),
                                          weight, bias, eps)
     return out, out_low
+
+
+def add_lora(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b_t: torch.Tensor,
+             token_slots: torch.Tensor, part_offsets: list[int]) -> torch.Tensor:
+    """out [T, width] += each token's LoRA delta, in place (punica's BGMV), and returns out:
+    x [T, in]; lora_a [L, P * R, in] and lora_b_t [L, R, width] contiguous, in out's dtype;
+    token_slots [T] int64 (-1: the base model); part p's shrink rows [p * R, (p + 1) * R)
+    feed its columns [part_offsets[p], part_offsets[p + 1]). Accumulates in fp32 and rounds
+    each output once."""
+    _check_built()
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    torch.ops.kvfleet_cpu.add_lora(out, x, lora_a, lora_b_t, token_slots, part_offsets)
+    return out

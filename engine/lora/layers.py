@@ -13,10 +13,13 @@ max_lora_rank; smaller adapters are zero-padded. The delta of a token in slot s 
     shrink:  s_tok = x_tok @ lora_a[s].T           [P * R]
     expand:  out_tok[part p] += s_tok[p] @ lora_b[s, rows of p].T
 
-Two ways to compute it, chosen like the other layers' kernels:
+Three ways to compute it, chosen like the other layers' kernels:
 - the Triton kernel (kernels/lora.py: SGMV over the step's sequences, each one segment of
   one slot) on CUDA;
-- on the CPU (and on CUDA without the Triton layers), the step's tokens grouped by slot: one
+- the native CPU kernel (kernels/cpu_layers.py: add_lora, BGMV: each token reads its own
+  slot's A and B, no gather, no padding, no scatter) with the CPU attention backend, which
+  builds the native library;
+- otherwise (CUDA without the Triton layers, or no compiler), the step's tokens grouped by slot: one
   batched matmul over the slots in use for shrink and one for expand (B laid out so each
   part's rank rows feed only its own columns), each delta then added at its token; a matmul
   pair per slot when the groups are too uneven to pad (a long prefill beside a few decodes).
@@ -130,12 +133,20 @@ class LinearWithLoRA(nn.Module):
                              persistent=False)
         self.cpu_weights: tuple[torch.Tensor, torch.Tensor] | None = None  # cpu_operands(), rebuilt on a slot change
         self.slot_filled = [False] * num_slots  # the slot's adapter modifies this module
-        self.kernel = None  # kernels/lora.py's sgmv once use_triton_kernel() ran; None: the CPU path
+        self.kernel = None  # kernels/lora.py's sgmv once use_triton_kernel() ran
+        self.cpu_kernel = None  # kernels/cpu_layers.py's add_lora once use_cpu_kernel() ran
+        self.lora_b_t: torch.Tensor | None = None  # [L, R, out]: the native kernel's B, rebuilt on a slot change
+        self.part_offsets = [*self.out_offsets, sum(self.out_sizes)]
 
     def use_triton_kernel(self) -> None:
         from kernels.lora import sgmv  # noqa: PLC0415 (imports triton)
 
         self.kernel = sgmv
+
+    def use_cpu_kernel(self) -> None:
+        from kernels.cpu_layers import add_lora  # noqa: PLC0415 (builds the native library)
+
+        self.cpu_kernel = add_lora
 
     def set_slot(self, slot: int, adapter: LoRAAdapter | None, module_name: str) -> None:
         """Copy this rank's shard of `adapter`'s weights for this module into `slot` (zeros
@@ -151,7 +162,7 @@ class LinearWithLoRA(nn.Module):
             offset = self.out_offsets[part]
             self.lora_b[slot, offset: offset + end - start, :r].copy_(b[start:end])
         self.slot_filled[slot] = bool(parts)
-        self.cpu_weights = None
+        self.cpu_weights = self.lora_b_t = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out]"""
@@ -164,6 +175,10 @@ class LinearWithLoRA(nn.Module):
             return out
         if self.kernel is not None:
             return self._add_lora_sgmv(x, out)
+        if self.cpu_kernel is not None and x.device.type == "cpu":
+            if self.lora_b_t is None:
+                self.lora_b_t = self.lora_b.transpose(1, 2).contiguous()
+            return self.cpu_kernel(out, x, self.lora_a, self.lora_b_t, mapping.token_slots, self.part_offsets)
         return self._add_lora_grouped(x, out)
 
     def cpu_operands(self) -> tuple[torch.Tensor, torch.Tensor]:

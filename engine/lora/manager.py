@@ -39,6 +39,12 @@ class LoRAModelManager:
         self.num_disk_loads = 0  # adapters read from their folder
         self.num_slot_loads = 0  # adapters copied into a device slot
 
+    def use_cpu_kernel(self) -> None:
+        """Every LoRA layer computes its delta through the native CPU kernel (the CPU
+        attention backend has built the library)."""
+        for layer in self.layers.values():
+            layer.use_cpu_kernel()
+
     def load(self, request: LoRARequest, pinned: set[str] = frozenset()) -> LoRAAdapter:
         """The adapter from the host LRU, or read from its folder (LoRALoadError if it cannot
         run here). Adapters beyond max_cpu_loras leave the host, oldest first, unless pinned."""

@@ -84,10 +84,13 @@ def references(tiny_models, adapters):
     return {name: merged_references(tiny_models[name], adapters[name], prompts, which) for name in adapters}
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3"])
-def test_mixed_batch_matches_each_merged_adapter(tiny_models, adapters, references, name):
+# auto on the CPU: the native attention and the native LoRA kernel; torch: the grouped matmuls.
+@pytest.mark.parametrize(("name", "backend"), [("llama", "auto"), ("qwen3", "auto"), ("llama", "torch")])
+def test_mixed_batch_matches_each_merged_adapter(tiny_models, adapters, references, name, backend):
     llm = LLM(tiny_models[name], dtype="float32", num_kv_blocks=256, enable_lora=True, max_loras=8,
-              max_lora_rank=64)
+              max_lora_rank=64, attention_backend=backend)
+    layers = llm.engine.model_runner.lora.layers.values()
+    assert all((layer.cpu_kernel is not None) == (backend == "auto") for layer in layers)
     prompts, which = workload()
     outputs = run(llm, adapters[name], prompts, which)
     assert assert_matches(outputs, references[name]) >= NUM_PROMPTS - 2
