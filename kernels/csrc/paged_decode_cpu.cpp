@@ -44,22 +44,59 @@ inline float dot(const float* q, const scalar_t* k, int64_t head_dim) {
   }
 }
 
-// acc[0:head_dim] += sum over rows i of weights[i] * rows[i], rows[i] = first + i * row_stride.
-// The accumulator stays in registers across the rows of a block.
-template <int HEAD_DIM, typename scalar_t>
+// acc[0:head_dim] += sum over rows i of weights[i] * rows[i], rows[i] = first + i * row_stride:
+// the V pass for head sizes other than 64 and 128 (those run weighted_rows_add_group).
+template <typename scalar_t>
 inline void weighted_rows_add(float* acc, const float* weights, const scalar_t* first, int64_t row_stride,
                               int64_t num_rows, int64_t head_dim) {
-  if constexpr (HEAD_DIM > 0 && HEAD_DIM % kLanes == 0) {
-    vfloat sum[HEAD_DIM / kLanes];
-    for (int c = 0; c < HEAD_DIM / kLanes; ++c) sum[c] = load16(acc + c * kLanes);
-    for (int64_t i = 0; i < num_rows; ++i) {
-      const scalar_t* row = first + i * row_stride;
-      for (int c = 0; c < HEAD_DIM / kLanes; ++c) sum[c] += weights[i] * load16(row + c * kLanes);
+  for (int64_t i = 0; i < num_rows; ++i)
+    for (int64_t d = 0; d < head_dim; ++d) acc[d] += weights[i] * static_cast<float>(first[i * row_stride + d]);
+}
+
+// The V pass for TILE query rows of one GQA group at once: acc[t] += sum over rows i of
+// weights[t * weight_stride + i] * rows[i]. Each V row is loaded (and widened from bf16/fp16)
+// once into registers and feeds all TILE accumulators, which stay in registers for the
+// block: widening a block into a buffer and re-reading it per query row cost about twice the
+// instructions. TILE * HEAD_DIM / 16 accumulators plus a row's HEAD_DIM / 16 must fit the 32
+// vector registers.
+template <int HEAD_DIM, int TILE, typename scalar_t>
+inline void weighted_rows_add_tile(float* acc, int64_t acc_stride, const float* weights, int64_t weight_stride,
+                                   const scalar_t* first, int64_t row_stride, int64_t num_rows) {
+  constexpr int kChunks = HEAD_DIM / kLanes;
+  vfloat sum[TILE][kChunks];
+  for (int t = 0; t < TILE; ++t)
+    for (int c = 0; c < kChunks; ++c) sum[t][c] = load16(acc + t * acc_stride + c * kLanes);
+  for (int64_t i = 0; i < num_rows; ++i) {
+    const scalar_t* row = first + i * row_stride;
+    vfloat v[kChunks];
+    for (int c = 0; c < kChunks; ++c) v[c] = load16(row + c * kLanes);
+    for (int t = 0; t < TILE; ++t) {
+      const float w = weights[t * weight_stride + i];
+      for (int c = 0; c < kChunks; ++c) sum[t][c] += w * v[c];
     }
-    for (int c = 0; c < HEAD_DIM / kLanes; ++c) store16(acc + c * kLanes, sum[c]);
-  } else {
-    for (int64_t i = 0; i < num_rows; ++i)
-      for (int64_t d = 0; d < head_dim; ++d) acc[d] += weights[i] * static_cast<float>(first[i * row_stride + d]);
+  }
+  for (int t = 0; t < TILE; ++t)
+    for (int c = 0; c < kChunks; ++c) store16(acc + t * acc_stride + c * kLanes, sum[t][c]);
+}
+
+// The V pass for `count` query rows (a GQA group), in tiles as large as the registers allow.
+template <int HEAD_DIM, typename scalar_t>
+inline void weighted_rows_add_group(float* acc, const float* weights, int64_t weight_stride, const scalar_t* first,
+                                    int64_t row_stride, int64_t num_rows, int64_t count) {
+  constexpr int kTile = HEAD_DIM <= 64 ? 4 : 2;  // 16 accumulators + the row's 4 (8) chunks
+  int64_t r = 0;
+  for (; r + kTile <= count; r += kTile)
+    weighted_rows_add_tile<HEAD_DIM, kTile>(acc + r * HEAD_DIM, HEAD_DIM, weights + r * weight_stride, weight_stride,
+                                            first, row_stride, num_rows);
+  auto rest = [&](auto tile) {  // the last count % kTile rows as one tile
+    weighted_rows_add_tile<HEAD_DIM, decltype(tile)::value>(acc + r * HEAD_DIM, HEAD_DIM, weights + r * weight_stride,
+                                                            weight_stride, first, row_stride, num_rows);
+  };
+  switch (count - r) {
+    case 3: if constexpr (kTile > 3) rest(std::integral_constant<int, 3>{}); break;
+    case 2: if constexpr (kTile > 2) rest(std::integral_constant<int, 2>{}); break;
+    case 1: rest(std::integral_constant<int, 1>{}); break;
+    default: break;
   }
 }
 
@@ -125,7 +162,8 @@ inline vfloat dot16_bf16(const at::BFloat16*, const at::BFloat16*, int64_t) { re
 
 // The rows [lo, hi) of one KV head of a cache block, widened to fp32 once into `dst`
 // ([block_size, head_dim]) so that the GQA group's query rows read them without
-// converting each again; fp32 caches are read in place instead.
+// converting each again (the K pass of fp16 caches, and of bf16 ones without avx512_bf16;
+// head sizes other than 64 and 128 in the V pass); fp32 caches are read in place instead.
 template <typename scalar_t>
 inline void widen_rows(float* dst, const scalar_t* rows, int64_t row_stride, int64_t lo, int64_t hi,
                        int64_t head_dim) {
@@ -141,19 +179,20 @@ inline void widen_rows(float* dst, const scalar_t* rows, int64_t row_stride, int
 // block kPrefetchBlocks ahead while it works on this one: `rows` slots of `row_elements`
 // elements, `row_stride` apart.
 constexpr int64_t kPrefetchBlocks = 2;
-template <typename scalar_t>
+template <int kLocality = 3, typename scalar_t>
 inline void prefetch_block(const scalar_t* block, int64_t rows, int64_t row_stride, int64_t row_elements) {
   constexpr int64_t kLine = 64 / sizeof(scalar_t);  // elements per cache line
   for (int64_t row = 0; row < rows; ++row)
-    for (int64_t e = 0; e < row_elements; e += kLine) __builtin_prefetch(block + row * row_stride + e, 0, 3);
+    for (int64_t e = 0; e < row_elements; e += kLine) __builtin_prefetch(block + row * row_stride + e, 0, kLocality);
 }
 
 // A work item is one sequence and a span of its KV heads. With many sequences the span is
 // every head, so each cache block [block_size, num_kv_heads, head_dim] is one contiguous
 // read (22% faster than a head at a time at batch 64 here); with few, items are single
-// heads so that every thread still has work. Within a block the loops run head by head,
-// query row by query row, over the block's slots: the block stays in L1 while each K (V)
-// row is reused by the GQA group, and a V accumulator stays in registers for a block.
+// heads so that every thread still has work. Within a block the loops run head by head:
+// the K pass query row by query row over the block's slots (the block stays in L1 while
+// each K row is reused by the GQA group), the V pass each V row once for the whole group,
+// its accumulators in registers for the block.
 template <typename scalar_t, int HEAD_DIM>
 void decode_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_cache, const scalar_t* value_cache,
                    const int64_t* block_tables, const int64_t* context_lens, const float* sinks, int64_t num_seqs,
@@ -201,12 +240,17 @@ void decode_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_cac
       // [lo, hi) are in range. fp32 rows, and any rows when `widen` is false, are read
       // straight from the paged cache; otherwise bf16 and fp16 ones are widened once per KV
       // head into `widened` for the whole GQA group.
-      auto for_each_block_row = [&](const scalar_t* cache, auto widen, auto&& visit) {
+      // The K pass also asks for the same block of `companion` (the V cache) into L2: the V pass
+      // has too little work per block to hide DRAM latency behind its own prefetch (its loads
+      // were a third of the kernel's time), while the K pass computes long enough per block.
+      auto for_each_block_row = [&](const scalar_t* cache, const scalar_t* companion, auto widen, auto&& visit) {
         for (int64_t start = first - first % block_size; start < len; start += block_size) {
-          const scalar_t* block = cache + table[start / block_size] * st.cache_block + first_kv_head * st.cache_head;
+          const int64_t offset = table[start / block_size] * st.cache_block + first_kv_head * st.cache_head;
+          const scalar_t* block = cache + offset;
           if (start + kPrefetchBlocks * block_size < len)
             prefetch_block(cache + table[start / block_size + kPrefetchBlocks] * st.cache_block +
                                first_kv_head * st.cache_head, block_size, st.cache_slot, span * st.cache_head);
+          if (companion) prefetch_block<1>(companion + offset, block_size, st.cache_slot, span * st.cache_head);
           const int64_t lo = std::max<int64_t>(first - start, 0), hi = std::min(len - start, block_size);
           for (int64_t head = 0; head < span; ++head) {
             const scalar_t* rows_of_head = block + head * st.cache_head;
@@ -221,9 +265,18 @@ void decode_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_cac
           }
         }
       };
+      // Calls visit(rows, r, start, lo, hi) once per block and KV head, r its group's first
+      // query row, rows slot 0 of that head in the block as stored.
+      auto for_each_block_group = [&](const scalar_t* cache, auto&& visit) {
+        for (int64_t start = first - first % block_size; start < len; start += block_size) {
+          const scalar_t* block = cache + table[start / block_size] * st.cache_block + first_kv_head * st.cache_head;
+          const int64_t lo = std::max<int64_t>(first - start, 0), hi = std::min(len - start, block_size);
+          for (int64_t head = 0; head < span; ++head) visit(block + head * st.cache_head, head * group, start, lo, hi);
+        }
+      };
       constexpr bool kDotBf16 = kHasBf16Dot && std::is_same_v<scalar_t, at::BFloat16> && HEAD_DIM > 0 &&
                                 HEAD_DIM % 32 == 0;
-      for_each_block_row(key_cache, std::bool_constant<!kDotBf16>{}, [&](const auto* keys, int64_t stride,
+      for_each_block_row(key_cache, value_cache, std::bool_constant<!kDotBf16>{}, [&](const auto* keys, int64_t stride,
                                                                           int64_t r, int64_t start, int64_t lo,
                                                                           int64_t hi) {
         const float* q = queries.data() + r * head_dim;
@@ -265,11 +318,19 @@ void decode_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_cac
         inv_sum[r] = 1.f / total;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_block_row(value_cache, std::true_type{}, [&](const auto* values, int64_t stride, int64_t r, int64_t start, int64_t lo,
-                                          int64_t hi) {
-        weighted_rows_add<HEAD_DIM>(acc.data() + r * head_dim, scores.data() + r * max_context + start + lo,
-                                    values + lo * stride, stride, hi - lo, head_dim);
-      });
+      if constexpr (HEAD_DIM > 0 && HEAD_DIM % kLanes == 0) {
+        for_each_block_group(value_cache, [&](const scalar_t* values, int64_t r, int64_t start, int64_t lo,
+                                              int64_t hi) {
+          weighted_rows_add_group<HEAD_DIM>(acc.data() + r * head_dim, scores.data() + r * max_context + start + lo,
+                                            max_context, values + lo * st.cache_slot, st.cache_slot, hi - lo, group);
+        });
+      } else {
+        for_each_block_row(value_cache, nullptr, std::true_type{}, [&](const auto* values, int64_t stride, int64_t r,
+                                                               int64_t start, int64_t lo, int64_t hi) {
+          weighted_rows_add(acc.data() + r * head_dim, scores.data() + r * max_context + start + lo,
+                                      values + lo * stride, stride, hi - lo, head_dim);
+        });
+      }
       for (int64_t r = 0; r < rows; ++r) {
         scalar_t* o = out + seq * st.out_seq + (first_kv_head * group + r) * st.out_head;
         for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<scalar_t>(acc[r * head_dim + d] * inv_sum[r]);

@@ -18,7 +18,7 @@ from kernels import reference
 from kernels.cpu_paged_attention import load_error, paged_decode_attention
 from tests.kernels.test_reference import attention_sinks, paged_setup
 
-GQA = [(4, 4), (4, 2), (8, 2)]  # ratios 1, 2, 4
+GQA = [(4, 4), (4, 2), (8, 2), (9, 3), (12, 2)]  # ratios 1, 2, 4, 3 (SmolLM2), 6: every V-pass tiling
 # Few sequences run a work item per KV head, many (>= 4 per thread) a sequence at a time.
 MANY = [1, 2, 15, 16, 17, 31, 32, 33, 64, 100, 129, 300, 7, 48]
 
