@@ -81,18 +81,23 @@ class TorchAttentionBackend:
             else:
                 keys = reference.gather_kv(key_cache, span.block_table, span.context_len)
                 values = reference.gather_kv(value_cache, span.block_table, span.context_len)
-            bias = None
-            # Sinks always take the bias (their softmax is spelled out); without them only a mask needs it.
-            if sinks is not None or reference.needs_prefill_bias(span.num_queries, span.context_len, sliding_window):
-                if sliding_window not in span.biases:
-                    span.biases[sliding_window] = reference.prefill_bias(
-                        span.num_queries, span.context_len, sliding_window, query.dtype, query.device)
-                bias = span.biases[sliding_window]
-            out[rows] = reference.prefill_attention(query[rows], keys, values, scale, sliding_window, bias, sinks)
+            out[rows] = self.prefill(query[rows], keys, values, span, scale, sliding_window, sinks)
         if meta.num_prefill_tokens < query.shape[0]:
             decodes = slice(meta.num_prefill_tokens, None)
             out[decodes] = self.decode(query[decodes], key_cache, value_cache, meta, scale, sliding_window, sinks)
         return out
+
+    def prefill(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, span: PrefillSpan, scale: float,
+                sliding_window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
+        """One sequence's prefill: query [Q, Hq, D] over keys/values [C, Hkv, D] -> [Q, Hq, D]."""
+        bias = None
+        # Sinks always take the bias (their softmax is spelled out); without them only a mask needs it.
+        if sinks is not None or reference.needs_prefill_bias(span.num_queries, span.context_len, sliding_window):
+            if sliding_window not in span.biases:  # built once a step, shared by every layer
+                span.biases[sliding_window] = reference.prefill_bias(
+                    span.num_queries, span.context_len, sliding_window, query.dtype, query.device)
+            bias = span.biases[sliding_window]
+        return reference.prefill_attention(query, keys, values, scale, sliding_window, bias, sinks)
 
     def decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float, sliding_window: int | None,
@@ -106,15 +111,23 @@ class TorchAttentionBackend:
 
 class CpuAttentionBackend(TorchAttentionBackend):
     """The torch backend with decode attention in native code reading the paged cache
-    in place (kernels/cpu_paged_attention.py); the CPU default where it builds."""
+    in place (kernels/cpu_paged_attention.py), and bf16 prefill attention in native code on
+    CPUs with avx512_bf16 (kernels/cpu_prefill_attention.py); the CPU default where it builds."""
 
     name = "cpu"
 
     def __init__(self) -> None:
         super().__init__()
-        from kernels import cpu_paged_attention  # noqa: PLC0415
+        from kernels import cpu_paged_attention, cpu_prefill_attention  # noqa: PLC0415
 
         self._decode = cpu_paged_attention.paged_decode_attention
+        self._prefill_native = cpu_prefill_attention
+
+    def prefill(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, span: PrefillSpan, scale: float,
+                sliding_window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
+        if self._prefill_native.supports(query, sinks):
+            return self._prefill_native.prefill_attention(query, keys, values, scale, sliding_window)
+        return super().prefill(query, keys, values, span, scale, sliding_window, sinks)
 
     def decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float, sliding_window: int | None,

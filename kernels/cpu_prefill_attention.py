@@ -1,0 +1,36 @@
+"""Causal prefill attention for bf16 models in native code (csrc/prefill_attention_cpu.cpp, in
+the library kernels/cpu_paged_attention.py builds), on CPUs with avx512_bf16: both products on
+the CPU's bf16 dot product, where torch's CPU flash kernel runs bf16 at its fp32 speed."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kernels.cpu_paged_attention import load_error
+
+
+@functools.cache
+def available() -> bool:
+    """The library built, for a CPU with avx512_bf16 (it is compiled for the host it runs on)."""
+    return load_error() is None and bool(torch.ops.kvfleet_cpu.bf16_prefill_available())
+
+
+def supports(query: torch.Tensor, sinks: torch.Tensor | None) -> bool:
+    """Whether prefill_attention takes this call: bf16 on the CPU, head size 64 or 128, no sinks."""
+    return (sinks is None and query.dtype == torch.bfloat16 and query.device.type == "cpu"
+            and query.shape[-1] in (64, 128) and available())
+
+
+def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                      sliding_window: int | None = None) -> torch.Tensor:
+    """Same contract as kernels.reference.prefill_attention without sinks: query [Q, Hq, D] (the
+    last Q positions of the context), key/value [C, Hkv, D] -> [Q, Hq, D]; rows of any stride.
+    Probabilities are rounded to bf16 before they weigh V, as torch's flash kernel does."""
+    if not available():
+        raise RuntimeError(f"native bf16 prefill attention is unavailable here: "
+                           f"{load_error() or 'the CPU has no avx512_bf16'}")
+    out = torch.empty(query.shape, dtype=query.dtype)
+    torch.ops.kvfleet_cpu.prefill_attention(out, query, key, value, scale, sliding_window or 0)
+    return out
