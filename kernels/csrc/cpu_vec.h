@@ -1,8 +1,10 @@
-// Vector helpers shared by the native CPU kernels (paged_decode_cpu.cpp,
-// varlen_attention_cpu.cpp): 16 fp32 lanes through g++'s vector extensions, so one source
-// lowers to AVX-512, AVX2 or NEON, with loads and stores that widen and round bf16/fp16.
+// Helpers shared by the native CPU kernels (paged_decode_cpu.cpp, varlen_attention_cpu.cpp,
+// prefill_attention_cpu.cpp, lora_cpu.cpp, cpu_layers.cpp): 16 fp32 lanes through g++'s vector
+// extensions, so one source lowers to AVX-512, AVX2 or NEON, with loads and stores that widen
+// and round bf16/fp16; and the cost-balanced split of work items over threads.
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -10,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 namespace kvfleet_cpu {
 
@@ -106,6 +109,23 @@ inline void store16(at::Half* p, vfloat v) {
   using f16x16 = _Float16 __attribute__((vector_size(32)));
   const f16x16 narrow = __builtin_convertvector(v, f16x16);
   std::memcpy(p, &narrow, sizeof narrow);
+}
+
+// Runs body(begin, end) on each thread over one contiguous run of items [begin, end) holding an
+// equal share of their total cost; cost_before [num_items + 1] is the prefix sum of the items'
+// costs. Where items cost unequal amounts (contexts of different lengths, rows along a causal
+// triangle), an even split of the item range left one thread idle at the end.
+template <typename Body>
+void parallel_for_by_cost(const std::vector<int64_t>& cost_before, Body&& body) {
+  const int64_t num_items = static_cast<int64_t>(cost_before.size()) - 1;
+  const int64_t num_shares = std::min<int64_t>(num_items, at::get_num_threads());
+  auto share_start = [&](int64_t share) {  // the first item whose cost starts in this share
+    const int64_t target = cost_before.back() * share / num_shares;
+    return std::lower_bound(cost_before.begin(), cost_before.end(), target) - cost_before.begin();
+  };
+  at::parallel_for(0, num_shares, 1, [&](int64_t first_share, int64_t end_share) {
+    body(share_start(first_share), share_start(end_share));
+  });
 }
 
 }  // namespace kvfleet_cpu

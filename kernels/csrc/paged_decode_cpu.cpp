@@ -203,9 +203,8 @@ void decode_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_cac
   const int64_t span = num_seqs >= 4 * at::get_num_threads() ? num_kv_heads : 1;  // KV heads per item
   const int64_t spans_per_seq = num_kv_heads / span;
   const int64_t rows = span * group;  // query heads per item
-  // Items cost about their number of positions, which differ by up to the longest context:
-  // an even split of the item range left one thread idle (and half the bandwidth unused) at
-  // the end. Each thread takes one contiguous run of items with an equal share of positions.
+  // Items cost about their number of positions, which differ by up to the longest context
+  // (an even split of the item range left half the bandwidth unused at the end).
   const int64_t num_items = num_seqs * spans_per_seq;
   std::vector<int64_t> cost_before(num_items + 1, 0);  // [num_items + 1], prefix sums
   for (int64_t work = 0; work < num_items; ++work) {
@@ -213,13 +212,7 @@ void decode_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_cac
     const int64_t positions = sliding_window > 0 ? std::min(len, sliding_window) : len;
     cost_before[work + 1] = cost_before[work] + positions + block_size;  // + a block's fixed work
   }
-  const int64_t num_shares = std::min<int64_t>(num_items, at::get_num_threads());
-  auto share_start = [&](int64_t share) {  // first item whose positions start in this share
-    const int64_t target = cost_before[num_items] * share / num_shares;
-    return std::lower_bound(cost_before.begin(), cost_before.end(), target) - cost_before.begin();
-  };
-  at::parallel_for(0, num_shares, 1, [&](int64_t first_share, int64_t end_share) {
-    const int64_t begin = share_start(first_share), end = share_start(end_share);
+  parallel_for_by_cost(cost_before, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(rows * max_context);  // [rows, max_context]
     std::vector<float> queries(rows * head_dim);    // [rows, head_dim], fp32, pre-scaled
     std::vector<float> acc(rows * head_dim);        // [rows, head_dim]
@@ -235,44 +228,40 @@ void decode_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_cac
         for (int64_t d = 0; d < head_dim; ++d) queries[r * head_dim + d] = static_cast<float>(q[d]) * scale;
       }
 
-      // Calls visit(rows, row_stride, r, start, lo, hi) for every block of [first, len) and
-      // every query row r: rows points at slot 0 of r's KV head in that block, and slots
-      // [lo, hi) are in range. fp32 rows, and any rows when `widen` is false, are read
-      // straight from the paged cache; otherwise bf16 and fp16 ones are widened once per KV
-      // head into `widened` for the whole GQA group.
-      // The K pass also asks for the same block of `companion` (the V cache) into L2: the V pass
-      // has too little work per block to hide DRAM latency behind its own prefetch (its loads
-      // were a third of the kernel's time), while the K pass computes long enough per block.
-      auto for_each_block_row = [&](const scalar_t* cache, const scalar_t* companion, auto widen, auto&& visit) {
+      // The walk over the blocks of [first, len): visit(rows, head, start, lo, hi) for each KV
+      // head of the item in each block, rows pointing at slot 0 of that head as stored, slots
+      // [lo, hi) in range. With `prefetch_ahead` it asks for the block kPrefetchBlocks ahead;
+      // with a `companion` (the V cache, from the K pass) for the same block of it into L2: the
+      // V pass has too little work per block to hide DRAM latency behind its own prefetch (its
+      // loads were a third of the kernel's time), while the K pass computes long enough per block.
+      auto for_each_block = [&](const scalar_t* cache, bool prefetch_ahead, const scalar_t* companion,
+                                auto&& visit) {
         for (int64_t start = first - first % block_size; start < len; start += block_size) {
           const int64_t offset = table[start / block_size] * st.cache_block + first_kv_head * st.cache_head;
-          const scalar_t* block = cache + offset;
-          if (start + kPrefetchBlocks * block_size < len)
+          if (prefetch_ahead && start + kPrefetchBlocks * block_size < len)
             prefetch_block(cache + table[start / block_size + kPrefetchBlocks] * st.cache_block +
                                first_kv_head * st.cache_head, block_size, st.cache_slot, span * st.cache_head);
           if (companion) prefetch_block<1>(companion + offset, block_size, st.cache_slot, span * st.cache_head);
           const int64_t lo = std::max<int64_t>(first - start, 0), hi = std::min(len - start, block_size);
-          for (int64_t head = 0; head < span; ++head) {
-            const scalar_t* rows_of_head = block + head * st.cache_head;
-            if constexpr (std::is_same_v<scalar_t, float> || !decltype(widen)::value) {
-              for (int64_t r = head * group; r < (head + 1) * group; ++r)
-                visit(rows_of_head, st.cache_slot, r, start, lo, hi);
-            } else {
-              widen_rows(widened.data(), rows_of_head, st.cache_slot, lo, hi, head_dim);
-              for (int64_t r = head * group; r < (head + 1) * group; ++r)
-                visit(static_cast<const float*>(widened.data()), head_dim, r, start, lo, hi);
-            }
-          }
+          for (int64_t head = 0; head < span; ++head) visit(cache + offset + head * st.cache_head, head, start, lo, hi);
         }
       };
-      // Calls visit(rows, r, start, lo, hi) once per block and KV head, r its group's first
-      // query row, rows slot 0 of that head in the block as stored.
-      auto for_each_block_group = [&](const scalar_t* cache, auto&& visit) {
-        for (int64_t start = first - first % block_size; start < len; start += block_size) {
-          const scalar_t* block = cache + table[start / block_size] * st.cache_block + first_kv_head * st.cache_head;
-          const int64_t lo = std::max<int64_t>(first - start, 0), hi = std::min(len - start, block_size);
-          for (int64_t head = 0; head < span; ++head) visit(block + head * st.cache_head, head * group, start, lo, hi);
-        }
+      // Calls visit(rows, row_stride, r, start, lo, hi) for every block and every query row r of
+      // the KV head whose rows those are. fp32 rows, and any rows when `widen` is false, are read
+      // straight from the paged cache; otherwise bf16 and fp16 ones are widened once per KV
+      // head into `widened` for the whole GQA group.
+      auto for_each_block_row = [&](const scalar_t* cache, const scalar_t* companion, auto widen, auto&& visit) {
+        for_each_block(cache, true, companion, [&](const scalar_t* rows_of_head, int64_t head, int64_t start,
+                                                   int64_t lo, int64_t hi) {
+          if constexpr (std::is_same_v<scalar_t, float> || !decltype(widen)::value) {
+            for (int64_t r = head * group; r < (head + 1) * group; ++r)
+              visit(rows_of_head, st.cache_slot, r, start, lo, hi);
+          } else {
+            widen_rows(widened.data(), rows_of_head, st.cache_slot, lo, hi, head_dim);
+            for (int64_t r = head * group; r < (head + 1) * group; ++r)
+              visit(static_cast<const float*>(widened.data()), head_dim, r, start, lo, hi);
+          }
+        });
       };
       constexpr bool kDotBf16 = kHasBf16Dot && std::is_same_v<scalar_t, at::BFloat16> && HEAD_DIM > 0 &&
                                 HEAD_DIM % 32 == 0;
@@ -319,8 +308,9 @@ void decode_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_cac
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       if constexpr (HEAD_DIM > 0 && HEAD_DIM % kLanes == 0) {
-        for_each_block_group(value_cache, [&](const scalar_t* values, int64_t r, int64_t start, int64_t lo,
-                                              int64_t hi) {
+        for_each_block(value_cache, false, nullptr, [&](const scalar_t* values, int64_t head, int64_t start,
+                                                        int64_t lo, int64_t hi) {
+          const int64_t r = head * group;  // the group's first query row
           weighted_rows_add_group<HEAD_DIM>(acc.data() + r * head_dim, scores.data() + r * max_context + start + lo,
                                             max_context, values + lo * st.cache_slot, st.cache_slot, hi - lo, group);
         });

@@ -206,23 +206,18 @@ void prefill_kernel(at::BFloat16* out, const at::BFloat16* query, const at::BFlo
                 key + h * s.k_head, value + h * s.v_head, s);
   });
   // Items (KV head, block of positions) cost about the keys their last position sees, which
-  // grow along the causal triangle: each thread takes a contiguous run of equal total cost.
+  // grow along the causal triangle.
   const int64_t blocks = (s.num_queries + kBlockPositions - 1) / kBlockPositions, num_items = s.num_kv_heads * blocks;
   std::vector<int64_t> cost_before(num_items + 1, 0);
   for (int64_t item = 0; item < num_items; ++item) {
     const int64_t last = std::min((item % blocks + 1) * kBlockPositions, s.num_queries) + s.context_len - s.num_queries;
     cost_before[item + 1] = cost_before[item] + (s.window > 0 ? std::min(last, s.window) : last) + kKeyTile;
   }
-  const int64_t num_shares = std::min<int64_t>(num_items, at::get_num_threads());
-  auto share_start = [&](int64_t share) {
-    const int64_t target = cost_before[num_items] * share / num_shares;
-    return std::lower_bound(cost_before.begin(), cost_before.end(), target) - cost_before.begin();
-  };
-  at::parallel_for(0, num_shares, 1, [&](int64_t first_share, int64_t end_share) {
+  parallel_for_by_cost(cost_before, [&](int64_t begin, int64_t end) {
     const int64_t max_rows = kBlockPositions * s.group;
     std::vector<float> scores(max_rows * s.padded_len), acc(max_rows * HEAD_DIM);
     std::vector<uint32_t> prob_words(max_rows * s.padded_len / 2);
-    for (int64_t item = share_start(first_share); item < share_start(end_share); ++item) {
+    for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item / blocks, p0 = (item % blocks) * kBlockPositions;
       attend_block<HEAD_DIM>(out, query, key_pairs.data() + h * half_dim * s.padded_len,
                              value_pairs.data() + h * s.padded_len / 2 * s.head_dim, h, p0,
