@@ -27,9 +27,9 @@ _SOURCES = [Path(__file__).parent / "csrc" / name
 # The math flags let g++ vectorise the dot-product reductions; not -ffast-math, whose
 # finite-math assumption would break the -inf masking.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-funsafe-math-optimizations"]
-# cpp_extension rebuilds when a source or a flag changes, not when a header does: the shared
-# header's digest rides in a flag so that editing it rebuilds the library too.
-_HEADER = Path(__file__).parent / "csrc" / "cpu_vec.h"
+# cpp_extension rebuilds when a source or a flag changes, not when a header does: the headers'
+# digest rides in a flag so that editing one rebuilds the library too.
+_HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 
 
 def _put_ninja_on_path() -> None:
@@ -63,7 +63,7 @@ def _build() -> str | None:
             # hold it no other build runs here and a leftover torch lock is stale.
             fcntl.flock(guard, fcntl.LOCK_EX)
             (build_dir / "lock").unlink(missing_ok=True)
-            digest = hashlib.sha256(_HEADER.read_bytes()).hexdigest()[:16]
+            digest = hashlib.sha256(b"".join(header.read_bytes() for header in _HEADERS)).hexdigest()[:16]
             cpp_extension.load(name="kvfleet_cpu_ops", sources=[str(source) for source in _SOURCES],
                                extra_cflags=[*_CFLAGS, f"-DKVFLEET_CPU_VEC_H={digest}"],
                                extra_ldflags=["-fopenmp"], build_directory=str(build_dir),

@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include "cpu_vec.h"
+#include "decode_dot.h"
 
 #include <algorithm>
 #include <cmath>
@@ -79,86 +80,31 @@ inline void weighted_rows_add_tile(float* acc, int64_t acc_stride, const float* 
     for (int c = 0; c < kChunks; ++c) store16(acc + t * acc_stride + c * kLanes, sum[t][c]);
 }
 
-// The V pass for `count` query rows (a GQA group), in tiles as large as the registers allow.
-template <int HEAD_DIM, typename scalar_t>
-inline void weighted_rows_add_group(float* acc, const float* weights, int64_t weight_stride, const scalar_t* first,
-                                    int64_t row_stride, int64_t num_rows, int64_t count) {
-  constexpr int kTile = HEAD_DIM <= 64 ? 4 : 2;  // 16 accumulators + the row's 4 (8) chunks
+// tile(std::integral_constant<int, TILE>, r) for query rows [r, r + TILE) over [0, count)
+// (a GQA group), in tiles as large as the registers allow: TILE * HEAD_DIM / 16 accumulators
+// plus a V row's (or row pair's) HEAD_DIM / 16 registers within the 32.
+template <int HEAD_DIM, typename Tile>
+inline void for_each_tile(int64_t count, Tile&& tile) {
+  constexpr int kTile = HEAD_DIM <= 64 ? 4 : 2;
   int64_t r = 0;
-  for (; r + kTile <= count; r += kTile)
-    weighted_rows_add_tile<HEAD_DIM, kTile>(acc + r * HEAD_DIM, HEAD_DIM, weights + r * weight_stride, weight_stride,
-                                            first, row_stride, num_rows);
-  auto rest = [&](auto tile) {  // the last count % kTile rows as one tile
-    weighted_rows_add_tile<HEAD_DIM, decltype(tile)::value>(acc + r * HEAD_DIM, HEAD_DIM, weights + r * weight_stride,
-                                                            weight_stride, first, row_stride, num_rows);
-  };
-  switch (count - r) {
-    case 3: if constexpr (kTile > 3) rest(std::integral_constant<int, 3>{}); break;
-    case 2: if constexpr (kTile > 2) rest(std::integral_constant<int, 2>{}); break;
-    case 1: rest(std::integral_constant<int, 1>{}); break;
+  for (; r + kTile <= count; r += kTile) tile(std::integral_constant<int, kTile>{}, r);
+  switch (count - r) {  // the last count % kTile rows as one tile
+    case 3: if constexpr (kTile > 3) tile(std::integral_constant<int, 3>{}, r); break;
+    case 2: if constexpr (kTile > 2) tile(std::integral_constant<int, 2>{}, r); break;
+    case 1: tile(std::integral_constant<int, 1>{}, r); break;
     default: break;
   }
 }
 
-// Lane j of the result is the sum of v[j]'s lanes: 16 dot products finished at once. Each
-// round pairs vectors and halves the lanes each one's partial sums take (8, 4, 2, 1), so
-// the whole reduction is 15 shuffle pairs and adds, where 16 separate reduce_add trees
-// (and their scalar stores) cost about three times as many instructions.
-inline vfloat transpose_sum16(const vfloat* v) {
-  vfloat w[8], u[4], t[2];
-  for (int i = 0; i < 8; ++i)
-    w[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  for (int i = 0; i < 4; ++i)
-    u[i] = __builtin_shufflevector(w[2 * i], w[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-           __builtin_shufflevector(w[2 * i], w[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  for (int i = 0; i < 2; ++i)
-    t[i] = __builtin_shufflevector(u[2 * i], u[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-           __builtin_shufflevector(u[2 * i], u[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-  return __builtin_shufflevector(t[0], t[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         __builtin_shufflevector(t[0], t[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-}
-
-// scores[0:16] = q . rows[i] for the 16 rows rows[i] = first + i * row_stride (HEAD_DIM a
-// multiple of 16): one partial-sum register per row, then one transposed reduction.
+// The V pass for `count` query rows (a GQA group) of fp32 weights.
 template <int HEAD_DIM, typename scalar_t>
-inline vfloat dot16(const float* q, const scalar_t* first, int64_t row_stride) {
-  vfloat partial[kLanes];
-  for (int i = 0; i < kLanes; ++i) {
-    const scalar_t* row = first + i * row_stride;
-    partial[i] = load16(q) * load16(row);
-    for (int d = kLanes; d < HEAD_DIM; d += kLanes) partial[i] += load16(q + d) * load16(row + d);
-  }
-  return transpose_sum16(partial);
+inline void weighted_rows_add_group(float* acc, const float* weights, int64_t weight_stride, const scalar_t* first,
+                                    int64_t row_stride, int64_t num_rows, int64_t count) {
+  for_each_tile<HEAD_DIM>(count, [&](auto tile, int64_t r) {
+    weighted_rows_add_tile<HEAD_DIM, decltype(tile)::value>(acc + r * HEAD_DIM, HEAD_DIM, weights + r * weight_stride,
+                                                            weight_stride, first, row_stride, num_rows);
+  });
 }
-
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-constexpr bool kHasBf16Dot = true;
-// scores[0:16] = q . rows[i] as dot16 does, for a bf16 query and bf16 cache rows, with
-// avx512_bf16's dot product (32 products into 16 fp32 sums an instruction): the rows are
-// read as stored, not widened first. Each bf16 x bf16 product is exact in fp32, as after
-// widening; only the order of the fp32 sums differs. ~10% off the whole kernel here
-// (64 sequences x 400 positions, bf16, SmolLM2's 9/3 heads of 64).
-template <int HEAD_DIM>
-inline vfloat dot16_bf16(const at::BFloat16* q, const at::BFloat16* first, int64_t row_stride) {
-  static_assert(HEAD_DIM % 32 == 0);
-  __m512bh q_pairs[HEAD_DIM / 32];
-  for (int c = 0; c < HEAD_DIM / 32; ++c) q_pairs[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
-  vfloat partial[kLanes];
-  for (int i = 0; i < kLanes; ++i) {
-    const at::BFloat16* row = first + i * row_stride;
-    __m512 acc = _mm512_setzero_ps();
-    for (int c = 0; c < HEAD_DIM / 32; ++c) acc = _mm512_dpbf16_ps(acc, q_pairs[c], (__m512bh)_mm512_loadu_si512(row + 32 * c));
-    partial[i] = (vfloat)acc;
-  }
-  return transpose_sum16(partial);
-}
-#else
-constexpr bool kHasBf16Dot = false;
-template <int HEAD_DIM>
-inline vfloat dot16_bf16(const at::BFloat16*, const at::BFloat16*, int64_t) { return vfloat{}; }  // never called
-#endif
 
 // The rows [lo, hi) of one KV head of a cache block, widened to fp32 once into `dst`
 // ([block_size, head_dim]) so that the GQA group's query rows read them without
@@ -199,6 +145,9 @@ void decode_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_cac
                    int64_t num_heads, int64_t num_kv_heads, int64_t runtime_head_dim, int64_t block_size,
                    float scale, int64_t sliding_window, int64_t max_context, Strides st) {
   const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : runtime_head_dim;
+  // bf16 caches of head size 64 or 128 on avx512_bf16: both passes on its dot product.
+  constexpr bool kDotBf16 = kHasBf16Dot && std::is_same_v<scalar_t, at::BFloat16> && HEAD_DIM > 0 &&
+                            HEAD_DIM % 32 == 0;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t span = num_seqs >= 4 * at::get_num_threads() ? num_kv_heads : 1;  // KV heads per item
   const int64_t spans_per_seq = num_kv_heads / span;
@@ -217,7 +166,8 @@ void decode_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_cac
     std::vector<float> queries(rows * head_dim);    // [rows, head_dim], fp32, pre-scaled
     std::vector<float> acc(rows * head_dim);        // [rows, head_dim]
     std::vector<float> row_max(rows), inv_sum(rows);
-    std::vector<float> widened(block_size * head_dim);  // [block_size, head_dim], one KV head's rows in fp32
+    std::vector<float> widened(block_size * head_dim);
+    std::vector<at::BFloat16> probs(kDotBf16 ? rows * max_context : 0);  // [rows, max_context], bf16 weights  // [block_size, head_dim], one KV head's rows in fp32
     for (int64_t work = begin; work < end; ++work) {
       const int64_t seq = work / spans_per_seq, first_kv_head = (work % spans_per_seq) * span;
       const int64_t len = context_lens[seq];
@@ -263,8 +213,6 @@ void decode_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_cac
           }
         });
       };
-      constexpr bool kDotBf16 = kHasBf16Dot && std::is_same_v<scalar_t, at::BFloat16> && HEAD_DIM > 0 &&
-                                HEAD_DIM % 32 == 0;
       for_each_block_row(key_cache, value_cache, std::bool_constant<!kDotBf16>{}, [&](const auto* keys, int64_t stride,
                                                                           int64_t r, int64_t start, int64_t lo,
                                                                           int64_t hi) {
@@ -284,10 +232,12 @@ void decode_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_cac
         }
         for (; slot < hi; ++slot) s[slot] = dot<HEAD_DIM>(q, keys + slot * stride, head_dim);
       });
-      // Softmax numerators in place; the 1/sum is applied once to the output. A sink (gpt-oss)
-      // is one more logit in the max and the sum that adds nothing to the output.
+      // Softmax numerators in place (and, for the bf16 V pass, rounded to bf16 in `probs`); the
+      // 1/sum is applied once to the output. A sink (gpt-oss) is one more logit in the max and
+      // the sum that adds nothing to the output.
       for (int64_t r = 0; r < rows; ++r) {
         float* s = scores.data() + r * max_context;
+        at::BFloat16* p = probs.data() + r * max_context;
         row_max[r] = max_of(s + first, len - first);
         const float sink = sinks ? sinks[first_kv_head * group + r] : 0.f;
         if (sinks) row_max[r] = std::max(row_max[r], sink);
@@ -297,22 +247,48 @@ void decode_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_cac
         for (; pos + kLanes <= len; pos += kLanes) {
           const vfloat numerators = exp16(load16(s + pos) - max16);
           store16(s + pos, numerators);
+          if constexpr (kDotBf16) store16(p + pos, numerators);
           sum16 += numerators;
         }
         float total = reduce_add(sum16) + (sinks ? std::exp(sink - row_max[r]) : 0.f);
         for (; pos < len; ++pos) {
           s[pos] = std::exp(s[pos] - row_max[r]);
+          if constexpr (kDotBf16) p[pos] = static_cast<at::BFloat16>(s[pos]);
           total += s[pos];
         }
         inv_sum[r] = 1.f / total;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       if constexpr (HEAD_DIM > 0 && HEAD_DIM % kLanes == 0) {
+        // The next item's K blocks, asked for into L2 while this item's V pass computes from L2.
+        const int64_t next_seq = (work + 1) / spans_per_seq, next_head = ((work + 1) % spans_per_seq) * span;
+        const int64_t next_len = work + 1 < end ? context_lens[next_seq] : 0;
+        const int64_t next_first = sliding_window > 0 && next_len > sliding_window ? next_len - sliding_window : 0;
+        const int64_t* next_table = block_tables + next_seq * st.table_seq;
+        const int64_t next_blocks = next_len > 0 ? (next_len - 1) / block_size + 1 - next_first / block_size : 0;
+        const int64_t my_first_block = first / block_size;
+        const int64_t my_blocks = (len - 1) / block_size + 1 - my_first_block;
         for_each_block(value_cache, false, nullptr, [&](const scalar_t* values, int64_t head, int64_t start,
                                                         int64_t lo, int64_t hi) {
+          if (head == 0) {
+            const int64_t j = start / block_size - my_first_block;
+            const int64_t to = j + 1 == my_blocks ? next_blocks : std::min(j + 1, next_blocks);
+            for (int64_t b = j; b < to; ++b)
+              prefetch_block<1>(key_cache + next_table[next_first / block_size + b] * st.cache_block +
+                                next_head * st.cache_head, block_size, st.cache_slot, span * st.cache_head);
+          }
           const int64_t r = head * group;  // the group's first query row
-          weighted_rows_add_group<HEAD_DIM>(acc.data() + r * head_dim, scores.data() + r * max_context + start + lo,
-                                            max_context, values + lo * st.cache_slot, st.cache_slot, hi - lo, group);
+          if constexpr (kDotBf16) {
+            const auto* weights = reinterpret_cast<const uint16_t*>(probs.data() + r * max_context + start + lo);
+            for_each_tile<HEAD_DIM>(group, [&](auto tile, int64_t t) {
+              weighted_rows_add_tile_bf16<HEAD_DIM, decltype(tile)::value>(
+                  acc.data() + (r + t) * head_dim, head_dim, weights + t * max_context, max_context,
+                  values + lo * st.cache_slot, st.cache_slot, hi - lo);
+            });
+          } else {
+            weighted_rows_add_group<HEAD_DIM>(acc.data() + r * head_dim, scores.data() + r * max_context + start + lo,
+                                              max_context, values + lo * st.cache_slot, st.cache_slot, hi - lo, group);
+          }
         });
       } else {
         for_each_block_row(value_cache, nullptr, std::true_type{}, [&](const auto* values, int64_t stride, int64_t r,
@@ -323,7 +299,10 @@ void decode_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_cac
       }
       for (int64_t r = 0; r < rows; ++r) {
         scalar_t* o = out + seq * st.out_seq + (first_kv_head * group + r) * st.out_head;
-        for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<scalar_t>(acc[r * head_dim + d] * inv_sum[r]);
+        for (int64_t d = 0; d < head_dim; ++d) {
+          const int64_t from = kDotBf16 ? unpack_order_index(d) : d;  // the bf16 V pass's order
+          o[d] = static_cast<scalar_t>(acc[r * head_dim + from] * inv_sum[r]);
+        }
       }
     }
   });

@@ -87,19 +87,70 @@ def test_half_precision_caches_accumulate_in_fp32(dtype, context_lens):
     assert (got - expected).abs().max() <= (3e-2 if dtype == torch.bfloat16 else 4e-3)
 
 
+def attention_with_bf16_probabilities(query, key_cache, value_cache, block_tables, lens, scale,
+                                      sliding_window=None, sinks=None):
+    """fp32 attention over the same bf16 values whose softmax numerators are rounded to bf16
+    before the product with V (the 1/sum from the unrounded ones): what the kernel's bf16 V
+    pass computes. [num_seqs, num_heads, head_dim] fp32."""
+    group = query.shape[1] // key_cache.shape[2]
+    out = torch.empty(query.shape)
+    for seq, length in enumerate(lens.tolist()):
+        first = max(length - sliding_window, 0) if sliding_window else 0
+        keys = reference.gather_kv(key_cache, block_tables[seq], length).float()[first:]  # [C, Hkv, D]
+        values = reference.gather_kv(value_cache, block_tables[seq], length).float()[first:]
+        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)  # [C, Hq, D]
+        scores = torch.einsum("hd,chd->hc", query[seq].float(), keys) * scale  # [Hq, C]
+        peak = scores.amax(-1, keepdim=True)
+        if sinks is not None:
+            peak = torch.maximum(peak, sinks[:, None])
+        numerators = (scores - peak).exp()
+        total = numerators.sum(-1, keepdim=True) + (0 if sinks is None else (sinks[:, None] - peak).exp())
+        out[seq] = torch.einsum("hc,chd->hd", numerators.bfloat16().float(), values) / total
+    return out
+
+
+@pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported(), reason="the bf16 V pass needs avx512_bf16")
+@pytest.mark.parametrize("num_heads, num_kv_heads", GQA)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("sliding_window, with_sinks", [(None, False), (23, False), (40, True), (None, True)])
+def test_bf16_v_pass_over_windows_sinks_and_every_tiling(num_heads, num_kv_heads, head_dim, sliding_window,
+                                                         with_sinks):
+    """Odd window starts and ends (a row paired with itself under a zero weight), every GQA tile."""
+    context_lens = [1, 2, 17, 33, 64, 101, 130, 7]
+    key_cache, value_cache, _, block_tables = paged_setup(context_lens, 16, num_kv_heads, head_dim)
+    key_cache, value_cache = key_cache.bfloat16(), value_cache.bfloat16()
+    query = torch.randn(len(context_lens), num_heads, head_dim).bfloat16()
+    sinks = attention_sinks(num_heads) if with_sinks else None
+    lens, scale = torch.tensor(context_lens), 1 / math.sqrt(head_dim)
+    got = paged_decode_attention(query, key_cache, value_cache, block_tables, lens, scale, sliding_window,
+                                 sinks=sinks).float()
+    expected = attention_with_bf16_probabilities(query, key_cache, value_cache, block_tables, lens, scale,
+                                                 sliding_window, None if sinks is None else sinks.float())
+    torch.testing.assert_close(got, expected, rtol=2**-8, atol=1e-5)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 80])  # 64, 128: avx512_bf16's dot product where the CPU has it
 @pytest.mark.parametrize("context_lens", [[3, 50, 200], MANY])
 def test_bf16_kernel_is_fp32_attention_over_the_same_bf16_values(head_dim, context_lens):
-    """Against the fp32 reference fed the very bf16 values the kernel reads: what is left is
-    the order of fp32 sums and the output's rounding to bf16 (half an ulp: 2^-9 relative)."""
+    """Against fp32 attention fed the very bf16 values the kernel reads. On avx512_bf16 at head
+    sizes 64 and 128 the probabilities meet V in bf16 (as torch's bf16 attention rounds them):
+    the reference rounds them alike. What is left is the order of fp32 sums and the output's
+    rounding to bf16 (half an ulp: 2^-9 relative). Either way it is no further from exact fp32
+    attention than torch's own bf16 path."""
     key_cache, value_cache, _, block_tables = paged_setup(context_lens, 16, 3, head_dim)
     key_cache, value_cache = key_cache.bfloat16(), value_cache.bfloat16()
     query = torch.randn(len(context_lens), 9, head_dim).bfloat16()
     lens, scale = torch.tensor(context_lens), 1 / math.sqrt(head_dim)
-    expected = reference.paged_decode_attention(query.float(), key_cache.float(), value_cache.float(), block_tables,
-                                                lens, scale, None)
+    exact = reference.paged_decode_attention(query.float(), key_cache.float(), value_cache.float(), block_tables,
+                                             lens, scale, None)
     got = paged_decode_attention(query, key_cache, value_cache, block_tables, lens, scale, None).float()
+    rounds_probabilities = head_dim in (64, 128) and torch.cpu._is_avx512_bf16_supported()
+    expected = (attention_with_bf16_probabilities(query, key_cache, value_cache, block_tables, lens, scale)
+                if rounds_probabilities else exact)
     torch.testing.assert_close(got, expected, rtol=2**-8, atol=1e-5)
+    torch_error = (reference.paged_decode_attention(query, key_cache, value_cache, block_tables, lens, scale,
+                                                    None).float() - exact).abs().max()
+    assert (got - exact).abs().max() <= torch_error + 1e-3
 
 
 def test_writes_into_a_strided_out_and_reads_a_strided_query():
