@@ -75,7 +75,7 @@ inline vfloat dot16_bf16(const at::BFloat16* q, const at::BFloat16* first, int64
 // their bf16 weights in one instruction, half the work of widening each row and multiplying
 // it in fp32. The weights are the softmax numerators rounded to bf16, as torch's bf16
 // attention rounds its probabilities before the product with V; the sums stay fp32. `acc`
-// holds each row's HEAD_DIM sums in the unpack order (to_dim_order puts them back); an odd
+// holds each row's HEAD_DIM sums in the unpack order (unpack_order_index maps them back); an odd
 // last row pairs with itself under a zero weight, so no row outside [0, num_rows) is read.
 template <int HEAD_DIM, int TILE>
 inline void weighted_rows_add_tile_bf16(float* acc, int64_t acc_stride, const uint16_t* weights,

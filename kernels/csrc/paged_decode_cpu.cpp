@@ -152,26 +152,34 @@ void decode_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_cac
   const int64_t span = num_seqs >= 4 * at::get_num_threads() ? num_kv_heads : 1;  // KV heads per item
   const int64_t spans_per_seq = num_kv_heads / span;
   const int64_t rows = span * group;  // query heads per item
+  // Work item `work`: its sequence and first KV head, its context length, and the positions
+  // [first, len) it reads (a sliding window's last ones), in blocks [first_block, end_block).
+  struct Item {
+    int64_t seq, first_kv_head, len, first, first_block, end_block;
+  };
+  auto item_at = [&](int64_t work) {
+    const int64_t seq = work / spans_per_seq, len = context_lens[seq];
+    const int64_t first = sliding_window > 0 && len > sliding_window ? len - sliding_window : 0;
+    return Item{seq, (work % spans_per_seq) * span, len, first, first / block_size, (len + block_size - 1) / block_size};
+  };
   // Items cost about their number of positions, which differ by up to the longest context
   // (an even split of the item range left half the bandwidth unused at the end).
   const int64_t num_items = num_seqs * spans_per_seq;
   std::vector<int64_t> cost_before(num_items + 1, 0);  // [num_items + 1], prefix sums
   for (int64_t work = 0; work < num_items; ++work) {
-    const int64_t len = context_lens[work / spans_per_seq];
-    const int64_t positions = sliding_window > 0 ? std::min(len, sliding_window) : len;
-    cost_before[work + 1] = cost_before[work] + positions + block_size;  // + a block's fixed work
+    const Item item = item_at(work);
+    cost_before[work + 1] = cost_before[work] + (item.len - item.first) + block_size;  // + a block's fixed work
   }
   parallel_for_by_cost(cost_before, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(rows * max_context);  // [rows, max_context]
     std::vector<float> queries(rows * head_dim);    // [rows, head_dim], fp32, pre-scaled
     std::vector<float> acc(rows * head_dim);        // [rows, head_dim]
     std::vector<float> row_max(rows), inv_sum(rows);
-    std::vector<float> widened(block_size * head_dim);
-    std::vector<at::BFloat16> probs(kDotBf16 ? rows * max_context : 0);  // [rows, max_context], bf16 weights  // [block_size, head_dim], one KV head's rows in fp32
+    std::vector<float> widened(block_size * head_dim);  // [block_size, head_dim], one KV head's rows in fp32
+    std::vector<at::BFloat16> probs(kDotBf16 ? rows * max_context : 0);  // [rows, max_context], bf16 weights
     for (int64_t work = begin; work < end; ++work) {
-      const int64_t seq = work / spans_per_seq, first_kv_head = (work % spans_per_seq) * span;
-      const int64_t len = context_lens[seq];
-      const int64_t first = sliding_window > 0 && len > sliding_window ? len - sliding_window : 0;
+      const Item item = item_at(work);
+      const int64_t seq = item.seq, first_kv_head = item.first_kv_head, len = item.len, first = item.first;
       const int64_t* table = block_tables + seq * st.table_seq;
       for (int64_t r = 0; r < rows; ++r) {  // row r is query head first_kv_head * group + r
         const scalar_t* q = query + seq * st.query_seq + (first_kv_head * group + r) * st.query_head;
@@ -232,8 +240,8 @@ void decode_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_cac
         }
         for (; slot < hi; ++slot) s[slot] = dot<HEAD_DIM>(q, keys + slot * stride, head_dim);
       });
-      // Softmax numerators in place (and, for the bf16 V pass, rounded to bf16 in `probs`); the
-      // 1/sum is applied once to the output. A sink (gpt-oss) is one more logit in the max and
+      // Softmax numerators, in place in `scores` (for the bf16 V pass rounded to bf16 in `probs`
+      // instead); the 1/sum is applied once to the output. A sink (gpt-oss) is one more logit in the max and
       // the sum that adds nothing to the output.
       for (int64_t r = 0; r < rows; ++r) {
         float* s = scores.data() + r * max_context;
@@ -246,36 +254,32 @@ void decode_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_cac
         int64_t pos = first;
         for (; pos + kLanes <= len; pos += kLanes) {
           const vfloat numerators = exp16(load16(s + pos) - max16);
-          store16(s + pos, numerators);
-          if constexpr (kDotBf16) store16(p + pos, numerators);
+          if constexpr (kDotBf16) store16(p + pos, numerators); else store16(s + pos, numerators);
           sum16 += numerators;
         }
         float total = reduce_add(sum16) + (sinks ? std::exp(sink - row_max[r]) : 0.f);
         for (; pos < len; ++pos) {
-          s[pos] = std::exp(s[pos] - row_max[r]);
-          if constexpr (kDotBf16) p[pos] = static_cast<at::BFloat16>(s[pos]);
-          total += s[pos];
+          const float numerator = std::exp(s[pos] - row_max[r]);
+          if constexpr (kDotBf16) p[pos] = static_cast<at::BFloat16>(numerator); else s[pos] = numerator;
+          total += numerator;
         }
         inv_sum[r] = 1.f / total;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       if constexpr (HEAD_DIM > 0 && HEAD_DIM % kLanes == 0) {
-        // The next item's K blocks, asked for into L2 while this item's V pass computes from L2.
-        const int64_t next_seq = (work + 1) / spans_per_seq, next_head = ((work + 1) % spans_per_seq) * span;
-        const int64_t next_len = work + 1 < end ? context_lens[next_seq] : 0;
-        const int64_t next_first = sliding_window > 0 && next_len > sliding_window ? next_len - sliding_window : 0;
-        const int64_t* next_table = block_tables + next_seq * st.table_seq;
-        const int64_t next_blocks = next_len > 0 ? (next_len - 1) / block_size + 1 - next_first / block_size : 0;
-        const int64_t my_first_block = first / block_size;
-        const int64_t my_blocks = (len - 1) / block_size + 1 - my_first_block;
+        // The next item's K blocks, asked for into L2 while this item's V pass computes from L2:
+        // one with each of this item's blocks, the rest with its last.
+        const Item next = work + 1 < end ? item_at(work + 1) : Item{};
+        const int64_t next_blocks = next.end_block - next.first_block;
+        const int64_t* next_table = block_tables + next.seq * st.table_seq + next.first_block;
         for_each_block(value_cache, false, nullptr, [&](const scalar_t* values, int64_t head, int64_t start,
                                                         int64_t lo, int64_t hi) {
           if (head == 0) {
-            const int64_t j = start / block_size - my_first_block;
-            const int64_t to = j + 1 == my_blocks ? next_blocks : std::min(j + 1, next_blocks);
+            const int64_t j = start / block_size - item.first_block;
+            const int64_t to = start + block_size >= len ? next_blocks : std::min(j + 1, next_blocks);
             for (int64_t b = j; b < to; ++b)
-              prefetch_block<1>(key_cache + next_table[next_first / block_size + b] * st.cache_block +
-                                next_head * st.cache_head, block_size, st.cache_slot, span * st.cache_head);
+              prefetch_block<1>(key_cache + next_table[b] * st.cache_block + next.first_kv_head * st.cache_head,
+                                block_size, st.cache_slot, span * st.cache_head);
           }
           const int64_t r = head * group;  // the group's first query row
           if constexpr (kDotBf16) {
