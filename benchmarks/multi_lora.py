@@ -70,7 +70,7 @@ def write_random_adapter(folder: Path, config, rank: int, seed: int, b_scale: fl
 
 
 def mixed(adapters: list[LoRARequest] | None, num_requests: int) -> list[LoRARequest] | None:
-    """Request i's adapter: adapter i % 8 (None: the base model for all)."""
+    """Request i's adapter: adapters[i % len(adapters)] (None: the base model for all)."""
     return None if adapters is None else [adapters[i % len(adapters)] for i in range(num_requests)]
 
 
