@@ -1,8 +1,12 @@
-"""Two workers with two adapter slots each and six adapters in the queue: each adapter's work
-goes to one worker, loads stay near one per adapter, and every request completes exactly
-once with the answer LLM.generate gives with its adapter."""
+"""Two workers with two adapter slots each and six adapters in the queue: loads stay near one
+per adapter across the fleet, and every request completes exactly once with the answer
+LLM.generate gives with its adapter. How the adapters split between the workers depends on
+who gets the CPU first (one starved worker may take none); the choice itself is tested on a
+fake clock in tests/workers/test_adapter_preference.py."""
 
 from __future__ import annotations
+
+import time
 
 from engine import LLM, LoRARequest, SamplingParams
 from jobs import heartbeats
@@ -25,7 +29,7 @@ def test_two_workers_split_six_adapters_and_finish_each_request_once(fleet, r, t
                                                    ignore_eos=True)
                                         for j in range(PER_ADAPTER)], model=name) for name in folders}
     done = wait_terminal(r, list(batch_ids.values()), 180, fleet)
-    loads = {record["name"]: record["lora_loads"] for record in heartbeats.live_workers(r)}
+    loads = fresh_lora_loads(r, {"w1", "w2"})
 
     reference = LLM(tiny_llama, num_kv_blocks=256, enable_lora=True, max_loras=2, max_lora_rank=64)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -37,6 +41,19 @@ def test_two_workers_split_six_adapters_and_finish_each_request_once(fleet, r, t
         expected = reference.generate(prompts, params, use_tqdm=False, lora_request=LoRARequest(name, 1, str(folders[name])))
         texts = {line["custom_id"]: line["response"]["body"]["choices"][0]["text"] for line in lines}
         assert texts == {f"{name}-{j}": output.text for j, output in enumerate(expected)}
-    # Six loads at the least (each adapter once, somewhere); a few more as the two start together.
-    assert set(loads) == {"w1", "w2"} and min(loads.values()) >= 2, loads
-    assert sum(loads.values()) <= NUM_ADAPTERS + 2, loads
+    # Each adapter loaded once somewhere, a few more as the two start together; without pulling
+    # by adapter both workers would load most of the six (about twelve loads).
+    assert NUM_ADAPTERS <= sum(loads.values()) <= NUM_ADAPTERS + 2, loads
+
+
+def fresh_lora_loads(r, names: set[str], timeout: float = 10.0) -> dict[str, int]:
+    """Each worker's lora_loads from a heartbeat written after this call: the batches can end
+    between a worker's last load and its next heartbeat."""
+    since = time.time()
+    deadline = time.monotonic() + timeout
+    while True:
+        records = {record["name"]: record for record in heartbeats.live_workers(r)}
+        if set(records) == names and all(record["heartbeat"] > since for record in records.values()):
+            return {name: record["lora_loads"] for name, record in records.items()}
+        assert time.monotonic() < deadline, records
+        time.sleep(0.05)
