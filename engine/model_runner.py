@@ -32,11 +32,12 @@ from engine.models.layers import (
     use_triton_layers,
 )
 from engine.models.moe import active_parameter_fraction
-from engine.sampler import Sampler, SamplerOutput, SamplerRow, token_seed
+from engine.sampler import Sampler, SamplerOutput, SamplerRow, first_argmax, token_seed
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 from engine.shard import StepInputs, free_init_method, send_exit, start_shards
 from kernels import cdiv
+from kernels.cpu_layers import argmax_rows
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +130,7 @@ class ModelRunner:
         self.num_layers = len(attention_layers)
         self.num_kv_heads, self.head_dim = attention_layers[0].num_kv_heads, attention_layers[0].head_dim
         self._allocate_kv_cache(kv_groups(attention_layers))
-        self.sampler = Sampler()
+        self.sampler = Sampler(argmax_rows if self.backend.name == "cpu" else first_argmax)
         self.structured = None  # engine.structured_outputs.StructuredOutputs, set with the first constraint
 
     def _load_model(self, hf_config) -> torch.nn.Module:

@@ -122,9 +122,18 @@ def first_argmax(values: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
+    def __init__(self, argmax=first_argmax) -> None:
+        # [rows, vocab] -> [rows]; on the native CPU backend kernels/cpu_layers.py's
+        # argmax_rows, which reads bf16 logits as they are (engine/model_runner.py).
+        self.argmax = argmax
+
     def __call__(self, logits: torch.Tensor, rows: list[SamplerRow]) -> SamplerOutput:
-        """logits [num_rows, vocab] (float32) -> one token per row."""
-        logits = raw_logits = logits.float()
+        """logits [num_rows, vocab] in the model's dtype -> one token per row. A batch of plain
+        greedy rows (no penalties, no logprobs) takes the argmax of the logits as they are: a
+        bf16 value widens to fp32 exactly, so the fp32 copy would pick the same tokens."""
+        if any(not r.params.is_greedy or r.params.has_penalties or r.params.logprobs is not None for r in rows):
+            logits = logits.float()
+        raw_logits = logits
         suppressed = [(i, r.suppressed_token_ids) for i, r in enumerate(rows) if r.suppressed_token_ids]
         if suppressed:
             logits = logits.clone()
@@ -132,7 +141,7 @@ class Sampler:
                 logits[i, token_ids] = float("-inf")
         if any(r.params.has_penalties for r in rows):
             logits = apply_penalties(logits, rows)
-        token_ids = first_argmax(logits)
+        token_ids = self.argmax(logits)
         random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if random_rows:
             index = torch.tensor(random_rows, device=logits.device)

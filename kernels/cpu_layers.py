@@ -1,8 +1,8 @@
 """CPU layers in native code (csrc/cpu_layers.cpp, in the library kernels/cpu_paged_attention.py
 builds): RMSNorm fused with the residual add before it, SiLU-and-mul and rotary embedding in
 place, for bf16 and fp16 models, and LayerNorm fused with the residual add for encoders whose
-matmuls run in bf16 around an fp32 residual stream; and the LoRA delta of a mixed-adapter
-step (csrc/lora_cpu.cpp), in every dtype."""
+matmuls run in bf16 around an fp32 residual stream; greedy sampling's argmax in any float
+dtype; and the LoRA delta of a mixed-adapter step (csrc/lora_cpu.cpp), in every dtype."""
 
 from __future__ import annotations
 
@@ -24,6 +24,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = x.new_empty((x.shape[0], x.shape[1] // 2))
     torch.ops.kvfleet_cpu.silu_and_mul(out, x)
+    return out
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits [rows, vocab] fp32/bf16/fp16 -> [rows] int64: torch.argmax(dim=-1), the first
+    index of each row's largest value (a NaN the largest), read in the logits' own dtype."""
+    _check_built()
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    torch.ops.kvfleet_cpu.argmax_rows(out, logits)
     return out
 
 

@@ -77,33 +77,46 @@ void pack_head(uint32_t* key_pairs, uint32_t* value_pairs, const at::BFloat16* k
   }
 }
 
-// scores[r][k0, k1) = scale * q_r . key_k for `rows` query rows (their bf16 words q_words[r]),
-// four rows and 64 keys a tile: sixteen independent accumulators per pass over the
-// dimensions, each broadcast query word feeding four products.
-void score_rows(float* scores, int64_t score_stride, const uint32_t* const* q_words, int64_t rows,
-                const uint32_t* key_pairs, int64_t k0, int64_t k1, const Shape& s) {
+// scores[t][k0, k1) = scale * q_t . key_k for TILE query rows (their bf16 words q_words[t]),
+// 64 keys a pass: TILE * 4 independent accumulators per pass over the dimensions, each
+// broadcast query word feeding four products. TILE is a compile-time constant so that the
+// accumulators stay in registers: with a runtime row count g++ kept them on the stack and
+// stored all sixteen every pass (a third of the kernel's time went to this loop).
+template <int TILE>
+void score_tile(float* scores, int64_t score_stride, const uint32_t* const* q_words, const uint32_t* key_pairs,
+                int64_t k0, int64_t k1, const Shape& s) {
   constexpr int kVectors = kKeyTile / 16;
   const int64_t half_dim = s.head_dim / 2;
   const __m512 scale = _mm512_set1_ps(s.scale);
-  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-    const int64_t tile = std::min<int64_t>(4, rows - r0);
-    for (int64_t k = k0; k < k1; k += kKeyTile) {
-      __m512 acc[4][kVectors];
-      for (int t = 0; t < 4; ++t)
-        for (int c = 0; c < kVectors; ++c) acc[t][c] = _mm512_setzero_ps();
-      for (int64_t i = 0; i < half_dim; ++i) {
-        __m512bh keys[kVectors];
-        for (int c = 0; c < kVectors; ++c)
-          keys[c] = (__m512bh)_mm512_loadu_si512(key_pairs + i * s.padded_len + k + 16 * c);
-        for (int t = 0; t < tile; ++t) {
-          const __m512bh q = (__m512bh)_mm512_set1_epi32(static_cast<int>(q_words[r0 + t][i]));
-          for (int c = 0; c < kVectors; ++c) acc[t][c] = _mm512_dpbf16_ps(acc[t][c], q, keys[c]);
-        }
+  for (int64_t k = k0; k < k1; k += kKeyTile) {
+    __m512 acc[TILE][kVectors];
+    for (int t = 0; t < TILE; ++t)
+      for (int c = 0; c < kVectors; ++c) acc[t][c] = _mm512_setzero_ps();
+    const uint32_t* keys_at = key_pairs + k;
+    for (int64_t i = 0; i < half_dim; ++i, keys_at += s.padded_len) {
+      __m512bh keys[kVectors];
+      for (int c = 0; c < kVectors; ++c) keys[c] = (__m512bh)_mm512_loadu_si512(keys_at + 16 * c);
+      for (int t = 0; t < TILE; ++t) {
+        const __m512bh q = (__m512bh)_mm512_set1_epi32(static_cast<int>(q_words[t][i]));
+        for (int c = 0; c < kVectors; ++c) acc[t][c] = _mm512_dpbf16_ps(acc[t][c], q, keys[c]);
       }
-      for (int t = 0; t < tile; ++t)
-        for (int c = 0; c < kVectors; ++c)
-          _mm512_storeu_ps(scores + (r0 + t) * score_stride + k + 16 * c, _mm512_mul_ps(acc[t][c], scale));
     }
+    for (int t = 0; t < TILE; ++t)
+      for (int c = 0; c < kVectors; ++c)
+        _mm512_storeu_ps(scores + t * score_stride + k + 16 * c, _mm512_mul_ps(acc[t][c], scale));
+  }
+}
+
+// score_tile over `rows` query rows: four at a time, then the rest as one tile.
+void score_rows(float* scores, int64_t score_stride, const uint32_t* const* q_words, int64_t rows,
+                const uint32_t* key_pairs, int64_t k0, int64_t k1, const Shape& s) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) score_tile<4>(scores + r * score_stride, score_stride, q_words + r, key_pairs, k0, k1, s);
+  switch (rows - r) {
+    case 3: score_tile<3>(scores + r * score_stride, score_stride, q_words + r, key_pairs, k0, k1, s); break;
+    case 2: score_tile<2>(scores + r * score_stride, score_stride, q_words + r, key_pairs, k0, k1, s); break;
+    case 1: score_tile<1>(scores + r * score_stride, score_stride, q_words + r, key_pairs, k0, k1, s); break;
+    default: break;
   }
 }
 

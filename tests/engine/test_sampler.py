@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 from engine import LLM, SamplingParams
 from engine.sampler import Sampler, SamplerRow, apply_penalties, filter_probs, first_argmax
 from engine.sequence import Sequence
+from kernels.cpu_paged_attention import load_error
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +80,32 @@ def test_greedy_ties_go_to_the_first_index_as_argmax():
     logits[5, [900, 30]] = 1.0
     assert torch.equal(first_argmax(logits), logits.argmax(dim=-1))
     assert first_argmax(logits)[5].item() == 30
+
+
+@pytest.mark.skipif(load_error() is not None, reason="no C++ compiler: the native kernels cannot build")
+def test_bf16_greedy_rows_pick_what_the_fp32_copy_would_and_other_rows_still_get_fp32():
+    from kernels.cpu_layers import argmax_rows  # noqa: PLC0415 (the native CPU backend's argmax)
+
+    logits = (torch.randn(6, 3000, generator=torch.Generator().manual_seed(0)) * 4).to(torch.bfloat16)
+    logits[1, [17, 2900]] = 40.0  # a tie: the first index
+    seen: list[torch.dtype] = []
+
+    def recording_argmax(values):
+        seen.append(values.dtype)
+        return argmax_rows(values)
+
+    greedy = [row(SamplingParams(temperature=0)) for _ in range(6)]
+    greedy[2] = SamplerRow(greedy[2].seq, None, [int(logits[2].float().argmax())])  # below min_tokens: suppressed
+    out = Sampler(recording_argmax)(logits, greedy)
+    expected = logits.float().clone()
+    expected[2, greedy[2].suppressed_token_ids] = float("-inf")
+    assert out.token_ids == expected.argmax(dim=-1).tolist() and out.token_ids[1] == 17
+    assert seen == [torch.bfloat16]  # read as they are: no fp32 copy
+    with_logprobs = greedy[:5] + [row(SamplingParams(temperature=0, logprobs=2))]
+    out = Sampler(recording_argmax)(logits, with_logprobs)
+    assert seen[-1] == torch.float32 and out.token_ids == expected.argmax(dim=-1).tolist()
+    assert out.logprobs[5][out.token_ids[5]] == pytest.approx(
+        torch.log_softmax(logits[5].float(), -1)[out.token_ids[5]].item())
 
 
 def test_penalties_match_their_formulas():

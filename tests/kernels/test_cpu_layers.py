@@ -132,3 +132,36 @@ def test_rotary_in_place_refuses_a_position_past_its_table():
     q, k, table = torch.zeros(2, 1, 8, dtype=torch.bfloat16), torch.zeros(2, 1, 8, dtype=torch.bfloat16), torch.ones(4, 8)
     with pytest.raises(RuntimeError, match="position 4 is outside the rotary table"):
         rotary_in_place(torch.tensor([0, 4]), q, k, table, table)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [5, 16, 49_152, 32_003])  # under a vector, one, SmolLM2's, a tail of 3
+def test_argmax_rows_is_torch_argmax_with_its_first_index_rule(dtype, vocab):
+    from kernels.cpu_layers import argmax_rows  # noqa: PLC0415
+
+    generator = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(24, vocab, generator=generator).to(dtype)
+    top = float(torch.finfo(dtype).max)
+    for row in range(6, 24):  # ties across lanes, vector steps and the tail, then special values
+        tied = torch.randint(0, vocab, (3,), generator=generator)
+        logits[row, tied] = 30.0 if row < 12 else top
+    logits[12] = float("-inf")  # suppression left nothing: index 0
+    logits[13] = float("-inf")
+    logits[13, vocab - 1] = -1e4  # only the last (in the tail when there is one) is finite
+    logits[14, [vocab // 2, vocab - 1]] = float("nan")  # torch.argmax: the first NaN
+    logits[15, vocab - 1] = float("inf")
+    logits[16, [0, vocab - 1]] = float("inf")
+    logits[17] = 0.0  # all equal
+    strided = torch.zeros(24, vocab + 7, dtype=dtype)[:, 3:vocab + 3]
+    strided.copy_(logits)
+    expected = logits.float().argmax(dim=-1)
+    assert torch.equal(argmax_rows(logits), expected)
+    assert torch.equal(argmax_rows(strided), expected)
+    assert argmax_rows(logits[:0]).shape == (0,)
+
+
+def test_argmax_rows_refuses_integers():
+    from kernels.cpu_layers import argmax_rows  # noqa: PLC0415
+
+    with pytest.raises(RuntimeError, match="argmax_rows reads fp32, bf16 and fp16"):
+        argmax_rows(torch.ones(2, 8, dtype=torch.int32))
