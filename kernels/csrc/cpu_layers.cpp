@@ -198,6 +198,18 @@ void silu_and_mul_kernel(scalar_t* out, const scalar_t* x, int64_t rows, int64_t
 // dtype: a bf16 logit widens to fp32 exactly, so the winner is the one the fp32 copy would
 // have. On SmolLM2 (49,152 tokens, 40 rows) the fp32 copy and torch's max(dim) took ~2 ms of
 // a ~41 ms decode step; this reads the bf16 rows once, 16 lanes at a time.
+// The scan of row[from, n) that continues from the best so far (top at index `at`): a larger
+// value replaces it, an equal one does not, and the first NaN wins outright.
+template <typename scalar_t>
+int64_t argmax_scan(const scalar_t* row, int64_t from, int64_t n, float top, int64_t at) {
+  for (int64_t j = from; j < n; ++j) {
+    const float v = static_cast<float>(row[j]);
+    if (v != v) return j;
+    if (v > top) top = v, at = j;
+  }
+  return at;
+}
+
 template <typename scalar_t>
 int64_t argmax_row(const scalar_t* row, int64_t n) {
   using i32x16 = int32_t __attribute__((vector_size(64)));
@@ -215,29 +227,15 @@ int64_t argmax_row(const scalar_t* row, int64_t n) {
   }
   bool nan_seen = false;
   for (int lane = 0; lane < kLanes; ++lane) nan_seen |= any_nan[lane] != 0;
-  if (nan_seen || i == 0) {  // rare: a scalar pass over the whole row
-    int64_t at = 0;
-    float top = static_cast<float>(row[0]);
-    for (int64_t j = 0; j < n; ++j) {
-      const float v = static_cast<float>(row[j]);
-      if (v != v) return j;
-      if (v > top) top = v, at = j;
-    }
-    return at;
-  }
+  if (nan_seen) return argmax_scan(row, 0, n, neg_inf, 0);  // rare: the whole row again, in order
   // Lanes hold the first maximum of their own stride; the row's is the largest value at the
-  // smallest index. A lane that never beat -inf holds index 0: if all did, the row is -inf
-  // up to its tail and its first index is the answer, unless the tail beats it.
+  // smallest index. A lane that never beat -inf holds index 0: if all did (or the row is
+  // shorter than a vector), the row is -inf up to its tail, whose scan then decides.
   float top = best[0];
   int64_t at = best_at[0];
   for (int lane = 1; lane < kLanes; ++lane)
     if (best[lane] > top || (best[lane] == top && best_at[lane] < at)) top = best[lane], at = best_at[lane];
-  for (; i < n; ++i) {
-    const float v = static_cast<float>(row[i]);
-    if (v != v) return i;
-    if (v > top) top = v, at = i;
-  }
-  return at;
+  return argmax_scan(row, i, n, top, at);
 }
 
 // out: [rows] int64; logits: [rows, vocab], dense rows, fp32/bf16/fp16.

@@ -1,7 +1,8 @@
 // Helpers shared by the native CPU kernels (paged_decode_cpu.cpp, varlen_attention_cpu.cpp,
 // prefill_attention_cpu.cpp, lora_cpu.cpp, cpu_layers.cpp): 16 fp32 lanes through g++'s vector
 // extensions, so one source lowers to AVX-512, AVX2 or NEON, with loads and stores that widen
-// and round bf16/fp16; and the cost-balanced split of work items over threads.
+// and round bf16/fp16; the row tiling of their register-blocked loops; and the cost-balanced
+// split of work items over threads.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -12,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace kvfleet_cpu {
@@ -109,6 +111,22 @@ inline void store16(at::Half* p, vfloat v) {
   using f16x16 = _Float16 __attribute__((vector_size(32)));
   const f16x16 narrow = __builtin_convertvector(v, f16x16);
   std::memcpy(p, &narrow, sizeof narrow);
+}
+
+// tile(std::integral_constant<int, T>{}, r) for rows [r, r + T) of [0, count): tiles of kTile
+// rows, then the last count % kTile rows as one tile. The kernels keep a tile's accumulators
+// in registers, which needs its row count fixed at compile time.
+template <int kTile, typename Tile>
+inline void for_each_tile(int64_t count, Tile&& tile) {
+  static_assert(kTile >= 1 && kTile <= 4, "the remainder switch covers tiles of up to 4 rows");
+  int64_t r = 0;
+  for (; r + kTile <= count; r += kTile) tile(std::integral_constant<int, kTile>{}, r);
+  switch (count - r) {
+    case 3: if constexpr (kTile > 3) tile(std::integral_constant<int, 3>{}, r); break;
+    case 2: if constexpr (kTile > 2) tile(std::integral_constant<int, 2>{}, r); break;
+    case 1: tile(std::integral_constant<int, 1>{}, r); break;
+    default: break;
+  }
 }
 
 // Runs body(begin, end) on each thread over one contiguous run of items [begin, end) holding an

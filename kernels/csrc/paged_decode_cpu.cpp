@@ -80,27 +80,16 @@ inline void weighted_rows_add_tile(float* acc, int64_t acc_stride, const float* 
     for (int c = 0; c < kChunks; ++c) store16(acc + t * acc_stride + c * kLanes, sum[t][c]);
 }
 
-// tile(std::integral_constant<int, TILE>, r) for query rows [r, r + TILE) over [0, count)
-// (a GQA group), in tiles as large as the registers allow: TILE * HEAD_DIM / 16 accumulators
-// plus a V row's (or row pair's) HEAD_DIM / 16 registers within the 32.
-template <int HEAD_DIM, typename Tile>
-inline void for_each_tile(int64_t count, Tile&& tile) {
-  constexpr int kTile = HEAD_DIM <= 64 ? 4 : 2;
-  int64_t r = 0;
-  for (; r + kTile <= count; r += kTile) tile(std::integral_constant<int, kTile>{}, r);
-  switch (count - r) {  // the last count % kTile rows as one tile
-    case 3: if constexpr (kTile > 3) tile(std::integral_constant<int, 3>{}, r); break;
-    case 2: if constexpr (kTile > 2) tile(std::integral_constant<int, 2>{}, r); break;
-    case 1: tile(std::integral_constant<int, 1>{}, r); break;
-    default: break;
-  }
-}
+// Query rows per V-pass tile: TILE * HEAD_DIM / 16 accumulators plus a V row's (or row
+// pair's) HEAD_DIM / 16 registers within the 32.
+template <int HEAD_DIM>
+constexpr int kVTile = HEAD_DIM <= 64 ? 4 : 2;
 
 // The V pass for `count` query rows (a GQA group) of fp32 weights.
 template <int HEAD_DIM, typename scalar_t>
 inline void weighted_rows_add_group(float* acc, const float* weights, int64_t weight_stride, const scalar_t* first,
                                     int64_t row_stride, int64_t num_rows, int64_t count) {
-  for_each_tile<HEAD_DIM>(count, [&](auto tile, int64_t r) {
+  for_each_tile<kVTile<HEAD_DIM>>(count, [&](auto tile, int64_t r) {
     weighted_rows_add_tile<HEAD_DIM, decltype(tile)::value>(acc + r * HEAD_DIM, HEAD_DIM, weights + r * weight_stride,
                                                             weight_stride, first, row_stride, num_rows);
   });
@@ -284,7 +273,7 @@ void decode_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_cac
           const int64_t r = head * group;  // the group's first query row
           if constexpr (kDotBf16) {
             const auto* weights = reinterpret_cast<const uint16_t*>(probs.data() + r * max_context + start + lo);
-            for_each_tile<HEAD_DIM>(group, [&](auto tile, int64_t t) {
+            for_each_tile<kVTile<HEAD_DIM>>(group, [&](auto tile, int64_t t) {
               weighted_rows_add_tile_bf16<HEAD_DIM, decltype(tile)::value>(
                   acc.data() + (r + t) * head_dim, head_dim, weights + t * max_context, max_context,
                   values + lo * st.cache_slot, st.cache_slot, hi - lo);

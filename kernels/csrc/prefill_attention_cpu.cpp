@@ -110,14 +110,9 @@ void score_tile(float* scores, int64_t score_stride, const uint32_t* const* q_wo
 // score_tile over `rows` query rows: four at a time, then the rest as one tile.
 void score_rows(float* scores, int64_t score_stride, const uint32_t* const* q_words, int64_t rows,
                 const uint32_t* key_pairs, int64_t k0, int64_t k1, const Shape& s) {
-  int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) score_tile<4>(scores + r * score_stride, score_stride, q_words + r, key_pairs, k0, k1, s);
-  switch (rows - r) {
-    case 3: score_tile<3>(scores + r * score_stride, score_stride, q_words + r, key_pairs, k0, k1, s); break;
-    case 2: score_tile<2>(scores + r * score_stride, score_stride, q_words + r, key_pairs, k0, k1, s); break;
-    case 1: score_tile<1>(scores + r * score_stride, score_stride, q_words + r, key_pairs, k0, k1, s); break;
-    default: break;
-  }
+  for_each_tile<4>(rows, [&](auto tile, int64_t r) {
+    score_tile<decltype(tile)::value>(scores + r * score_stride, score_stride, q_words + r, key_pairs, k0, k1, s);
+  });
 }
 
 // Row r's softmax over keys [lo, hi) in place, as bf16 pair words in prob_words[k0 / 2, k1 / 2)
@@ -164,11 +159,9 @@ void weigh_values(float* acc, const uint32_t* const* prob_words, const uint32_t*
 template <int HEAD_DIM>
 void weigh_all(float* acc, const uint32_t* const* prob_words, int64_t rows, const uint32_t* value_pairs, int64_t j0,
                int64_t j1) {
-  constexpr int kTile = HEAD_DIM <= 64 ? 4 : 2;
-  int64_t r = 0;
-  for (; r + kTile <= rows; r += kTile)
-    weigh_values<HEAD_DIM, kTile>(acc + r * HEAD_DIM, prob_words + r, value_pairs, j0, j1);
-  for (; r < rows; ++r) weigh_values<HEAD_DIM, 1>(acc + r * HEAD_DIM, prob_words + r, value_pairs, j0, j1);
+  for_each_tile<HEAD_DIM <= 64 ? 4 : 2>(rows, [&](auto tile, int64_t r) {
+    weigh_values<HEAD_DIM, decltype(tile)::value>(acc + r * HEAD_DIM, prob_words + r, value_pairs, j0, j1);
+  });
 }
 
 // The rows of one work item: query positions [p0, p1) of the new tokens, every query head of
