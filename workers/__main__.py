@@ -31,7 +31,7 @@ from jobs.connection import REDIS_URL_HELP, connect  # noqa: E402
 from jobs.preflight import StartupError, check_startup  # noqa: E402
 from workers.adapters import Adapters, parse_lora_modules  # noqa: E402
 from workers.allocator import preloaded_allocator  # noqa: E402
-from workers.health import DEFAULT_STALL_SECONDS, Health, serve  # noqa: E402
+from workers.health import DEFAULT_STALL_SECONDS, Health, serve, stop_serving  # noqa: E402
 from workers.metrics import WorkerMetrics  # noqa: E402
 from workers.worker import DRAIN_MODES, Worker, WorkerOptions  # noqa: E402
 
@@ -126,8 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     metrics, health = WorkerMetrics(args.name, names[0]), Health(args.stall_seconds)
-    if args.metrics_port:  # before the model loads: /livez answers while it does, /healthz says not ready
-        serve(args.metrics_port, metrics.registry, health)
+    # Before the model loads: /livez answers while it does, and /healthz says not ready.
+    probes = serve(args.metrics_port, metrics.registry, health) if args.metrics_port else None
     pin_threads(args.device, args.tensor_parallel_size)  # rank 0's share of the cores; other ranks pin theirs
     try:
         engine = create_engine(engine_config_from_args(args))
@@ -154,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return worker.work()
     finally:
+        if probes is not None:
+            stop_serving(probes)
         engine.shutdown()  # a tensor-parallel group's other ranks
 
 

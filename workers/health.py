@@ -20,6 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 DEFAULT_STALL_SECONDS = 120.0
+SHUTDOWN_POLL_SECONDS = 0.1  # how often the serving thread looks for a shutdown request
 
 
 class Health:
@@ -70,5 +71,14 @@ def serve(port: int, registry: CollectorRegistry, health: Health, host: str = "0
 
     server = ThreadingHTTPServer((host, port), Handler)
     server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True, name="metrics-http").start()
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": SHUTDOWN_POLL_SECONDS}, daemon=True,
+                     name="metrics-http").start()
     return server
+
+
+def stop_serving(server: ThreadingHTTPServer) -> None:
+    """Close the port once the worker has left its loop. The interpreter takes a while to
+    tear down after that; a probe arriving meanwhile would be accepted by the kernel and
+    then wait for an answer that never comes. Closed, it is refused at once."""
+    server.shutdown()  # returns within SHUTDOWN_POLL_SECONDS
+    server.server_close()

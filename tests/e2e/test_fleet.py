@@ -138,10 +138,12 @@ def test_kv_aware_pull_balances_by_free_blocks(fleet, r):
 
 
 def test_sigterm_drains_and_exits_zero_while_the_other_finishes(fleet, r):
-    fleet.start_worker("leaver", drain_seconds=2, max_num_seqs=4)
-    fleet.start_worker("stayer", max_num_seqs=4)
+    fleet.start_worker("leaver", num_kv_blocks=128, max_num_seqs=4)
+    fleet.start_worker("stayer", num_kv_blocks=128, max_num_seqs=4)
     fleet.wait_ready("leaver", "stayer")
-    batch_id = submit_lines(r, slow_requests(24))
+    # 320 tokens each, claimed as the batch lands: the leaver is still decoding its first
+    # requests for a second or more after the signal, long enough to be seen draining.
+    batch_id = submit_lines(r, [completion(f"c{i}", f"request {i}", 320, ignore_eos=True) for i in range(12)])
     assert wait_in_flight(r, "leaver", batch_id) > 0
     probe = f"http://127.0.0.1:{fleet.metrics_ports['leaver']}"
     assert httpx.get(f"{probe}/healthz", timeout=5).status_code == 200  # what a readiness probe asks
@@ -149,7 +151,10 @@ def test_sigterm_drains_and_exits_zero_while_the_other_finishes(fleet, r):
     fleet.processes["leaver"].send_signal(signal.SIGTERM)
     deadline, readiness = time.monotonic() + 10, None
     while fleet.processes["leaver"].poll() is None and time.monotonic() < deadline:  # draining: not ready
-        readiness = httpx.get(f"{probe}/healthz", timeout=5)
+        try:
+            readiness = httpx.get(f"{probe}/healthz", timeout=5)
+        except httpx.TransportError:  # it closed its port on the way out
+            break
         if readiness.json()["draining"]:
             break
         time.sleep(0.02)
@@ -157,8 +162,11 @@ def test_sigterm_drains_and_exits_zero_while_the_other_finishes(fleet, r):
     assert fleet.processes["leaver"].wait(timeout=30) == 0, fleet.log("leaver")
     assert not r.exists(keys.worker("leaver"))
     batch = wait_terminal(r, [batch_id], timeout=180, fleet=fleet)[batch_id]
-    assert batch["request_counts"] == {"total": 24, "completed": 24, "failed": 0}
-    assert sorted(output_ids(r, batch)) == sorted(f"c{i}" for i in range(24))
+    assert batch["request_counts"] == {"total": 12, "completed": 12, "failed": 0}
+    assert sorted(output_ids(r, batch)) == sorted(f"c{i}" for i in range(12))
+    # The leaver finished what it held rather than cutting it short.
+    assert {line["response"]["body"]["usage"]["completion_tokens"] for line in read_lines(r, batch["output_file_id"])} \
+        == {320}
     assert fleet.metric("stayer", "kvfleet:request_success_total") > 0
 
 

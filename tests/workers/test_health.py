@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
 from engine import EngineConfig, LLMEngine
 from tests.services import free_port
 from tests.workers.helpers import MODEL
-from workers.health import Health, serve
+from workers.health import Health, serve, stop_serving
 from workers.metrics import WorkerMetrics
 from workers.worker import Worker, WorkerOptions
 
@@ -29,7 +31,7 @@ def probes():
     server = serve(port, metrics.registry, health, host="127.0.0.1")
     with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as client:
         yield client, health, clock, metrics
-    server.shutdown()
+    stop_serving(server)
 
 
 def test_ready_only_when_loaded_and_joined_and_not_draining(probes, tiny_llama, r):
@@ -58,3 +60,15 @@ def test_live_until_the_loop_stalls(probes):
     stalled = client.get("/livez")
     assert stalled.status_code == 503 and stalled.json()["seconds_since_loop"] == 31
     assert client.get("/nope").status_code == 404
+
+
+def test_a_stopped_port_refuses_probes_at_once():
+    """A worker that left its loop still takes a while to exit: its probes are refused, not left hanging."""
+    port = free_port()
+    server = serve(port, WorkerMetrics("w", MODEL).registry, Health(), host="127.0.0.1")
+    assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code == 503
+    started = time.monotonic()
+    stop_serving(server)
+    assert time.monotonic() - started < 1
+    with pytest.raises(httpx.ConnectError):  # a listening socket left open would time out here instead
+        httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=3)
