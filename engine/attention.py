@@ -112,20 +112,24 @@ class TorchAttentionBackend:
 class CpuAttentionBackend(TorchAttentionBackend):
     """The torch backend with decode attention in native code reading the paged cache
     in place (kernels/cpu_paged_attention.py), and bf16 prefill attention in native code on
-    CPUs with avx512_bf16 (kernels/cpu_prefill_attention.py); the CPU default where it builds."""
+    CPUs with avx512_bf16 but no AMX (kernels/cpu_prefill_attention.py: with AMX, torch's flash
+    kernel is the faster); the CPU default where it builds. native_prefill None: that rule."""
 
     name = "cpu"
 
-    def __init__(self) -> None:
+    def __init__(self, native_prefill: bool | None = None) -> None:
         super().__init__()
         from kernels import cpu_paged_attention, cpu_prefill_attention  # noqa: PLC0415
 
         self._decode = cpu_paged_attention.paged_decode_attention
         self._prefill_native = cpu_prefill_attention
+        self.native_prefill = cpu_prefill_attention.preferred() if native_prefill is None else native_prefill
+        if native_prefill is None and not self.native_prefill and cpu_prefill_attention.available():
+            logger.info("bf16 prefill attention: torch's flash kernel (on this CPU's AMX tiles)")
 
     def prefill(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, span: PrefillSpan, scale: float,
                 sliding_window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
-        if self._prefill_native.supports(query, sinks):
+        if self.native_prefill and self._prefill_native.supports(query, sinks):
             return self._prefill_native.prefill_attention(query, keys, values, scale, sliding_window)
         return super().prefill(query, keys, values, span, scale, sliding_window, sinks)
 

@@ -1,7 +1,8 @@
-"""bf16 end to end on the CPU path with the native prefill attention (head sizes 64 and 128
-only: the tiny architectures' 16 and 32 stay on torch's kernel): greedy output keeps vLLM's
-check_logprobs_close rule against transformers bf16 for fresh prompts, prompts after a cached
-prefix, prompts cut into chunks, and a sliding window."""
+"""bf16 end to end on the CPU path, with the native prefill attention and with torch's flash
+kernel (the choice on CPUs with AMX), for head sizes 64 and 128 (the tiny architectures' 16
+and 32 stay on torch's kernel): greedy output keeps vLLM's check_logprobs_close rule against
+transformers bf16 for fresh prompts, prompts after a cached prefix, prompts cut into chunks,
+and a sliding window."""
 
 from __future__ import annotations
 
@@ -32,11 +33,13 @@ def head64_models(tmp_path_factory, tiny_tokenizer) -> dict[str, str]:
             for name, config in configs.items()}
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch-flash"])  # without AMX, with it
 @pytest.mark.parametrize("name", ["llama", "mistral"])
-def test_bf16_native_prefill_is_close_to_transformers(head64_models, name, monkeypatch):
+def test_bf16_native_prefill_is_close_to_transformers(head64_models, name, native, monkeypatch):
     calls = []
-    native = cpu_prefill_attention.prefill_attention
-    monkeypatch.setattr(cpu_prefill_attention, "prefill_attention", lambda *a, **k: calls.append(1) or native(*a, **k))
+    monkeypatch.setattr(cpu_prefill_attention, "preferred", lambda: native)
+    kernel = cpu_prefill_attention.prefill_attention
+    monkeypatch.setattr(cpu_prefill_attention, "prefill_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     rng = random.Random(7)
     shared = [rng.randrange(3, VOCAB) for _ in range(96)]  # a cached prefix for the later prompts
     prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (5, 70, 200)]
@@ -48,7 +51,7 @@ def test_bf16_native_prefill_is_close_to_transformers(head64_models, name, monke
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
     llm.generate(prompts[3:4], params, use_tqdm=False)  # caches the shared prefix
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert calls, "the native prefill attention did not run"
+    assert bool(calls) == native, "the CPU backend took the other prefill attention"
     assert all(output.num_cached_tokens >= 96 for output in outputs[3:])  # the prefix came from the cache
     for index, (output, tokens, tops) in enumerate(zip(outputs, expected, expected_tops)):
         ours = output.outputs[0]

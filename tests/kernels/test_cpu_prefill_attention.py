@@ -10,7 +10,7 @@ import torch
 
 from engine.attention import CpuAttentionBackend, PrefillSpan
 from kernels import reference
-from kernels.cpu_prefill_attention import available, prefill_attention, supports
+from kernels.cpu_prefill_attention import available, preferred, prefill_attention, supports
 
 pytestmark = pytest.mark.skipif(not available(), reason="needs a CPU with avx512_bf16")
 GQA = [(4, 4), (4, 2), (9, 3), (8, 2), (12, 2)]  # ratios 1, 2, 3, 4, 6
@@ -75,7 +75,7 @@ def test_bad_arguments_are_clear_errors():
 def test_the_cpu_backend_takes_it_where_it_applies():
     query, key, value = bf16_case(20, 20, 4, 2, 64)
     span = PrefillSpan(query_start=0, num_queries=20, context_len=20, block_table=torch.zeros(2, dtype=torch.long))
-    backend = CpuAttentionBackend()
+    backend = CpuAttentionBackend(native_prefill=True)
     torch.testing.assert_close(backend.prefill(query, key, value, span, 0.125, None, None),
                                prefill_attention(query, key, value, 0.125))
     assert supports(query, None)
@@ -85,3 +85,24 @@ def test_the_cpu_backend_takes_it_where_it_applies():
     torch.testing.assert_close(backend.prefill(query.float(), key.float(), value.float(), span, 0.125, None, sinks),
                                reference.prefill_attention(query.float(), key.float(), value.float(), 0.125,
                                                            None, None, sinks))
+
+
+@pytest.mark.parametrize("has_amx", [False, True])
+def test_the_cpu_backend_leaves_prefill_to_torch_flash_on_amx(has_amx, monkeypatch):
+    """With AMX tiles, torch's flash kernel runs bf16 on them and is the faster prefill."""
+    preferred.cache_clear()
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: has_amx)
+    try:
+        backend = CpuAttentionBackend()
+    finally:
+        preferred.cache_clear()
+    assert backend.native_prefill is not has_amx
+    calls = []
+    monkeypatch.setattr(backend._prefill_native, "prefill_attention", lambda *a: calls.append(a) or prefill_attention(*a))
+    query, key, value = bf16_case(30, 40, 4, 2, 64)
+    span = PrefillSpan(query_start=0, num_queries=30, context_len=40, block_table=torch.zeros(3, dtype=torch.long))
+    out = backend.prefill(query, key, value, span, 0.125, None, None)
+    assert len(calls) == (0 if has_amx else 1)
+    expected = prefill_attention(query, key, value, 0.125) if not has_amx else \
+        reference.prefill_attention(query, key, value, 0.125)
+    torch.testing.assert_close(out, expected)
