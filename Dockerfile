@@ -8,7 +8,7 @@ ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 HOME=/cache TRITON_CACHE_DIR=/cache/tr
 WORKDIR /app
 
 # A C/C++ compiler: Triton builds its launcher with it on GPUs, and the CPU attention
-# kernel (kernels/csrc) is compiled on a worker's first start. tcmalloc: a worker restarts
+# kernel (kvfleet_kernels/csrc) is compiled on a worker's first start. tcmalloc: a worker restarts
 # itself with it preloaded (engine/cpu_runtime.py; KVFLEET_MALLOC=glibc opts out).
 RUN apt-get update && apt-get install -y --no-install-recommends g++ libtcmalloc-minimal4 \
     && rm -rf /var/lib/apt/lists/*
@@ -17,7 +17,7 @@ RUN apt-get update && apt-get install -y --no-install-recommends g++ libtcmalloc
 RUN pip install "torch>=2.5,<2.15"
 COPY pyproject.toml README.md ./
 COPY engine ./engine
-COPY kernels ./kernels
+COPY kvfleet_kernels ./kvfleet_kernels
 COPY jobs ./jobs
 COPY producers ./producers
 COPY workers ./workers

@@ -44,7 +44,7 @@ from engine.checkpoint import EMBEDDING_DEMO_MODEL, resolve_checkpoint
 from engine.demo_model import CORPUS
 from engine.models.layers import bucket_rows
 from jobs.results import embedding_body, success_line
-from kernels.reference import padding_groups
+from kvfleet_kernels.reference import padding_groups
 
 GOAL_VS_SENTENCE_TRANSFORMERS, MIN_COSINE = 2.0, 0.9999
 REQUEST_SIZE = 64  # texts per engine request, as a worker pulls lines

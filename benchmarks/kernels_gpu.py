@@ -79,7 +79,7 @@ def decode_case(batch: int, context: int, heads: int, kv_heads: int, dim: int, d
 
 
 def bench_decode(device, dtype, sizes, grid, bandwidth) -> list[dict]:
-    from kernels.paged_attention import paged_decode_attention
+    from kvfleet_kernels.paged_attention import paged_decode_attention
 
     heads, kv_heads, dim = sizes
     scale = dim**-0.5
@@ -96,8 +96,8 @@ def bench_decode(device, dtype, sizes, grid, bandwidth) -> list[dict]:
 
 
 def bench_prefill(device, dtype, sizes, num_seqs: int, seq_len: int) -> dict:
-    from kernels.prefill_attention import prefill_attention
-    from kernels.store_kv import store_kv
+    from kvfleet_kernels.prefill_attention import prefill_attention
+    from kvfleet_kernels.store_kv import store_kv
 
     heads, kv_heads, dim, block_size = *sizes, 16
     tokens = num_seqs * seq_len
@@ -123,7 +123,7 @@ def bench_prefill(device, dtype, sizes, num_seqs: int, seq_len: int) -> dict:
 def bench_varlen(device, dtype, sizes, seq_lens: list[int]) -> dict:
     """Embedding models' packed attention (bidirectional, no cache, no padding) against SDPA
     over the same inputs padded to the longest, as a padded batch would run them."""
-    from kernels.varlen_attention import varlen_attention
+    from kvfleet_kernels.varlen_attention import varlen_attention
 
     heads, kv_heads, dim = sizes
     tokens, longest = sum(seq_lens), max(seq_lens)
@@ -147,10 +147,10 @@ def embedding_lengths(count: int, seed: int = 0) -> list[int]:
 
 
 def bench_small_kernels(device, dtype, tokens: int, sizes) -> dict:
-    from kernels import reference
-    from kernels.rms_norm import rms_norm
-    from kernels.rotary import rotary
-    from kernels.store_kv import store_kv
+    from kvfleet_kernels import reference
+    from kvfleet_kernels.rms_norm import rms_norm
+    from kvfleet_kernels.rotary import rotary
+    from kvfleet_kernels.store_kv import store_kv
 
     heads, kv_heads, dim = sizes
     hidden = heads * dim

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import reference
+from kvfleet_kernels import reference
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class TorchAttentionBackend:
                 key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float, sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """query [T, Hq, D], key/value [T, Hkv, D], caches [num_blocks, block_size, Hkv, D] -> [T, Hq, D];
-        sinks [Hq] or None (kernels/reference.py: prefill_attention)"""
+        sinks [Hq] or None (kvfleet_kernels/reference.py: prefill_attention)"""
         reference.store_kv(key, value, key_cache, value_cache, meta.slot_mapping)
         out = torch.empty_like(query)
         for span in meta.prefills:
@@ -111,15 +111,15 @@ class TorchAttentionBackend:
 
 class CpuAttentionBackend(TorchAttentionBackend):
     """The torch backend with decode attention in native code reading the paged cache
-    in place (kernels/cpu_paged_attention.py), and bf16 prefill attention in native code on
-    CPUs with avx512_bf16 but no AMX (kernels/cpu_prefill_attention.py: with AMX, torch's flash
+    in place (kvfleet_kernels/cpu_paged_attention.py), and bf16 prefill attention in native code on
+    CPUs with avx512_bf16 but no AMX (kvfleet_kernels/cpu_prefill_attention.py: with AMX, torch's flash
     kernel is the faster); the CPU default where it builds. native_prefill None: that rule."""
 
     name = "cpu"
 
     def __init__(self, native_prefill: bool | None = None) -> None:
         super().__init__()
-        from kernels import cpu_paged_attention, cpu_prefill_attention  # noqa: PLC0415
+        from kvfleet_kernels import cpu_paged_attention, cpu_prefill_attention  # noqa: PLC0415
 
         self._decode = cpu_paged_attention.paged_decode_attention
         self._prefill_native = cpu_prefill_attention
@@ -148,7 +148,7 @@ class TritonAttentionBackend:
     reads_prefill_spans = False
 
     def __init__(self) -> None:
-        from kernels import paged_attention, prefill_attention, store_kv  # noqa: PLC0415 (imports triton)
+        from kvfleet_kernels import paged_attention, prefill_attention, store_kv  # noqa: PLC0415 (imports triton)
 
         self._store_kv = store_kv.store_kv
         self._prefill = prefill_attention.prefill_attention
@@ -158,7 +158,7 @@ class TritonAttentionBackend:
                 key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float, sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """query [T, Hq, D], key/value [T, Hkv, D], caches [num_blocks, block_size, Hkv, D] -> [T, Hq, D];
-        sinks [Hq] or None (kernels/reference.py: prefill_attention)"""
+        sinks [Hq] or None (kvfleet_kernels/reference.py: prefill_attention)"""
         self._store_kv(key, value, key_cache, value_cache, meta.slot_mapping)
         out = torch.empty_like(query)
         num_prefill = meta.num_prefill_tokens
@@ -177,7 +177,7 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
     "triton". auto: triton on CUDA; on the CPU the native kernels, or torch where they cannot
     be built. Shared by the paged backends and the packed ones (engine/packed_attention.py)."""
     if name in ("auto", "cpu") and device.type == "cpu":
-        from kernels.cpu_paged_attention import load_error  # noqa: PLC0415
+        from kvfleet_kernels.cpu_paged_attention import load_error  # noqa: PLC0415
 
         error = load_error()
         if error is None:

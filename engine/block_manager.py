@@ -27,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Sequence as SequenceOf
 
 from engine.sequence import Sequence
-from kernels import cdiv
+from kvfleet_kernels import cdiv
 
 NULL_BLOCK = -1
 

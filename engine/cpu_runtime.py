@@ -91,7 +91,7 @@ def pin_threads(device: str = "cpu", num_shares: int = 1, share: int = 0) -> lis
     mine = cores[share * per_share:(share + 1) * per_share] or cores[:1]
     quota = cpu_quota()
     num_threads, pinned = thread_plan(mine, dict(os.environ), None if quota is None else quota / num_shares)
-    from kernels.cpu_paged_attention import load_error  # noqa: PLC0415
+    from kvfleet_kernels.cpu_paged_attention import load_error  # noqa: PLC0415
 
     if pinned and load_error() is None:
         torch.ops.kvfleet_cpu.bind_threads(pinned)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
-from kernels import cdiv
+from kvfleet_kernels import cdiv
 
 
 @dataclass(frozen=True)

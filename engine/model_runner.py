@@ -36,8 +36,8 @@ from engine.sampler import Sampler, SamplerOutput, SamplerRow, first_argmax, tok
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 from engine.shard import StepInputs, free_init_method, send_exit, start_shards
-from kernels import cdiv
-from kernels.cpu_layers import argmax_rows
+from kvfleet_kernels import cdiv
+from kvfleet_kernels.cpu_layers import argmax_rows
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention import resolve_backend_name
-from kernels import reference
+from kvfleet_kernels import reference
 
 
 @dataclass
@@ -23,7 +23,7 @@ class PackedAttentionMetadata:
     max_seqlen: int
     causal: bool  # decoder embedding models; encoders see their whole input
     seq_lens: torch.Tensor  # [R] each row's input length (read by longrope, as in AttentionMetadata); 1 on pad rows
-    # How the CPU path pads (kernels/reference.py: padding_plan), built by the first layer that needs it.
+    # How the CPU path pads (kvfleet_kernels/reference.py: padding_plan), built by the first layer that needs it.
     padding_plan: list[reference.PaddedGroup] | None = field(default=None, repr=False)
 
     @classmethod
@@ -39,7 +39,7 @@ class PackedAttentionMetadata:
 
 
 class TorchPackedAttention:
-    """One batched SDPA over the inputs padded for attention alone (kernels/reference.py:
+    """One batched SDPA over the inputs padded for attention alone (kvfleet_kernels/reference.py:
     padded_varlen_attention); the CPU path where the native kernel cannot be built."""
 
     name = "torch"
@@ -58,7 +58,7 @@ class TorchPackedAttention:
 
 
 class CpuPackedAttention(TorchPackedAttention):
-    """The native varlen kernel (kernels/cpu_varlen_attention.py); the CPU path. It reads the
+    """The native varlen kernel (kvfleet_kernels/cpu_varlen_attention.py); the CPU path. It reads the
     inputs in place, so the batch may carry rows past the last input (padding for the matmuls,
     engine/embedding_runner.py): their output is zero."""
 
@@ -66,7 +66,7 @@ class CpuPackedAttention(TorchPackedAttention):
 
     def forward(self, query, key, value, key_cache, value_cache, meta: PackedAttentionMetadata, scale: float,
                 sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        from kernels.cpu_varlen_attention import varlen_attention  # noqa: PLC0415 (builds on first use)
+        from kvfleet_kernels.cpu_varlen_attention import varlen_attention  # noqa: PLC0415 (builds on first use)
 
         if sinks is not None:
             raise ValueError("attention sinks are not supported in embedding models")
@@ -74,12 +74,12 @@ class CpuPackedAttention(TorchPackedAttention):
 
 
 class TritonPackedAttention(TorchPackedAttention):
-    """The Triton varlen kernel (kernels/varlen_attention.py); the CUDA path."""
+    """The Triton varlen kernel (kvfleet_kernels/varlen_attention.py); the CUDA path."""
 
     name = "triton"
 
     def __init__(self) -> None:
-        from kernels.varlen_attention import varlen_attention  # noqa: PLC0415 (imports triton)
+        from kvfleet_kernels.varlen_attention import varlen_attention  # noqa: PLC0415 (imports triton)
 
         self._attention = varlen_attention
 

@@ -123,7 +123,7 @@ def first_argmax(values: torch.Tensor) -> torch.Tensor:
 
 class Sampler:
     def __init__(self, argmax=first_argmax) -> None:
-        # [rows, vocab] -> [rows]; on the native CPU backend kernels/cpu_layers.py's
+        # [rows, vocab] -> [rows]; on the native CPU backend kvfleet_kernels/cpu_layers.py's
         # argmax_rows, which reads bf16 logits as they are (engine/model_runner.py).
         self.argmax = argmax
 

@@ -7,7 +7,7 @@ It needs only the engine's own dependencies (torch, triton, transformers, safete
 tokenizers, pytest), which a GPU machine's image has; nothing is installed. Five parts,
 each in its own process with its own timeout, so one failure loses nothing else:
 
-  kernels       pytest tests/kernels on the GPU, without TRITON_INTERPRET
+  kernels       pytest tests/kvfleet_kernels on the GPU, without TRITON_INTERPRET
   parity        the engine on the GPU: greedy fp32 token-identical to transformers on the
                 tiny checkpoints of every architecture; bf16 under vLLM's check_logprobs_close
                 rule; the triton backend with preemption and with prefix caching; two LoRA
@@ -45,8 +45,8 @@ NUM_TOKENS = 16
 
 
 def run_kernels(out: Path, dry_run: bool) -> dict:
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels",
-               "--ignore=tests/kernels/test_cuda_compile.py", "--ignore=tests/kernels/test_cpu_kernel.py",
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kvfleet_kernels",
+               "--ignore=tests/kvfleet_kernels/test_cuda_compile.py", "--ignore=tests/kvfleet_kernels/test_cpu_kernel.py",
                f"--junitxml={out / 'kernels.xml'}"]
     if dry_run:
         command += ["-k", "store_kv or rms_norm or rotary or sgmv"]  # the interpreter is slow; the rest run in make test
@@ -58,7 +58,7 @@ def run_kernels(out: Path, dry_run: bool) -> dict:
     (out / "kernels.xml").unlink()
     counts = {name: int(suite.get(name, 0)) for name in ("tests", "failures", "errors", "skipped")}
     if result.returncode != 0:
-        raise SystemExit(f"pytest tests/kernels: {counts}")
+        raise SystemExit(f"pytest tests/kvfleet_kernels: {counts}")
     return counts
 
 
@@ -78,7 +78,7 @@ def run_parity(out: Path, dry_run: bool) -> dict:
 
     from engine import LLM, SamplingParams
     from engine.demo_model import build_tokenizer, write_checkpoint
-    from kernels import cdiv
+    from kvfleet_kernels import cdiv
     from tests.tiny_models import TINY_CONFIGS, VOCAB
 
     device = "cpu" if dry_run else "cuda"

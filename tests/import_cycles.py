@@ -9,7 +9,7 @@ import sys
 
 import grimp
 
-PACKAGES = ("engine", "kernels", "jobs", "producers", "workers", "kvfleet", "grammar_support")
+PACKAGES = ("engine", "kvfleet_kernels", "jobs", "producers", "workers", "kvfleet", "grammar_support")
 
 
 def strongly_connected(edges: dict[str, set[str]]) -> list[list[str]]:

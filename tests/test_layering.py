@@ -4,6 +4,7 @@ anywhere (ruff's S301 and TID251)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import shutil
 import subprocess
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("engine", "kernels", "jobs", "producers", "workers", "kvfleet", "grammar_support")
+PACKAGES = ("engine", "kvfleet_kernels", "jobs", "producers", "workers", "kvfleet", "grammar_support")
 LINT_IMPORTS = str(Path(sys.executable).with_name("lint-imports"))
 
 
@@ -43,7 +44,7 @@ def test_the_tree_keeps_every_contract(tree):
     ("jobs/_probe.py", "import torch\n", "jobs is not allowed to import torch"),
     ("producers/_probe.py", "from engine import LLM\n", "producers is not allowed to import engine"),
     ("workers/_probe.py", "import producers.api\n", "workers is not allowed to import producers"),
-    ("kernels/_probe.py", "from engine import config\n", "kernels is not allowed to import engine"),
+    ("kvfleet_kernels/_probe.py", "from engine import config\n", "kvfleet_kernels is not allowed to import engine"),
     ("workers/_probe.py", "import kvfleet.cli\n", "workers is not allowed to import kvfleet"),
     ("grammar_support/_probe.py", "from jobs import keys\n", "grammar_support is not allowed to import jobs"),
 ])
@@ -91,3 +92,14 @@ def test_tarjan_finds_every_cycle_and_only_cycles():
     edges = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": {"e"}, "e": {"d"}, "f": {"a"}}
     groups = [g for g in strongly_connected(edges) if len(g) > 1]
     assert sorted(groups) == [["a", "b", "c"], ["d", "e"]]
+
+
+def test_no_package_shadows_an_installed_distribution():
+    """kvfleet's top-level packages sit on sys.path beside site-packages, so a name another
+    installed distribution also ships hides one from the other. transformers 5.25 made Hugging
+    Face's `kernels` a dependency and imports it at start; kvfleet's kernels package was named
+    `kernels` then, and every model load failed (hence `kvfleet_kernels`)."""
+    owners = importlib.metadata.packages_distributions()
+    shared = {package: owners[package] for package in PACKAGES
+              if set(owners.get(package, ())) - {"kvfleet"}}
+    assert not shared, f"top-level names other distributions also ship: {shared}"

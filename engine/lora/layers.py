@@ -14,9 +14,9 @@ max_lora_rank; smaller adapters are zero-padded. The delta of a token in slot s 
     expand:  out_tok[part p] += s_tok[p] @ lora_b[s, rows of p].T
 
 Three ways to compute it, chosen like the other layers' kernels:
-- the Triton kernel (kernels/lora.py: SGMV over the step's sequences, each one segment of
+- the Triton kernel (kvfleet_kernels/lora.py: SGMV over the step's sequences, each one segment of
   one slot) on CUDA;
-- the native CPU kernel (kernels/cpu_layers.py: add_lora, BGMV: each token reads its own
+- the native CPU kernel (kvfleet_kernels/cpu_layers.py: add_lora, BGMV: each token reads its own
   slot's A and B, no gather, no padding, no scatter) with the CPU attention backend, which
   builds the native library;
 - otherwise (CUDA without the Triton layers, or no compiler), the step's tokens grouped by slot: one
@@ -40,7 +40,7 @@ from torch import nn
 from engine import parallel
 from engine.lora.peft import LoRAAdapter, TargetModule
 from engine.models.parallel_layers import ColumnParallelLinear, RowParallelLinear
-from kernels import reference
+from kvfleet_kernels import reference
 
 
 @dataclass
@@ -133,18 +133,18 @@ class LinearWithLoRA(nn.Module):
                              persistent=False)
         self.cpu_weights: tuple[torch.Tensor, torch.Tensor] | None = None  # cpu_operands(), rebuilt on a slot change
         self.slot_filled = [False] * num_slots  # the slot's adapter modifies this module
-        self.kernel = None  # kernels/lora.py's sgmv once use_triton_kernel() ran
-        self.cpu_kernel = None  # kernels/cpu_layers.py's add_lora once use_cpu_kernel() ran
+        self.kernel = None  # kvfleet_kernels/lora.py's sgmv once use_triton_kernel() ran
+        self.cpu_kernel = None  # kvfleet_kernels/cpu_layers.py's add_lora once use_cpu_kernel() ran
         self.lora_b_t: torch.Tensor | None = None  # [L, R, out]: the native kernel's B, rebuilt on a slot change
         self.part_offsets = [*self.out_offsets, sum(self.out_sizes)]
 
     def use_triton_kernel(self) -> None:
-        from kernels.lora import sgmv  # noqa: PLC0415 (imports triton)
+        from kvfleet_kernels.lora import sgmv  # noqa: PLC0415 (imports triton)
 
         self.kernel = sgmv
 
     def use_cpu_kernel(self) -> None:
-        from kernels.cpu_layers import add_lora  # noqa: PLC0415 (builds the native library)
+        from kvfleet_kernels.cpu_layers import add_lora  # noqa: PLC0415 (builds the native library)
 
         self.cpu_kernel = add_lora
 
@@ -237,7 +237,7 @@ class RowParallelLinearWithLoRA(LinearWithLoRA):
 
 
 def reference_delta(x: torch.Tensor, layer: LinearWithLoRA) -> torch.Tensor:
-    """The delta through kernels/reference.py's per-segment loop (the tests' oracle)."""
+    """The delta through kvfleet_kernels/reference.py's per-segment loop (the tests' oracle)."""
     mapping, rank = layer.mapping, layer.max_rank
     shrunk = reference.sgmv(x, layer.lora_a, torch.zeros(x.shape[0], layer.lora_a.shape[1], dtype=x.dtype),
                             mapping.seg_starts, mapping.seg_slots)

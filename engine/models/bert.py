@@ -10,7 +10,7 @@ checkpoint's names map one to one; q/k/v are fused into one matmul (`packed_modu
 
 The hidden state travels as a pair: the fp32 residual stream and the matmuls' input. They are
 one tensor unless the matmuls run in bf16/fp16 (`use_low_precision`); then every LayerNorm
-writes both at once on the CPU (kernels/cpu_layers.py: add_layer_norm).
+writes both at once on the CPU (kvfleet_kernels/cpu_layers.py: add_layer_norm).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class AddLayerNorm(nn.LayerNorm):
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> Hidden:
         if self.low_dtype is not None:
-            from kernels.cpu_layers import add_layer_norm  # noqa: PLC0415 (builds the native library)
+            from kvfleet_kernels.cpu_layers import add_layer_norm  # noqa: PLC0415 (builds the native library)
 
             return add_layer_norm(x, residual, self.weight, self.bias, self.eps, self.low_dtype)
         out = self(x + residual)

@@ -2,7 +2,7 @@
 
 What sets it apart:
 - attention sinks: a learned logit per head joins every softmax denominator and
-  attends to nothing (kernels/reference.py: softmax_with_sinks; every backend);
+  attends to nothing (kvfleet_kernels/reference.py: softmax_with_sinks; every backend);
 - sliding-window layers (128 tokens) alternate with full ones by `layer_types`;
   q/k/v and o projections with biases; YaRN RoPE;
 - MoE on every layer: a router with a bias takes the top k logits and softmaxes over

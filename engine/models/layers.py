@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from kernels import reference
+from kvfleet_kernels import reference
 
 
 class RMSNorm(nn.Module):
@@ -124,8 +124,8 @@ def use_triton_layers(model: nn.Module) -> None:
     """Route RMSNorm, rotary and the MoE experts (any module with `use_triton_kernel`:
     engine/models/moe.py imports this module, so it is not imported back) through the
     Triton kernels (the attention backend is chosen separately)."""
-    from kernels.rms_norm import rms_norm  # noqa: PLC0415 (imports triton)
-    from kernels.rotary import rotary
+    from kvfleet_kernels.rms_norm import rms_norm  # noqa: PLC0415 (imports triton)
+    from kvfleet_kernels.rotary import rotary
 
     for module in model.modules():
         if isinstance(module, RMSNorm):
@@ -138,10 +138,10 @@ def use_triton_layers(model: nn.Module) -> None:
 
 def use_cpu_layers(model: nn.Module) -> None:
     """Route the elementwise layers of a bf16 or fp16 model through native CPU kernels
-    (kernels/cpu_layers.py), each one pass over its rows where the torch path makes several
+    (kvfleet_kernels/cpu_layers.py), each one pass over its rows where the torch path makes several
     over the whole step and allocates a temporary for each: every RMSNorm with its residual
     add, SiLU-and-mul in gated MLPs, and whole-head rotary embedding."""
-    from kernels.cpu_layers import add_rms_norm, rotary_in_place, silu_and_mul  # noqa: PLC0415 (builds the library)
+    from kvfleet_kernels.cpu_layers import add_rms_norm, rotary_in_place, silu_and_mul  # noqa: PLC0415 (builds the library)
 
     for module in model.modules():
         if isinstance(module, RMSNorm):

@@ -25,7 +25,7 @@ from torch import nn
 from engine import parallel
 from engine.models.layers import onednn_linear
 from engine.models.parallel_layers import copy_checked, set_loader
-from kernels import reference
+from kvfleet_kernels import reference
 
 # softmax_topk: softmax over all experts in fp32, then the top k (Mixtral, Qwen3-MoE);
 #   renormalize: the k weights divided by their sum (Mixtral always; Qwen3-MoE by norm_topk_prob).
@@ -70,8 +70,8 @@ class FusedMoE(nn.Module):
     """The experts of one layer, stacked; forward = the weighted sum of each token's k
     experts, all-reduced over the tensor-parallel group.
 
-    `kernel` is the torch path (kernels/reference.py: per-expert matmuls over the rows
-    sorted by expert) unless the model runner picks the Triton one (kernels/fused_moe.py)."""
+    `kernel` is the torch path (kvfleet_kernels/reference.py: per-expert matmuls over the rows
+    sorted by expert) unless the model runner picks the Triton one (kvfleet_kernels/fused_moe.py)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str,
                  bias: bool = False, stacked_checkpoint: bool = False, **activation_args) -> None:
@@ -97,7 +97,7 @@ class FusedMoE(nn.Module):
         self.packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # pack_for_onednn()
 
     def use_triton_kernel(self) -> None:
-        from kernels.fused_moe import fused_moe  # noqa: PLC0415 (imports triton)
+        from kvfleet_kernels.fused_moe import fused_moe  # noqa: PLC0415 (imports triton)
 
         self.kernel = fused_moe
 

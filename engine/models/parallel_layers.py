@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import parallel
-from kernels import cdiv
+from kvfleet_kernels import cdiv
 
 
 def set_loader(param: nn.Parameter, loader, num_parts: int = 1) -> None:

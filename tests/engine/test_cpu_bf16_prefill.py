@@ -13,7 +13,7 @@ from transformers import LlamaConfig, MistralConfig
 
 from engine import LLM, SamplingParams
 from engine.demo_model import write_checkpoint
-from kernels import cpu_prefill_attention
+from kvfleet_kernels import cpu_prefill_attention
 from scripts.gpu_check import logprobs_close
 from tests.engine.test_parity import bf16_reference
 

@@ -20,7 +20,7 @@ from engine.models.gpt_oss import GptOssMLP, deinterleave
 from engine.models.mixtral import MixtralDecoderLayer
 from engine.models.moe import FusedMoE
 from engine.models.qwen3_moe import Qwen3MoeDecoderLayer
-from kernels import reference
+from kvfleet_kernels import reference
 from tests.engine.test_parity import reference_outputs
 from tests.tiny_models import TINY_CONFIGS
 

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 from engine import LLM, SamplingParams
 from engine.sampler import Sampler, SamplerRow, apply_penalties, filter_probs, first_argmax
 from engine.sequence import Sequence
-from kernels.cpu_paged_attention import load_error
+from kvfleet_kernels.cpu_paged_attention import load_error
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def test_greedy_ties_go_to_the_first_index_as_argmax():
 
 @pytest.mark.skipif(load_error() is not None, reason="no C++ compiler: the native kernels cannot build")
 def test_bf16_greedy_rows_pick_what_the_fp32_copy_would_and_other_rows_still_get_fp32():
-    from kernels.cpu_layers import argmax_rows  # noqa: PLC0415 (the native CPU backend's argmax)
+    from kvfleet_kernels.cpu_layers import argmax_rows  # noqa: PLC0415 (the native CPU backend's argmax)
 
     logits = (torch.randn(6, 3000, generator=torch.Generator().manual_seed(0)) * 4).to(torch.bfloat16)
     logits[1, [17, 2900]] = 40.0  # a tie: the first index

@@ -1,6 +1,6 @@
 // Paged decode attention for the CPU: one new query token per sequence, reading K/V
 // in place through the block table (no gather into padded buffers), the CPU peer of
-// kernels/paged_attention.py. Same contract as kernels.reference.paged_decode_attention.
+// kvfleet_kernels/paged_attention.py. Same contract as kvfleet_kernels.reference.paged_decode_attention.
 //
 // Why native code: on the CPU the torch path gathers every sequence's blocks into a
 // [num_seqs, max_context] buffer and runs SDPA over strided rows; that moves the KV

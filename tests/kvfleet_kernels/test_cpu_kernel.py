@@ -1,4 +1,4 @@
-"""The native CPU decode kernel (kernels/csrc/paged_decode_cpu.cpp) against the torch
+"""The native CPU decode kernel (kvfleet_kernels/csrc/paged_decode_cpu.cpp) against the torch
 reference: the same grid as the Triton kernel plus a head size with no compiled
 specialisation, sliding windows, half-precision caches, and its input checks."""
 
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from engine.attention import select_backend
-from kernels import reference
-from kernels.cpu_paged_attention import load_error, paged_decode_attention
-from tests.kernels.test_reference import attention_sinks, paged_setup
+from kvfleet_kernels import reference
+from kvfleet_kernels.cpu_paged_attention import load_error, paged_decode_attention
+from tests.kvfleet_kernels.test_reference import attention_sinks, paged_setup
 
 GQA = [(4, 4), (4, 2), (8, 2), (9, 3), (12, 2)]  # ratios 1, 2, 4, 3 (SmolLM2), 6: every V-pass tiling
 # Few sequences run a work item per KV head, many (>= 4 per thread) a sequence at a time.
@@ -198,7 +198,7 @@ def test_backend_selection_on_the_cpu(monkeypatch):
     assert select_backend("auto", cpu).name == "cpu"
     assert select_backend("torch", cpu).name == "torch"
     # No compiler: auto falls back to the reference path, an explicit "cpu" says why it cannot.
-    monkeypatch.setattr("kernels.cpu_paged_attention.load_error", lambda: "RuntimeError: no g++")
+    monkeypatch.setattr("kvfleet_kernels.cpu_paged_attention.load_error", lambda: "RuntimeError: no g++")
     assert select_backend("auto", cpu).name == "torch"
     with pytest.raises(ValueError, match="could not be built.*no g\\+\\+"):
         select_backend("cpu", cpu)
@@ -206,14 +206,14 @@ def test_backend_selection_on_the_cpu(monkeypatch):
 
 def load_error_in_a_new_process(env, timeout: float) -> subprocess.CompletedProcess:
     """A fresh interpreter's load_error(), printed: what a worker starting up would see."""
-    code = "from kernels.cpu_paged_attention import load_error; print(load_error())"
+    code = "from kvfleet_kernels.cpu_paged_attention import load_error; print(load_error())"
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def test_a_lock_left_by_a_killed_build_does_not_block_the_next_start(tmp_path):
     # torch.utils.cpp_extension waits for its lock file to vanish; a worker killed while
     # building would leave it forever. Another process must still load the kernel.
-    from kernels import cpu_paged_attention
+    from kvfleet_kernels import cpu_paged_attention
 
     assert load_error() is None
     (cpu_paged_attention.build_directory() / "lock").write_text("")

@@ -1,7 +1,7 @@
 // Packed (varlen) attention for the CPU: embedding models' inputs laid back to back in one
 // [T, heads, head_dim] batch, each attending to itself alone (bidirectional for encoders,
 // causal for decoder embedding models), with no KV cache. Same contract as
-// kernels.reference.varlen_attention; the CPU peer of kernels/varlen_attention.py.
+// kvfleet_kernels.reference.varlen_attention; the CPU peer of kvfleet_kernels/varlen_attention.py.
 //
 // Why native code: the torch path pads runs of inputs to their longest and calls SDPA, whose
 // CPU flash kernel reached ~23 GFLOP/s at all-MiniLM's shapes (head_dim 32, ~60 tokens) and,

@@ -81,7 +81,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            sliding_window: int | None = None, out: torch.Tensor | None = None,
                            sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Same contract as kernels.reference.paged_decode_attention."""
+    """Same contract as kvfleet_kernels.reference.paged_decode_attention."""
     num_seqs, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, cache_head_dim = key_cache.shape
     assert cache_head_dim == head_dim and value_cache.shape == key_cache.shape

@@ -9,13 +9,13 @@ import math
 import pytest
 import torch
 
-from kernels import reference
-from kernels.paged_attention import paged_decode_attention
-from kernels.prefill_attention import prefill_attention
-from kernels.rms_norm import rms_norm
-from kernels.rotary import rotary
-from kernels.store_kv import store_kv
-from tests.kernels.test_reference import attention_sinks, paged_setup
+from kvfleet_kernels import reference
+from kvfleet_kernels.paged_attention import paged_decode_attention
+from kvfleet_kernels.prefill_attention import prefill_attention
+from kvfleet_kernels.rms_norm import rms_norm
+from kvfleet_kernels.rotary import rotary
+from kvfleet_kernels.store_kv import store_kv
+from tests.kvfleet_kernels.test_reference import attention_sinks, paged_setup
 
 TOLERANCE = 1e-4
 GQA = [(4, 4), (4, 2), (8, 2)]  # ratios 1, 2, 4

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from kernels import cdiv, reference
+from kvfleet_kernels import cdiv, reference
 
 
 def naive_attention(q, keys, values, scale, first=0, sinks=None):

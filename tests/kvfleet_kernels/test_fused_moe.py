@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.fused_moe import fused_moe, moe_align_block_size
+from kvfleet_kernels import reference
+from kvfleet_kernels.fused_moe import fused_moe, moe_align_block_size
 
 
 def test_align_groups_rows_by_expert_and_pads_each_group():

@@ -11,9 +11,9 @@ from torch import nn
 
 from engine.lora.layers import LinearWithLoRA, LoRAMapping, reference_delta
 from engine.lora.peft import LoRAAdapter, TargetModule
-from kernels import reference
-from kernels.cpu_layers import add_lora
-from kernels.lora import sgmv
+from kvfleet_kernels import reference
+from kvfleet_kernels.cpu_layers import add_lora
+from kvfleet_kernels.lora import sgmv
 
 # 7 segments over 4 slots: slot 2 has no tokens, slot -1 is the base model, two segments are empty.
 SEG_LENS = [5, 0, 1, 17, 3, 0, 40]

@@ -1,4 +1,4 @@
-// CPU layers beside the decode kernel, in the same library (kernels/cpu_layers.py): the
+// CPU layers beside the decode kernel, in the same library (kvfleet_kernels/cpu_layers.py): the
 // residual add fused with RMSNorm for bf16/fp16 models and with LayerNorm for mixed-precision
 // encoders, SiLU-and-mul and rotary embedding for bf16/fp16 decoders, and the op that pins
 // OpenMP threads to cores (engine/cpu_runtime.py); and greedy sampling's argmax.

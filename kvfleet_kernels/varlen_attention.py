@@ -89,7 +89,7 @@ def _varlen_attention_kernel(
 def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
                      max_seqlen: int, scale: float, causal: bool, out: torch.Tensor | None = None) -> torch.Tensor:
     """query [T, Hq, D], key/value [T, Hkv, D], sequence i at rows cu_seqlens[i]:cu_seqlens[i + 1]
-    (cu_seqlens [num_seqs + 1] int, on the device) -> [T, Hq, D] (kernels/reference.py: varlen_attention)"""
+    (cu_seqlens [num_seqs + 1] int, on the device) -> [T, Hq, D] (kvfleet_kernels/reference.py: varlen_attention)"""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
     assert key.shape == value.shape == (num_tokens, num_kv_heads, head_dim), (query.shape, key.shape, value.shape)

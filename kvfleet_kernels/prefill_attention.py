@@ -99,7 +99,7 @@ def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
                       out: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """query: [num_tokens, num_heads, head_dim], the new tokens of every sequence back to
     back (query_starts[i]:query_starts[i + 1]); their K/V must already be in the cache.
-    sinks: [num_heads] or None (kernels/reference.py: prefill_attention)."""
+    sinks: [num_heads] or None (kvfleet_kernels/reference.py: prefill_attention)."""
     num_tokens, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, cache_head_dim = key_cache.shape
     num_seqs = context_lens.shape[0]

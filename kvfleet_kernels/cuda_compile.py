@@ -1,6 +1,6 @@
 """Compile every Triton kernel for a CUDA architecture on a machine without a GPU.
 
-    python -m kernels.cuda_compile [--arch 80 90] [--dtype bf16 fp16 fp32]
+    python -m kvfleet_kernels.cuda_compile [--arch 80 90] [--dtype bf16 fp16 fp32]
 
 The interpreter (TRITON_INTERPRET=1) proves the kernels' arithmetic on the CPU but
 never lowers them: a construct that does not compile, a bf16/fp16 type clash or a
@@ -30,12 +30,12 @@ from triton.compiler import ASTSource
 # compile-time shapes to build: the engine's common cases at both ends of the grid.
 # Integer arguments are strides and counts: i32, as Triton's launcher passes values below 2**31.
 KERNELS = {
-    "paged_attention": ("kernels.paged_attention", "_paged_decode_kernel", {
+    "paged_attention": ("kvfleet_kernels.paged_attention", "_paged_decode_kernel", {
         "out_ptr": "*T", "query_ptr": "*T", "key_cache_ptr": "*T", "value_cache_ptr": "*T",
         "block_tables_ptr": "*i64", "context_lens_ptr": "*i64", "sinks_ptr": "*T", "scale": "fp32"},
         [{"NUM_QUERIES_PER_KV": 4, "GROUP_BLOCK": 4, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "HAS_SINKS": False},
          {"NUM_QUERIES_PER_KV": 7, "GROUP_BLOCK": 8, "HEAD_DIM": 64, "BLOCK_SIZE": 32, "HAS_SINKS": True}]),
-    "prefill_attention": ("kernels.prefill_attention", "_prefill_kernel", {
+    "prefill_attention": ("kvfleet_kernels.prefill_attention", "_prefill_kernel", {
         "out_ptr": "*T", "query_ptr": "*T", "key_cache_ptr": "*T", "value_cache_ptr": "*T",
         "block_tables_ptr": "*i64", "query_starts_ptr": "*i64", "context_lens_ptr": "*i64", "sinks_ptr": "*T",
         "scale": "fp32"},
@@ -45,7 +45,7 @@ KERNELS = {
           "HAS_SINKS": True}]),
     # Packed whole inputs of embedding models: an encoder's bidirectional attention at head size 32
     # (all-MiniLM), a decoder's causal one at 128 (Qwen3-Embedding), and a padded head size (48).
-    "varlen_attention": ("kernels.varlen_attention", "_varlen_attention_kernel", {
+    "varlen_attention": ("kvfleet_kernels.varlen_attention", "_varlen_attention_kernel", {
         "out_ptr": "*T", "query_ptr": "*T", "key_ptr": "*T", "value_ptr": "*T", "cu_seqlens_ptr": "*i32",
         "scale": "fp32"},
         [{"NUM_QUERIES_PER_KV": 1, "HEAD_DIM": 32, "BLOCK_M": 64, "BLOCK_N": 32, "IS_CAUSAL": False,
@@ -55,7 +55,7 @@ KERNELS = {
          {"NUM_QUERIES_PER_KV": 4, "HEAD_DIM": 64, "BLOCK_M": 16, "BLOCK_N": 32, "IS_CAUSAL": False,
           "DOT_PRECISION": "tf32"}]),
     # GEMM 1 (gate/up with the activation) and GEMM 2 (down, bias, routing weight) of a MoE layer.
-    "fused_moe": ("kernels.fused_moe", "_fused_moe_kernel", {
+    "fused_moe": ("kvfleet_kernels.fused_moe", "_fused_moe_kernel", {
         "a_ptr": "*T", "b_ptr": "*T", "bias_ptr": "*T", "c_ptr": "*T", "topk_weights_ptr": "*T",
         "sorted_row_ids_ptr": "*i64", "expert_ids_ptr": "*i64", "swiglu_alpha": "fp32", "swiglu_limit": "fp32"},
         [{"ROWS_PER_A_ROW": 8, "GATED": True, "ACTIVATION": 0, "HAS_BIAS": False, "MUL_ROUTED_WEIGHT": False,
@@ -63,17 +63,17 @@ KERNELS = {
          {"ROWS_PER_A_ROW": 1, "GATED": False, "ACTIVATION": 1, "HAS_BIAS": True, "MUL_ROUTED_WEIGHT": True,
           "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "DOT_PRECISION": "tf32"}]),
     # The LoRA gather matmul (shrink and expand are the same kernel; expand accumulates).
-    "lora_sgmv": ("kernels.lora", "_sgmv_kernel", {
+    "lora_sgmv": ("kvfleet_kernels.lora", "_sgmv_kernel", {
         "x_ptr": "*T", "w_ptr": "*T", "out_ptr": "*T", "seg_starts_ptr": "*i64", "seg_slots_ptr": "*i64"},
         [{"ACCUMULATE": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64}]),
-    "store_kv": ("kernels.store_kv", "_store_kv_kernel", {
+    "store_kv": ("kvfleet_kernels.store_kv", "_store_kv_kernel", {
         "key_ptr": "*T", "value_ptr": "*T", "key_cache_ptr": "*T", "value_cache_ptr": "*T",
         "slot_mapping_ptr": "*i64"}, [{"ROW": 1024, "ROW_BLOCK": 1024}, {"ROW": 320, "ROW_BLOCK": 512}]),
-    "rms_norm": ("kernels.rms_norm", "_rms_norm_kernel", {
+    "rms_norm": ("kvfleet_kernels.rms_norm", "_rms_norm_kernel", {
         "out_ptr": "*T", "x_ptr": "*T", "residual_ptr": "*T", "residual_out_ptr": "*T", "weight_ptr": "*T",
         "eps": "fp32"}, [{"HIDDEN": 4096, "BLOCK": 4096, "HAS_RESIDUAL": True},
                          {"HIDDEN": 896, "BLOCK": 1024, "HAS_RESIDUAL": False}]),
-    "rotary": ("kernels.rotary", "_rotary_kernel", {
+    "rotary": ("kvfleet_kernels.rotary", "_rotary_kernel", {
         "query_ptr": "*T", "key_ptr": "*T", "cos_ptr": "*T", "sin_ptr": "*T"},
         [{"HALF": 64, "HEADS_BLOCK": 32}, {"HALF": 32, "HEADS_BLOCK": 16}]),
 }

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import cdiv
+from kvfleet_kernels import cdiv
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -349,7 +349,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
               topk_ids: torch.Tensor, activation: str = "silu", w13_bias: torch.Tensor | None = None,
               w2_bias: torch.Tensor | None = None, linear=F.linear, **activation_args) -> torch.Tensor:
     """The expert sum of a mixture-of-experts layer: the torch path, and the oracle of
-    kernels/fused_moe.py.
+    kvfleet_kernels/fused_moe.py.
 
     hidden:       [T, H]
     w13:          [E, 2 * I, H] (each expert's gate rows, then its up rows); w13_bias [E, 2 * I]

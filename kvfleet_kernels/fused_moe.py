@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import cdiv
+from kvfleet_kernels import cdiv
 
 ACTIVATIONS = {"silu": 0, "swigluoai": 1}
 
@@ -133,7 +133,7 @@ def _grouped_gemm(a, b, bias, out, topk_weights, sorted_row_ids, expert_ids, row
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, activation: str = "silu", w13_bias: torch.Tensor | None = None,
               w2_bias: torch.Tensor | None = None, **activation_args) -> torch.Tensor:
-    """Same contract as kernels.reference.fused_moe."""
+    """Same contract as kvfleet_kernels.reference.fused_moe."""
     num_tokens, top_k = topk_ids.shape
     num_experts, two_i, hidden_size = w13.shape
     assert hidden.shape == (num_tokens, hidden_size) and w2.shape == (num_experts, hidden_size, two_i // 2)

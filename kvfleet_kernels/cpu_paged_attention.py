@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 # One library, kvfleet_cpu: the decode kernel, the packed attention of embedding models
-# (kernels/cpu_varlen_attention.py), bf16 prefill attention (kernels/cpu_prefill_attention.py),
-# the CPU layers and the LoRA delta (kernels/cpu_layers.py).
+# (kvfleet_kernels/cpu_varlen_attention.py), bf16 prefill attention (kvfleet_kernels/cpu_prefill_attention.py),
+# the CPU layers and the LoRA delta (kvfleet_kernels/cpu_layers.py).
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("paged_decode_cpu.cpp", "varlen_attention_cpu.cpp", "prefill_attention_cpu.cpp", "cpu_layers.cpp",
                          "lora_cpu.cpp")]
@@ -82,7 +82,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            sliding_window: int | None = None, out: torch.Tensor | None = None,
                            sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Same contract as kernels.reference.paged_decode_attention.
+    """Same contract as kvfleet_kernels.reference.paged_decode_attention.
 
     query:        [num_seqs, num_heads, head_dim]
     key_cache:    [num_blocks, block_size, num_kv_heads, head_dim] (value_cache alike)

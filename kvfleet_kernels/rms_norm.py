@@ -36,7 +36,7 @@ def _rms_norm_kernel(
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """Same contract as kernels.reference.rms_norm."""
+    """Same contract as kvfleet_kernels.reference.rms_norm."""
     num_tokens, hidden = x.shape
     assert weight.shape == (hidden,) and x.stride(1) == 1 and weight.is_contiguous()
     out = torch.empty_like(x)

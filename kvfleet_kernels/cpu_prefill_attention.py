@@ -1,5 +1,5 @@
 """Causal prefill attention for bf16 models in native code (csrc/prefill_attention_cpu.cpp, in
-the library kernels/cpu_paged_attention.py builds), on CPUs with avx512_bf16: both products on
+the library kvfleet_kernels/cpu_paged_attention.py builds), on CPUs with avx512_bf16: both products on
 the CPU's bf16 dot product, where torch's CPU flash kernel runs bf16 at its fp32 speed.
 
 On CPUs with AMX that is no longer so: torch's flash kernel then runs its bf16 tiles on AMX
@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from kernels.cpu_paged_attention import load_error
+from kvfleet_kernels.cpu_paged_attention import load_error
 
 
 @functools.cache
@@ -35,7 +35,7 @@ def supports(query: torch.Tensor, sinks: torch.Tensor | None) -> bool:
 
 def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
                       sliding_window: int | None = None) -> torch.Tensor:
-    """Same contract as kernels.reference.prefill_attention without sinks: query [Q, Hq, D] (the
+    """Same contract as kvfleet_kernels.reference.prefill_attention without sinks: query [Q, Hq, D] (the
     last Q positions of the context), key/value [C, Hkv, D] -> [Q, Hq, D]; rows of any stride.
     Probabilities are rounded to bf16 before they weigh V, as torch's flash kernel does."""
     if not available():

@@ -64,7 +64,7 @@ def _sgmv_kernel(
 
 def sgmv(x: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, seg_starts: torch.Tensor,
          seg_slots: torch.Tensor, accumulate: bool = False) -> torch.Tensor:
-    """Same contract as kernels.reference.sgmv; `x`, `weights` and `out` may be strided views."""
+    """Same contract as kvfleet_kernels.reference.sgmv; `x`, `weights` and `out` may be strided views."""
     num_rows, inner = x.shape
     num_slots, num_cols, weight_inner = weights.shape
     assert weight_inner == inner and out.shape == (num_rows, num_cols)

@@ -1,7 +1,7 @@
 // Causal prefill attention for bf16 models on CPUs with avx512_bf16: one sequence's new tokens
 // (the last Q positions of its context) over its whole context, optionally inside a sliding
-// window. Same contract as kernels.reference.prefill_attention without sinks; called through
-// kernels/cpu_prefill_attention.py.
+// window. Same contract as kvfleet_kernels.reference.prefill_attention without sinks; called through
+// kvfleet_kernels/cpu_prefill_attention.py.
 //
 // Why native: torch's CPU flash kernel runs bf16 no faster than fp32 (~115 GFLOP/s here at
 // 1,500 tokens of SmolLM2's 9/3 heads of 64, where a bf16 matmul reaches ~375), and a

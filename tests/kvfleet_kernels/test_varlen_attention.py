@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from engine import EngineConfig, create_engine
 from engine.models.layers import bucket_rows
 from engine.packed_attention import PackedAttentionMetadata
-from kernels import reference
-from kernels.cpu_paged_attention import load_error
-from kernels.cpu_varlen_attention import varlen_attention as cpu_varlen_attention
-from kernels.varlen_attention import varlen_attention
+from kvfleet_kernels import reference
+from kvfleet_kernels.cpu_paged_attention import load_error
+from kvfleet_kernels.cpu_varlen_attention import varlen_attention as cpu_varlen_attention
+from kvfleet_kernels.varlen_attention import varlen_attention
 from tests.embedding_models import write_embedding_checkpoint
 
 TOLERANCE = 1e-4

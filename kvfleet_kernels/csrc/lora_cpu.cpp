@@ -1,6 +1,6 @@
 // The LoRA delta of a mixed-adapter step on the CPU (punica's BGMV: each token reads its own
-// slot's A and B), in the library kernels/cpu_paged_attention.py builds; engine/lora/layers.py
-// calls it through kernels/cpu_layers.py: add_lora.
+// slot's A and B), in the library kvfleet_kernels/cpu_paged_attention.py builds; engine/lora/layers.py
+// calls it through kvfleet_kernels/cpu_layers.py: add_lora.
 //
 // Why native: a decode step's LoRA work is tiny products (64 tokens x rank 8) on every one of
 // a model's linears. Through torch it was a gather, two batched matmuls and a scatter-add per

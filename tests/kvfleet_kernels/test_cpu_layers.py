@@ -1,12 +1,12 @@
-"""The native CPU layers against the torch reference (kernels/reference.py)."""
+"""The native CPU layers against the torch reference (kvfleet_kernels/reference.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import reference
-from kernels.cpu_paged_attention import load_error
+from kvfleet_kernels import reference
+from kvfleet_kernels.cpu_paged_attention import load_error
 
 pytestmark = pytest.mark.skipif(load_error() is not None, reason="no C++ compiler: the native kernels cannot build")
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(load_error() is not None, reason="no C++ compile
 @pytest.mark.parametrize("shape", [(1, 576), (37, 576), (300, 64), (5, 4, 32)])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_add_rms_norm_rounds_where_transformers_does(dtype, shape, with_residual):
-    from kernels.cpu_layers import add_rms_norm  # noqa: PLC0415
+    from kvfleet_kernels.cpu_layers import add_rms_norm  # noqa: PLC0415
 
     generator = torch.Generator().manual_seed(sum(shape))
     x = (torch.randn(shape, generator=generator) * 3).to(dtype)
@@ -34,7 +34,7 @@ def test_add_rms_norm_rounds_where_transformers_does(dtype, shape, with_residual
 
 
 def test_add_rms_norm_refuses_fp32():
-    from kernels.cpu_layers import add_rms_norm  # noqa: PLC0415
+    from kvfleet_kernels.cpu_layers import add_rms_norm  # noqa: PLC0415
 
     with pytest.raises(RuntimeError, match="add_rms_norm runs bf16 and fp16"):
         add_rms_norm(torch.ones(2, 8), torch.ones(8), 1e-6)
@@ -47,7 +47,7 @@ def test_add_rms_norm_refuses_fp32():
 def test_add_layer_norm_is_the_fp32_torch_path_and_its_copy(x_dtype, low_dtype, shape, with_residual):
     """As bert.py's torch path computes it: x widened, plus the fp32 residual, LayerNorm in
     fp32; the low-precision copy is the fp32 result rounded to nearest even."""
-    from kernels.cpu_layers import add_layer_norm  # noqa: PLC0415
+    from kvfleet_kernels.cpu_layers import add_layer_norm  # noqa: PLC0415
 
     generator = torch.Generator().manual_seed(shape[0])
     x = (torch.randn(shape, generator=generator) * 2 + 0.5).to(x_dtype)
@@ -62,7 +62,7 @@ def test_add_layer_norm_is_the_fp32_torch_path_and_its_copy(x_dtype, low_dtype, 
 
 
 def test_add_layer_norm_reads_strided_rows_and_refuses_what_it_cannot():
-    from kernels.cpu_layers import add_layer_norm  # noqa: PLC0415
+    from kvfleet_kernels.cpu_layers import add_layer_norm  # noqa: PLC0415
 
     wide = torch.randn(6, 64)
     weight, bias = torch.ones(32), torch.zeros(32)
@@ -81,7 +81,7 @@ def test_silu_and_mul_rounds_where_transformers_does(dtype, rows, width):
     dtype. The kernel's exp is a polynomial: an fp32 SiLU sitting within its error of a
     rounding boundary may land one ulp away, and the product then up to two (relative to
     the bottom of its binade)."""
-    from kernels.cpu_layers import silu_and_mul  # noqa: PLC0415
+    from kvfleet_kernels.cpu_layers import silu_and_mul  # noqa: PLC0415
 
     generator = torch.Generator().manual_seed(rows * width)
     gate_up = (torch.randn(rows, 2 * width, generator=generator) * 4).to(dtype)
@@ -96,7 +96,7 @@ def test_silu_and_mul_rounds_where_transformers_does(dtype, rows, width):
 
 
 def test_silu_and_mul_refuses_fp32():
-    from kernels.cpu_layers import silu_and_mul  # noqa: PLC0415
+    from kvfleet_kernels.cpu_layers import silu_and_mul  # noqa: PLC0415
 
     with pytest.raises(RuntimeError, match="silu_and_mul runs bf16 and fp16"):
         silu_and_mul(torch.ones(2, 8))
@@ -108,7 +108,7 @@ def test_rotary_in_place_rounds_where_transformers_does(dtype, head_dim):
     """As the torch path computes it after RotaryEmbedding's cast: q * cos + rotate_half(q) * sin
     with cos/sin rounded to the dtype and every op rounding: exact, on strided views into one
     fused qkv tensor (only q and k turn; v is left as it was)."""
-    from kernels.cpu_layers import rotary_in_place  # noqa: PLC0415
+    from kvfleet_kernels.cpu_layers import rotary_in_place  # noqa: PLC0415
 
     num_tokens, num_heads, num_kv_heads = 19, 9, 3
     generator = torch.Generator().manual_seed(head_dim)
@@ -127,7 +127,7 @@ def test_rotary_in_place_rounds_where_transformers_does(dtype, head_dim):
 
 
 def test_rotary_in_place_refuses_a_position_past_its_table():
-    from kernels.cpu_layers import rotary_in_place  # noqa: PLC0415
+    from kvfleet_kernels.cpu_layers import rotary_in_place  # noqa: PLC0415
 
     q, k, table = torch.zeros(2, 1, 8, dtype=torch.bfloat16), torch.zeros(2, 1, 8, dtype=torch.bfloat16), torch.ones(4, 8)
     with pytest.raises(RuntimeError, match="position 4 is outside the rotary table"):
@@ -137,7 +137,7 @@ def test_rotary_in_place_refuses_a_position_past_its_table():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("vocab", [5, 16, 49_152, 32_003])  # under a vector, one, SmolLM2's, a tail of 3
 def test_argmax_rows_is_torch_argmax_with_its_first_index_rule(dtype, vocab):
-    from kernels.cpu_layers import argmax_rows  # noqa: PLC0415
+    from kvfleet_kernels.cpu_layers import argmax_rows  # noqa: PLC0415
 
     generator = torch.Generator().manual_seed(vocab)
     logits = torch.randn(24, vocab, generator=generator).to(dtype)
@@ -161,7 +161,7 @@ def test_argmax_rows_is_torch_argmax_with_its_first_index_rule(dtype, vocab):
 
 
 def test_argmax_rows_refuses_integers():
-    from kernels.cpu_layers import argmax_rows  # noqa: PLC0415
+    from kvfleet_kernels.cpu_layers import argmax_rows  # noqa: PLC0415
 
     with pytest.raises(RuntimeError, match="argmax_rows reads fp32, bf16 and fp16"):
         argmax_rows(torch.ones(2, 8, dtype=torch.int32))

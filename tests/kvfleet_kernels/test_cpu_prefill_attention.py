@@ -1,4 +1,4 @@
-"""The native bf16 prefill attention (kernels/csrc/prefill_attention_cpu.cpp) against the torch
+"""The native bf16 prefill attention (kvfleet_kernels/csrc/prefill_attention_cpu.cpp) against the torch
 reference in fp32 on the same bf16 values: GQA ratios of every tiling, both head sizes, fresh
 prompts and prompts after a cached prefix, one-token chunks, sliding windows, strided views;
 the backend's choice between it and the reference."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine.attention import CpuAttentionBackend, PrefillSpan
-from kernels import reference
-from kernels.cpu_prefill_attention import available, preferred, prefill_attention, supports
+from kvfleet_kernels import reference
+from kvfleet_kernels.cpu_prefill_attention import available, preferred, prefill_attention, supports
 
 pytestmark = pytest.mark.skipif(not available(), reason="needs a CPU with avx512_bf16")
 GQA = [(4, 4), (4, 2), (9, 3), (8, 2), (12, 2)]  # ratios 1, 2, 3, 4, 6

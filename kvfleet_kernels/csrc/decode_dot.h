@@ -1,4 +1,4 @@
-// The decode kernel's dot products (kernels/csrc/paged_decode_cpu.cpp): a query row against
+// The decode kernel's dot products (kvfleet_kernels/csrc/paged_decode_cpu.cpp): a query row against
 // 16 cache rows at once, in fp32 or on avx512_bf16's dot product, and the bf16 V pass.
 #pragma once
 

@@ -1,4 +1,4 @@
-"""CPU layers in native code (csrc/cpu_layers.cpp, in the library kernels/cpu_paged_attention.py
+"""CPU layers in native code (csrc/cpu_layers.cpp, in the library kvfleet_kernels/cpu_paged_attention.py
 builds): RMSNorm fused with the residual add before it, SiLU-and-mul and rotary embedding in
 place, for bf16 and fp16 models, and LayerNorm fused with the residual add for encoders whose
 matmuls run in bf16 around an fp32 residual stream; greedy sampling's argmax in any float
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_paged_attention import load_error
+from kvfleet_kernels.cpu_paged_attention import load_error
 
 
 def _check_built() -> None:
@@ -41,14 +41,14 @@ def rotary_in_place(positions: torch.Tensor, query: torch.Tensor, key: torch.Ten
                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half rotary on query [T, Hq, D] and key [T, Hkv, D] (bf16/fp16, dense heads) in
     place, cos/sin rows [max_positions, D] fp32 picked by positions [T] and rounded to the
-    dtype, as kernels.reference.rotary after transformers' cast. Returns (query, key)."""
+    dtype, as kvfleet_kernels.reference.rotary after transformers' cast. Returns (query, key)."""
     _check_built()
     torch.ops.kvfleet_cpu.rotary_in_place(query, key, positions.contiguous(), cos, sin)
     return query, key
 
 
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """Same contract as kernels.reference.rms_norm, in one pass per row: x, residual [..., hidden]
+    """Same contract as kvfleet_kernels.reference.rms_norm, in one pass per row: x, residual [..., hidden]
     bf16 or fp16, weight [hidden]. Returns normed, or (normed, x + residual) with `residual`."""
     _check_built()
     shape = x.shape  # [..., hidden]: Qwen3's q/k norms pass [T, heads, head_dim]

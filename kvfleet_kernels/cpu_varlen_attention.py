@@ -1,12 +1,12 @@
 """varlen_attention for the CPU in native code (csrc/varlen_attention_cpu.cpp, in the library
-kernels/cpu_paged_attention.py builds): embedding models' packed inputs, each attending to
-itself alone, with no padding and no gathers. Same contract as kernels.reference.varlen_attention."""
+kvfleet_kernels/cpu_paged_attention.py builds): embedding models' packed inputs, each attending to
+itself alone, with no padding and no gathers. Same contract as kvfleet_kernels.reference.varlen_attention."""
 
 from __future__ import annotations
 
 import torch
 
-from kernels.cpu_paged_attention import load_error
+from kvfleet_kernels.cpu_paged_attention import load_error
 
 
 def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,

@@ -9,14 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kernels.cuda_compile import KERNELS
+from kvfleet_kernels.cuda_compile import KERNELS
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_kernel_compiles_for_cuda_without_spills():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-m", "kernels.cuda_compile", "--arch", "80", "90",
+    done = subprocess.run([sys.executable, "-m", "kvfleet_kernels.cuda_compile", "--arch", "80", "90",
                            "--dtype", "bf16", "fp16", "fp32"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -27,6 +27,6 @@ def test_every_kernel_compiles_for_cuda_without_spills():
 
 def test_refuses_to_run_under_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-m", "kernels.cuda_compile"], cwd=ROOT, env=env, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "kvfleet_kernels.cuda_compile"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 2 and "unset TRITON_INTERPRET" in done.stderr
