@@ -22,6 +22,17 @@ namespace kvfleet_cpu {
 using vfloat = float __attribute__((vector_size(64)));
 constexpr int kLanes = 16;
 
+// How many vfloats fit the vector registers at once: 32 on AVX-512 (32 registers of 16
+// lanes), 8 on AVX2 (16 of 8 lanes) and on NEON (32 of 4 lanes). Register-blocked loops
+// size their tiles by it: a tile built for AVX-512's 32 spills to the stack on the others.
+#if defined(__AVX512F__)
+constexpr int kVfloatRegisters = 32;
+#elif defined(__AVX__)
+constexpr int kVfloatRegisters = 8;
+#else
+constexpr int kVfloatRegisters = 8;
+#endif
+
 // 16 consecutive elements widened to fp32 (memcpy: unaligned, no aliasing assumptions).
 inline vfloat load16(const float* p) {
   vfloat v;
