@@ -8,19 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from kvfleet_kernels.cpu_paged_attention import load_error
-
-
-def _check_built() -> None:
-    error = load_error()
-    if error is not None:
-        raise RuntimeError(f"the native CPU kernels could not be built: {error}")
+from kvfleet_kernels.cpu_paged_attention import require_built
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [rows, 2 * width] bf16/fp16 (gate, then up) -> silu(gate) * up [rows, width], rounded
     as transformers' act(gate) * up is (vLLM's silu_and_mul)."""
-    _check_built()
+    require_built()
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = x.new_empty((x.shape[0], x.shape[1] // 2))
     torch.ops.kvfleet_cpu.silu_and_mul(out, x)
@@ -30,7 +24,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """logits [rows, vocab] fp32/bf16/fp16 -> [rows] int64: torch.argmax(dim=-1), the first
     index of each row's largest value (a NaN the largest), read in the logits' own dtype."""
-    _check_built()
+    require_built()
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     out = torch.empty(logits.shape[0], dtype=torch.int64)
     torch.ops.kvfleet_cpu.argmax_rows(out, logits)
@@ -42,7 +36,7 @@ def rotary_in_place(positions: torch.Tensor, query: torch.Tensor, key: torch.Ten
     """Rotate-half rotary on query [T, Hq, D] and key [T, Hkv, D] (bf16/fp16, dense heads) in
     place, cos/sin rows [max_positions, D] fp32 picked by positions [T] and rounded to the
     dtype, as kvfleet_kernels.reference.rotary after transformers' cast. Returns (query, key)."""
-    _check_built()
+    require_built()
     torch.ops.kvfleet_cpu.rotary_in_place(query, key, positions.contiguous(), cos, sin)
     return query, key
 
@@ -50,7 +44,7 @@ def rotary_in_place(positions: torch.Tensor, query: torch.Tensor, key: torch.Ten
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """Same contract as kvfleet_kernels.reference.rms_norm, in one pass per row: x, residual [..., hidden]
     bf16 or fp16, weight [hidden]. Returns normed, or (normed, x + residual) with `residual`."""
-    _check_built()
+    require_built()
     shape = x.shape  # [..., hidden]: Qwen3's q/k norms pass [T, heads, head_dim]
     rows = x.reshape(-1, shape[-1])
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
@@ -66,7 +60,7 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
     """LayerNorm(x + residual) in fp32, and its copy in `low_dtype` (bf16 or fp16), in one pass:
     x [rows, hidden] fp32/bf16/fp16, residual fp32 like it or None, weight and bias fp32 [hidden].
     Returns (normed fp32, normed in low_dtype)."""
-    _check_built()
+    require_built()
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty(x.shape, dtype=torch.float32)
     out_low = torch.empty(x.shape, dtype=low_dtype)
@@ -82,7 +76,7 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b_t:
     token_slots [T] int64 (-1: the base model); part p's shrink rows [p * R, (p + 1) * R)
     feed its columns [part_offsets[p], part_offsets[p + 1]). Accumulates in fp32 and rounds
     each output once."""
-    _check_built()
+    require_built()
     x = x if x.stride(-1) == 1 else x.contiguous()
     torch.ops.kvfleet_cpu.add_lora(out, x, lora_a, lora_b_t, token_slots, part_offsets)
     return out

@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from kvfleet_kernels.cpu_paged_attention import load_error
+from kvfleet_kernels.cpu_paged_attention import load_error, require_built
 
 
 @functools.cache
@@ -27,9 +27,7 @@ def preferred() -> bool:
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """weight [N, K] (K even) -> its bf16 copy in the microkernel's blocked VNNI layout,
     [ceil(N / 64), K * 64], readable only by `linear`."""
-    error = load_error()  # builds the library on first use
-    if error is not None:
-        raise RuntimeError(f"the native CPU kernels could not be built: {error}")
+    require_built()
     return torch.ops.kvfleet_cpu.pack_brgemm_weight(weight.detach().to(torch.bfloat16).contiguous())
 
 

@@ -79,6 +79,14 @@ def load_error() -> str | None:
     return _build()
 
 
+def require_built() -> None:
+    """Builds the library on first use; a RuntimeError saying why when it cannot be built.
+    Every launcher of the library's ops calls it before its first op."""
+    error = _build()
+    if error is not None:
+        raise RuntimeError(f"the native CPU kernels could not be built: {error}")
+
+
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            sliding_window: int | None = None, out: torch.Tensor | None = None,
@@ -92,9 +100,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     sinks:        [num_heads] or None (read as fp32)
     returns       [num_seqs, num_heads, head_dim]
     """
-    error = _build()
-    if error is not None:
-        raise RuntimeError(f"the native CPU attention kernel could not be built: {error}")
+    require_built()
     out = torch.empty_like(query) if out is None else out
     # Shapes, dtypes and strides are checked in the C++ op (TORCH_CHECK), where they are read.
     torch.ops.kvfleet_cpu.paged_decode_attention(out, query, key_cache, value_cache, block_tables, context_lens,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kvfleet_kernels.cpu_paged_attention import load_error
+from kvfleet_kernels.cpu_paged_attention import require_built
 
 
 def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -14,9 +14,7 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     """query [T, Hq, D], key/value [T, Hkv, D] (views of a fused projection are fine: only D
     must be dense), cu_seqlens [num_seqs + 1] int32 -> [T, Hq, D] in query's dtype. Rows from
     cu_seqlens[-1] on belong to no input (a batch padded for the matmuls) and come back zero."""
-    error = load_error()
-    if error is not None:
-        raise RuntimeError(f"the native CPU attention kernel could not be built: {error}")
+    require_built()
     out = torch.empty(query.shape, dtype=query.dtype)
     total = int(cu_seqlens[-1])
     out[total:].zero_()
