@@ -67,19 +67,33 @@ class TorchAttentionBackend:
                                     torch.empty(shape, dtype=key_cache.dtype, device=key_cache.device))
         return self._gather_buffers
 
+    def cache_views(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (K, V) caches this backend reads, over one layer's pair as allocated (zeroed):
+        [num_blocks, block_size, Hkv, D] each. Here, as allocated."""
+        return key_cache, value_cache
+
+    def store_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """key/value [T, Hkv, D] into their slots (slot_mapping [T] int64) of the caches."""
+        reference.store_kv(key, value, key_cache, value_cache, slot_mapping)
+
+    def gather_keys(self, key_cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
+        """One sequence's first context_len keys in token order: [context_len, Hkv, D]."""
+        return reference.gather_kv(key_cache, block_table, context_len)
+
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float, sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """query [T, Hq, D], key/value [T, Hkv, D], caches [num_blocks, block_size, Hkv, D] -> [T, Hq, D];
+        """query [T, Hq, D], key/value [T, Hkv, D], caches as cache_views gives them -> [T, Hq, D];
         sinks [Hq] or None (kvfleet_kernels/reference.py: prefill_attention)"""
-        reference.store_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+        self.store_kv(key, value, key_cache, value_cache, meta.slot_mapping)
         out = torch.empty_like(query)
         for span in meta.prefills:
             rows = slice(span.query_start, span.query_start + span.num_queries)
             if span.context_len == span.num_queries:  # nothing cached: use the fresh K/V directly
                 keys, values = key[rows], value[rows]
             else:
-                keys = reference.gather_kv(key_cache, span.block_table, span.context_len)
+                keys = self.gather_keys(key_cache, span.block_table, span.context_len)
                 values = reference.gather_kv(value_cache, span.block_table, span.context_len)
             out[rows] = self.prefill(query[rows], keys, values, span, scale, sliding_window, sinks)
         if meta.num_prefill_tokens < query.shape[0]:
@@ -121,11 +135,25 @@ class CpuAttentionBackend(TorchAttentionBackend):
         super().__init__()
         from kvfleet_kernels import cpu_paged_attention, cpu_prefill_attention  # noqa: PLC0415
 
+        self._kernels = cpu_paged_attention
         self._decode = cpu_paged_attention.paged_decode_attention
         self._prefill_native = cpu_prefill_attention
         self.native_prefill = cpu_prefill_attention.preferred() if native_prefill is None else native_prefill
         if native_prefill is None and not self.native_prefill and cpu_prefill_attention.available():
             logger.info("bf16 prefill attention: torch's flash kernel (on this CPU's AMX tiles)")
+
+    def cache_views(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys in the decode kernel's layout, [num_blocks, Hkv, D / x, block_size, x]
+        (kvfleet_kernels/csrc/decode_keys.h says why); values as allocated."""
+        return self._kernels.key_cache_view(key_cache), value_cache
+
+    def store_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        self._kernels.store_keys(key, key_cache, slot_mapping)
+        value_cache.view(-1, *value.shape[1:]).index_copy_(0, slot_mapping, value)
+
+    def gather_keys(self, key_cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
+        return self._kernels.gather_keys(key_cache, block_table, context_len)
 
     def prefill(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, span: PrefillSpan, scale: float,
                 sliding_window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
@@ -153,6 +181,10 @@ class TritonAttentionBackend:
         self._store_kv = store_kv.store_kv
         self._prefill = prefill_attention.prefill_attention
         self._decode = paged_attention.paged_decode_attention
+
+    def cache_views(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """As allocated: [num_blocks, block_size, Hkv, D] each, the Triton kernels' layout."""
+        return key_cache, value_cache
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
@@ -209,7 +241,7 @@ class ForwardContext:
     """What every attention layer needs for one step, passed down the forward call."""
 
     meta: AttentionMetadata  # the first pool's (every pool shares positions and seq_lens)
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [num_blocks, block_size, Hkv, D] x2
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (K, V) as the backend's cache_views gives them
     backend: TorchAttentionBackend | CpuAttentionBackend | TritonAttentionBackend
     metas: list[AttentionMetadata] | None = None  # per KV pool (engine/kv_cache.py)
     layer_groups: list[int] | None = None  # per layer: the pool it reads

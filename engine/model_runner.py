@@ -187,7 +187,8 @@ class ModelRunner:
     def _allocate_kv_cache(self, groups: list[KVGroup]) -> None:
         """One tensor per pool, [layers, 2 (K, V), blocks, block_size, kv_heads, head_dim],
         zeroed so that padded reads of never-written slots are finite (masked, but
-        NaN * 0 is NaN); `kv_caches[layer]` is that layer's (K, V) view."""
+        NaN * 0 is NaN); `kv_caches[layer]` is that layer's (K, V), as the attention backend reads
+        them (its cache_views)."""
         memory = self._kv_cache_memory()
         sizes = [parallel.group_min(n, self.device) for n in  # every rank: the same pools
                  pool_sizes(groups, self.config, self.bytes_per_layer_block, memory)]
@@ -203,7 +204,7 @@ class ModelRunner:
         self.layer_groups = [0] * self.num_layers  # the pool each layer reads
         for index, (group, cache) in enumerate(zip(groups, self.kv_cache_groups)):
             for position, layer in enumerate(group.layers):
-                self.kv_caches[layer] = (cache[position][0], cache[position][1])
+                self.kv_caches[layer] = self.backend.cache_views(cache[position][0], cache[position][1])
                 self.layer_groups[layer] = index
 
     # -- one step -------------------------------------------------------------

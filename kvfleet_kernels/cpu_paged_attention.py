@@ -20,10 +20,10 @@ import torch
 # One library, kvfleet_cpu: the decode kernel, the packed attention of embedding models
 # (kvfleet_kernels/cpu_varlen_attention.py), bf16 prefill attention (kvfleet_kernels/cpu_prefill_attention.py),
 # the CPU layers and the LoRA delta (kvfleet_kernels/cpu_layers.py), bf16 linears on the brgemm microkernel
-# (kvfleet_kernels/cpu_linear.py).
+# (kvfleet_kernels/cpu_linear.py), and the key cache's own layout (below: store_keys, gather_keys).
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("paged_decode_cpu.cpp", "varlen_attention_cpu.cpp", "prefill_attention_cpu.cpp", "cpu_layers.cpp",
-                         "lora_cpu.cpp", "brgemm_linear_cpu.cpp")]
+                         "lora_cpu.cpp", "brgemm_linear_cpu.cpp", "key_cache_cpu.cpp")]
 # -fopenmp: at::parallel_for is inlined OpenMP, sharing torch's own libgomp thread pool.
 # The math flags let g++ vectorise the dot-product reductions; not -ffast-math, whose
 # finite-math assumption would break the -inf masking.
@@ -87,14 +87,55 @@ def require_built() -> None:
         raise RuntimeError(f"the native CPU kernels could not be built: {error}")
 
 
+def key_word_elements(dtype: torch.dtype) -> int:
+    """x of the key cache layout: elements to a 32-bit word (2 for bf16 and fp16, 1 for fp32)."""
+    return 2 if dtype.itemsize == 2 else 1
+
+
+def key_cache_view(key_cache: torch.Tensor) -> torch.Tensor:
+    """The decode kernel's key layout over a dense [num_blocks, block_size, Hkv, D] tensor's
+    memory: [num_blocks, Hkv, D // x, block_size, x], the same bytes read in that order (for a
+    cache still empty: its contents are not moved). Why this layout: csrc/decode_keys.h."""
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    x = key_word_elements(key_cache.dtype)
+    if head_dim % x:
+        raise ValueError(f"head_dim {head_dim} must be a multiple of {x} for a {key_cache.dtype} key cache")
+    return key_cache.view(num_blocks, num_kv_heads, head_dim // x, block_size, x)
+
+
+def pack_key_cache(key_cache: torch.Tensor) -> torch.Tensor:
+    """A copy of a [num_blocks, block_size, Hkv, D] key cache with its contents in the decode
+    kernel's layout, [num_blocks, Hkv, D // x, block_size, x] (tests, and caches filled elsewhere)."""
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    x = key_word_elements(key_cache.dtype)
+    words = key_cache.reshape(num_blocks, block_size, num_kv_heads, head_dim // x, x)
+    return words.permute(0, 2, 3, 1, 4).contiguous()
+
+
+def store_keys(key: torch.Tensor, key_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """key [num_tokens, Hkv, D] into its slots (slot_mapping [num_tokens] int64) of a key cache
+    in the kernel's layout."""
+    require_built()
+    torch.ops.kvfleet_cpu.store_keys(key_cache, key.contiguous(), slot_mapping)
+
+
+def gather_keys(key_cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
+    """One sequence's first context_len keys from a key cache in the kernel's layout, in token
+    order: [context_len, Hkv, D] (as kvfleet_kernels.reference.gather_kv reads the plain layout)."""
+    require_built()
+    return torch.ops.kvfleet_cpu.gather_keys(key_cache, block_table, context_len)
+
+
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            sliding_window: int | None = None, out: torch.Tensor | None = None,
                            sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Same contract as kvfleet_kernels.reference.paged_decode_attention.
+    """The contract of kvfleet_kernels.reference.paged_decode_attention, with the keys in this
+    kernel's layout (key_cache_view, pack_key_cache).
 
     query:        [num_seqs, num_heads, head_dim]
-    key_cache:    [num_blocks, block_size, num_kv_heads, head_dim] (value_cache alike)
+    key_cache:    [num_blocks, num_kv_heads, head_dim // x, block_size, x], x = key_word_elements(dtype)
+    value_cache:  [num_blocks, block_size, num_kv_heads, head_dim]
     block_tables: [num_seqs, max_blocks_per_seq] int64
     context_lens: [num_seqs] int64, including the new token
     sinks:        [num_heads] or None (read as fp32)

@@ -12,6 +12,7 @@
 
 #include "cpu_vec.h"
 #include "decode_dot.h"
+#include "decode_keys.h"
 
 #include <algorithm>
 #include <cmath>
@@ -26,24 +27,12 @@ namespace {
 
 using namespace kvfleet_cpu;  // NOLINT: the vector helpers are this kernel's vocabulary
 
+// cache_*: the value cache's [num_blocks, block_size, num_kv_heads, head_dim]; key_*: the key
+// cache's [num_blocks, num_kv_heads, head_dim / x, block_size, x] (csrc/decode_keys.h).
 struct Strides {
-  int64_t query_seq, query_head, out_seq, out_head, table_seq, cache_block, cache_slot, cache_head;
+  int64_t query_seq, query_head, out_seq, out_head, table_seq, cache_block, cache_slot, cache_head, key_block,
+      key_head;
 };
-
-// q . k over head_dim; q is fp32, k a cache row. Vector code when HEAD_DIM is a fixed
-// multiple of 16 (64 and 128 are instantiated), a plain loop otherwise.
-template <int HEAD_DIM, typename scalar_t>
-inline float dot(const float* q, const scalar_t* k, int64_t head_dim) {
-  if constexpr (HEAD_DIM > 0 && HEAD_DIM % kLanes == 0) {
-    vfloat acc = load16(q) * load16(k);
-    for (int d = kLanes; d < HEAD_DIM; d += kLanes) acc += load16(q + d) * load16(k + d);
-    return reduce_add(acc);
-  } else {
-    float total = 0.f;
-    for (int64_t d = 0; d < head_dim; ++d) total += q[d] * static_cast<float>(k[d]);
-    return total;
-  }
-}
 
 // acc[0:head_dim] += sum over rows i of weights[i] * rows[i], rows[i] = first + i * row_stride:
 // the V pass for head sizes other than 64 and 128 (those run weighted_rows_add_group).
@@ -131,10 +120,9 @@ inline void weighted_rows_add_group(float* acc, const float* weights, int64_t we
   });
 }
 
-// The rows [lo, hi) of one KV head of a cache block, widened to fp32 once into `dst`
-// ([block_size, head_dim]) so that the GQA group's query rows read them without
-// converting each again (the K pass of fp16 caches, and of bf16 ones without avx512_bf16;
-// head sizes other than 64 and 128 in the V pass); fp32 caches are read in place instead.
+// The rows [lo, hi) of one KV head of a value cache block, widened to fp32 once into `dst`
+// ([block_size, head_dim]) so that the GQA group's query rows read them without converting
+// each again (the V pass of head sizes other than 64 and 128); fp32 rows are read in place.
 template <typename scalar_t>
 inline void widen_rows(float* dst, const scalar_t* rows, int64_t row_stride, int64_t lo, int64_t hi,
                        int64_t head_dim) {
@@ -158,18 +146,20 @@ inline void prefetch_block(const scalar_t* block, int64_t rows, int64_t row_stri
 }
 
 // A work item is one sequence and a span of its KV heads. With many sequences the span is
-// every head, so each cache block [block_size, num_kv_heads, head_dim] is one contiguous
-// read (22% faster than a head at a time at batch 64 here); with few, items are single
-// heads so that every thread still has work. Within a block the loops run head by head:
-// the K pass query row by query row over the block's slots (the block stays in L1 while
-// each K row is reused by the GQA group), the V pass each V row once for the whole group,
-// its accumulators in registers for the block.
+// every head, so each value block [block_size, num_kv_heads, head_dim] and each block's keys
+// of the span are contiguous reads (22% faster than a head at a time at batch 64 here); with
+// few, items are single heads so that every thread still has work. Within a block the loops
+// run head by head: the K pass scores 16 slots at a time for the whole GQA group from one read
+// of each word row of keys (csrc/decode_keys.h), the V pass reads each V row once for the
+// whole group, its accumulators in registers for the block.
 template <typename scalar_t, int HEAD_DIM>
 void decode_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_cache, const scalar_t* value_cache,
                    const int64_t* block_tables, const int64_t* context_lens, const float* sinks, int64_t num_seqs,
                    int64_t num_heads, int64_t num_kv_heads, int64_t runtime_head_dim, int64_t block_size,
                    float scale, int64_t sliding_window, int64_t max_context, Strides st) {
   const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : runtime_head_dim;
+  // Row stride of the score buffers: whole blocks, as the K pass writes runs of 16 slots.
+  const int64_t score_stride = (max_context + block_size - 1) / block_size * block_size;
   // bf16 caches of head size 64 or 128 on avx512_bf16: both passes on its dot product.
   constexpr bool kDotBf16 = kHasBf16Dot && std::is_same_v<scalar_t, at::BFloat16> && HEAD_DIM > 0 &&
                             HEAD_DIM % 32 == 0;
@@ -196,35 +186,29 @@ void decode_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_cac
     cost_before[work + 1] = cost_before[work] + (item.len - item.first) + block_size;  // + a block's fixed work
   }
   parallel_for_by_cost(cost_before, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(rows * max_context);  // [rows, max_context]
+    std::vector<float> scores(rows * score_stride);  // [rows, score_stride]
     std::vector<float> queries(rows * head_dim);    // [rows, head_dim], fp32, pre-scaled
     std::vector<float> acc(rows * head_dim);        // [rows, head_dim]
     std::vector<float> row_max(rows), inv_sum(rows);
     std::vector<float> widened(block_size * head_dim);  // [block_size, head_dim], one KV head's rows in fp32
-    std::vector<at::BFloat16> probs(kDotBf16 ? rows * max_context : 0);  // [rows, max_context], bf16 weights
+    std::vector<at::BFloat16> probs(kDotBf16 ? rows * score_stride : 0);  // [rows, score_stride], bf16 weights
     for (int64_t work = begin; work < end; ++work) {
       const Item item = item_at(work);
       const int64_t seq = item.seq, first_kv_head = item.first_kv_head, len = item.len, first = item.first;
       const int64_t* table = block_tables + seq * st.table_seq;
-      for (int64_t r = 0; r < rows; ++r) {  // row r is query head first_kv_head * group + r
-        const scalar_t* q = query + seq * st.query_seq + (first_kv_head * group + r) * st.query_head;
+      auto raw_query = [&](int64_t r) {  // row r is query head first_kv_head * group + r
+        return query + seq * st.query_seq + (first_kv_head * group + r) * st.query_head;
+      };
+      for (int64_t r = 0; r < rows; ++r) {
+        const scalar_t* q = raw_query(r);
         for (int64_t d = 0; d < head_dim; ++d) queries[r * head_dim + d] = static_cast<float>(q[d]) * scale;
       }
 
-      // The walk over the blocks of [first, len): visit(rows, head, start, lo, hi) for each KV
-      // head of the item in each block, rows pointing at slot 0 of that head as stored, slots
-      // [lo, hi) in range. With `prefetch_ahead` it asks for the block kPrefetchBlocks ahead;
-      // with a `companion` (the V cache, from the K pass) for the same block of it into L2: the
-      // V pass has too little work per block to hide DRAM latency behind its own prefetch (its
-      // loads were a third of the kernel's time), while the K pass computes long enough per block.
-      // Both requests go out a KV head's share of rows at a time, just before that head's work:
-      // issued for the whole block at once they waited on the core's few line-fill buffers, and
-      // perf put ~35% of the kernel's samples on its prefetch instructions (2-core Xeon with AMX,
-      // K/V in L3). Spread out, a bf16 layer of 64 sequences x 420 positions from DRAM went from
-      // ~1.28 to ~1.15 ms, 16 x 1,700 from ~1.43 to ~1.24 ms, and fp32 from ~2.19 to ~2.00 ms.
-      // Spreading them over every query row as well was slower (~1.35 ms).
-      auto for_each_block = [&](const scalar_t* cache, bool prefetch_ahead, const scalar_t* companion,
-                                auto&& visit) {
+      // The walk over the value cache's blocks of [first, len): visit(rows, head, start, lo, hi)
+      // for each KV head of the item in each block, rows pointing at slot 0 of that head as
+      // stored, slots [lo, hi) in range; with `prefetch_ahead` it asks for the block
+      // kPrefetchBlocks ahead, a KV head's share of its rows before that head's work.
+      auto for_each_block = [&](const scalar_t* cache, bool prefetch_ahead, auto&& visit) {
         for (int64_t start = first - first % block_size; start < len; start += block_size) {
           const int64_t offset = table[start / block_size] * st.cache_block + first_kv_head * st.cache_head;
           const bool ahead = prefetch_ahead && start + kPrefetchBlocks * block_size < len;
@@ -234,54 +218,71 @@ void decode_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_cac
           for (int64_t head = 0; head < span; ++head) {
             const int64_t row0 = head * block_size / span, row1 = (head + 1) * block_size / span;
             if (ahead) prefetch_block(ahead_block + row0 * st.cache_slot, row1 - row0, st.cache_slot, span * st.cache_head);
-            if (companion) prefetch_block<1>(companion + offset + row0 * st.cache_slot, row1 - row0, st.cache_slot,
-                                             span * st.cache_head);
             visit(cache + offset + head * st.cache_head, head, start, lo, hi);
           }
         }
       };
-      // Calls visit(rows, row_stride, r, start, lo, hi) for every block and every query row r of
-      // the KV head whose rows those are. fp32 rows, and any rows when `widen` is false, are read
-      // straight from the paged cache; otherwise bf16 and fp16 ones are widened once per KV
-      // head into `widened` for the whole GQA group.
-      auto for_each_block_row = [&](const scalar_t* cache, const scalar_t* companion, auto widen, auto&& visit) {
-        for_each_block(cache, true, companion, [&](const scalar_t* rows_of_head, int64_t head, int64_t start,
-                                                   int64_t lo, int64_t hi) {
-          if constexpr (std::is_same_v<scalar_t, float> || !decltype(widen)::value) {
-            for (int64_t r = head * group; r < (head + 1) * group; ++r)
-              visit(rows_of_head, st.cache_slot, r, start, lo, hi);
-          } else {
-            widen_rows(widened.data(), rows_of_head, st.cache_slot, lo, hi, head_dim);
-            for (int64_t r = head * group; r < (head + 1) * group; ++r)
-              visit(static_cast<const float*>(widened.data()), head_dim, r, start, lo, hi);
-          }
-        });
+      // One KV head's keys in a block: [head_dim / x, block_size, x], contiguous.
+      auto keys_of = [&](int64_t block, int64_t head) {
+        return key_cache + block * st.key_block + (first_kv_head + head) * st.key_head;
       };
-      for_each_block_row(key_cache, value_cache, std::bool_constant<!kDotBf16>{}, [&](const auto* keys, int64_t stride,
-                                                                          int64_t r, int64_t start, int64_t lo,
-                                                                          int64_t hi) {
-        const float* q = queries.data() + r * head_dim;
-        float* s = scores.data() + r * max_context + start;
-        int64_t slot = lo;
-        if constexpr (std::is_same_v<std::decay_t<decltype(*keys)>, at::BFloat16>) {  // kDotBf16: rows as stored
-          const scalar_t* raw_q = query + seq * st.query_seq + (first_kv_head * group + r) * st.query_head;
-          for (; slot + kLanes <= hi; slot += kLanes)
-            store16(s + slot, dot16_bf16<HEAD_DIM>(raw_q, keys + slot * stride, stride) * scale);
-          for (; slot < hi; ++slot) s[slot] = dot<HEAD_DIM>(q, keys + slot * stride, head_dim);
-          return;
-        }
+      // Scores of the GQA group [r0, r0 + group) at the slots [lo, hi) of one KV head's block,
+      // into s [group, score_stride] (at the block's start). Whole runs of 16 slots compute all
+      // 16, those outside [lo, hi) never read; the scalar loop serves other head sizes and blocks.
+      auto key_scores = [&](float* s, int64_t r0, const scalar_t* keys, int64_t lo, int64_t hi) {
+        constexpr int64_t x = kKeyWordElements<scalar_t>;
         if constexpr (HEAD_DIM > 0 && HEAD_DIM % kLanes == 0) {
-          for (; slot + kLanes <= hi; slot += kLanes)  // whole runs of 16 slots: one transposed reduction
-            store16(s + slot, dot16<HEAD_DIM>(q, keys + slot * stride, stride));
+          if (block_size % kLanes == 0) {
+            for (int64_t c = lo - lo % kLanes; c < hi; c += kLanes) {
+              for_each_tile<kKeyTile>(group, [&](auto tile, int64_t t) {
+                constexpr int kTile = decltype(tile)::value;
+                if constexpr (kDotBf16) {
+                  key_scores16_bf16<HEAD_DIM, kTile>(s + t * score_stride + c, score_stride, raw_query(r0 + t),
+                                                     st.query_head, keys + c * x, block_size * x, scale);
+                } else {
+                  key_scores16<HEAD_DIM, kTile>(s + t * score_stride + c, score_stride,
+                                                queries.data() + (r0 + t) * head_dim, keys + c * x, block_size * x);
+                }
+              });
+            }
+            return;
+          }
         }
-        for (; slot < hi; ++slot) s[slot] = dot<HEAD_DIM>(q, keys + slot * stride, head_dim);
-      });
+        for (int64_t t = 0; t < group; ++t) {
+          const float* q = queries.data() + (r0 + t) * head_dim;
+          for (int64_t slot = lo; slot < hi; ++slot) {
+            float total = 0.f;
+            for (int64_t d = 0; d < head_dim; ++d) total += q[d] * key_at(keys, block_size, slot, d);
+            s[t * score_stride + slot] = total;
+          }
+        }
+      };
+      // The K pass, block by block and KV head by KV head. With each head's work it asks for
+      // that head's keys kPrefetchBlocks blocks ahead, and for its share of this block's values
+      // into L2: the V pass has too little work per block to hide DRAM latency behind its own
+      // prefetch (its loads were a third of the kernel's time), while the K pass computes long
+      // enough per block. Issued a head's share at a time, not the whole block's at once: the
+      // burst waited on the core's few line-fill buffers (perf put ~35% of the kernel's samples on
+      // its prefetches, 2-core Xeon with AMX), and spread out a bf16 layer of 64 sequences x 420
+      // positions from DRAM went from ~1.28 to ~1.15 ms there.
+      for (int64_t start = first - first % block_size; start < len; start += block_size) {
+        const int64_t block = table[start / block_size];
+        const bool ahead = start + kPrefetchBlocks * block_size < len;
+        const int64_t lo = std::max<int64_t>(first - start, 0), hi = std::min(len - start, block_size);
+        const scalar_t* values = value_cache + block * st.cache_block + first_kv_head * st.cache_head;
+        for (int64_t head = 0; head < span; ++head) {
+          if (ahead) prefetch_block(keys_of(table[start / block_size + kPrefetchBlocks], head), 1, 0, head_dim * block_size);
+          const int64_t row0 = head * block_size / span, row1 = (head + 1) * block_size / span;
+          prefetch_block<1>(values + row0 * st.cache_slot, row1 - row0, st.cache_slot, span * st.cache_head);
+          key_scores(scores.data() + head * group * score_stride + start, head * group, keys_of(block, head), lo, hi);
+        }
+      }
       // Softmax numerators, in place in `scores` (for the bf16 V pass rounded to bf16 in `probs`
       // instead); the 1/sum is applied once to the output. A sink (gpt-oss) is one more logit in the max and
       // the sum that adds nothing to the output.
       for (int64_t r = 0; r < rows; ++r) {
-        float* s = scores.data() + r * max_context;
-        at::BFloat16* p = probs.data() + r * max_context;
+        float* s = scores.data() + r * score_stride;
+        at::BFloat16* p = probs.data() + r * score_stride;
         row_max[r] = max_of(s + first, len - first);
         const float sink = sinks ? sinks[first_kv_head * group + r] : 0.f;
         if (sinks) row_max[r] = std::max(row_max[r], sink);
@@ -308,34 +309,42 @@ void decode_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_cac
         const Item next = work + 1 < end ? item_at(work + 1) : Item{};
         const int64_t next_blocks = next.end_block - next.first_block;
         const int64_t* next_table = block_tables + next.seq * st.table_seq + next.first_block;
-        for_each_block(value_cache, false, nullptr, [&](const scalar_t* values, int64_t head, int64_t start,
-                                                        int64_t lo, int64_t hi) {
-          {  // this KV head's share of the rows, as for_each_block spreads its requests
+        for_each_block(value_cache, false, [&](const scalar_t* values, int64_t head, int64_t start, int64_t lo,
+                                               int64_t hi) {
+          {  // the next item's keys of this KV head, as the K pass spreads its requests
             const int64_t j = start / block_size - item.first_block;
             const int64_t to = start + block_size >= len ? next_blocks : std::min(j + 1, next_blocks);
-            const int64_t row0 = head * block_size / span, row1 = (head + 1) * block_size / span;
             for (int64_t b = j; b < to; ++b)
-              prefetch_block<1>(key_cache + next_table[b] * st.cache_block + next.first_kv_head * st.cache_head +
-                                    row0 * st.cache_slot, row1 - row0, st.cache_slot, span * st.cache_head);
+              prefetch_block<1>(key_cache + next_table[b] * st.key_block + (next.first_kv_head + head) * st.key_head, 1, 0,
+                                head_dim * block_size);
           }
           const int64_t r = head * group;  // the group's first query row
           if constexpr (kDotBf16) {
-            const auto* weights = reinterpret_cast<const uint16_t*>(probs.data() + r * max_context + start + lo);
+            const auto* weights = reinterpret_cast<const uint16_t*>(probs.data() + r * score_stride + start + lo);
             for_each_tile<kVTile<HEAD_DIM>>(group, [&](auto tile, int64_t t) {
               weighted_rows_add_tile_bf16<HEAD_DIM, decltype(tile)::value>(
-                  acc.data() + (r + t) * head_dim, head_dim, weights + t * max_context, max_context,
+                  acc.data() + (r + t) * head_dim, head_dim, weights + t * score_stride, score_stride,
                   values + lo * st.cache_slot, st.cache_slot, hi - lo);
             });
           } else {
-            weighted_rows_add_group<HEAD_DIM>(acc.data() + r * head_dim, scores.data() + r * max_context + start + lo,
-                                              max_context, values + lo * st.cache_slot, st.cache_slot, hi - lo, group);
+            weighted_rows_add_group<HEAD_DIM>(acc.data() + r * head_dim, scores.data() + r * score_stride + start + lo,
+                                              score_stride, values + lo * st.cache_slot, st.cache_slot, hi - lo, group);
           }
         });
       } else {
-        for_each_block_row(value_cache, nullptr, std::true_type{}, [&](const auto* values, int64_t stride, int64_t r,
-                                                               int64_t start, int64_t lo, int64_t hi) {
-          weighted_rows_add(acc.data() + r * head_dim, scores.data() + r * max_context + start + lo,
-                                      values + lo * stride, stride, hi - lo, head_dim);
+        // Other head sizes: fp32 rows read in place, bf16 and fp16 ones widened once per KV head
+        // into `widened` for the whole GQA group.
+        for_each_block(value_cache, true, [&](const scalar_t* rows_of_head, int64_t head, int64_t start, int64_t lo,
+                                              int64_t hi) {
+          const float* values = reinterpret_cast<const float*>(rows_of_head);
+          int64_t stride = st.cache_slot;
+          if constexpr (!std::is_same_v<scalar_t, float>) {
+            widen_rows(widened.data(), rows_of_head, st.cache_slot, lo, hi, head_dim);
+            values = widened.data(), stride = head_dim;
+          }
+          for (int64_t r = head * group; r < (head + 1) * group; ++r)
+            weighted_rows_add(acc.data() + r * head_dim, scores.data() + r * score_stride + start + lo,
+                              values + lo * stride, stride, hi - lo, head_dim);
         });
       }
       for (int64_t r = 0; r < rows; ++r) {
@@ -353,18 +362,22 @@ template <typename scalar_t>
 void dispatch_head_dim(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                        const at::Tensor& value_cache, const at::Tensor& block_tables,
                        const at::Tensor& context_lens, const float* sinks, double scale, int64_t sliding_window) {
+  TORCH_CHECK(key_cache.size(4) == kKeyWordElements<scalar_t>, "key_cache's last dimension must be ",
+              kKeyWordElements<scalar_t>, " for ", query.scalar_type(), " (elements to a 32-bit word)");
+  const int64_t block_size = value_cache.size(1);
   const int64_t* lens = context_lens.const_data_ptr<int64_t>();
   const int64_t max_context = query.size(0) ? *std::max_element(lens, lens + query.size(0)) : 0;
   const int64_t min_context = query.size(0) ? *std::min_element(lens, lens + query.size(0)) : 1;
-  TORCH_CHECK(min_context >= 1 && max_context <= block_tables.size(1) * key_cache.size(1),
+  TORCH_CHECK(min_context >= 1 && max_context <= block_tables.size(1) * block_size,
               "context_lens must be in [1, max_blocks * block_size]");
   const Strides st{query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-                   key_cache.stride(0), key_cache.stride(1), key_cache.stride(2)};
+                   value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), key_cache.stride(0),
+                   key_cache.stride(1)};
   auto run = [&](auto kernel) {
     kernel(out.data_ptr<scalar_t>(), query.const_data_ptr<scalar_t>(), key_cache.const_data_ptr<scalar_t>(),
            value_cache.const_data_ptr<scalar_t>(), block_tables.const_data_ptr<int64_t>(),
-           context_lens.const_data_ptr<int64_t>(), sinks, query.size(0), query.size(1), key_cache.size(2),
-           query.size(2), key_cache.size(1), static_cast<float>(scale), sliding_window, max_context, st);
+           context_lens.const_data_ptr<int64_t>(), sinks, query.size(0), query.size(1), value_cache.size(2),
+           query.size(2), block_size, static_cast<float>(scale), sliding_window, max_context, st);
   };
   switch (query.size(2)) {
     case 64: run(decode_kernel<scalar_t, 64>); break;
@@ -373,20 +386,28 @@ void dispatch_head_dim(const at::Tensor& out, const at::Tensor& query, const at:
   }
 }
 
-// out, query: [num_seqs, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim];
-// block_tables: [num_seqs, max_blocks] int64; context_lens: [num_seqs] int64, each >= 1;
-// sinks: none, or [num_heads] fp32, one logit per head in every softmax's denominator.
-// As for the Triton kernel, block ids must be valid rows of the caches: they are not checked per read.
+// out, query: [num_seqs, num_heads, head_dim]; key_cache: [num_blocks, num_kv_heads, head_dim / x,
+// block_size, x], x = 2 for bf16 and fp16, 1 for fp32 (csrc/decode_keys.h); value_cache:
+// [num_blocks, block_size, num_kv_heads, head_dim]; block_tables: [num_seqs, max_blocks] int64;
+// context_lens: [num_seqs] int64, each >= 1; sinks: none, or [num_heads] fp32, one logit per
+// head in every softmax's denominator. As for the Triton kernel, block ids must be valid rows
+// of the caches: they are not checked per read.
 void paged_decode_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
                             const at::Tensor& context_lens, double scale, int64_t sliding_window,
                             const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query and out must be [num_seqs, heads, dim]");
-  TORCH_CHECK(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(), "caches must match, 4-d");
-  TORCH_CHECK(key_cache.strides() == value_cache.strides(), "key and value caches must share strides");
-  TORCH_CHECK(key_cache.size(3) == query.size(2), "head_dim of query and cache differ");
-  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
-  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && key_cache.stride(3) == 1, "head_dim must be dense");
+  TORCH_CHECK(value_cache.dim() == 4 && value_cache.size(3) == query.size(2) && value_cache.stride(3) == 1,
+              "value_cache must be [num_blocks, block_size, num_kv_heads, head_dim], head_dim dense");
+  TORCH_CHECK(key_cache.dim() == 5 && key_cache.size(0) == value_cache.size(0) &&
+                  key_cache.size(1) == value_cache.size(2) && key_cache.size(2) * key_cache.size(4) == query.size(2) &&
+                  key_cache.size(3) == value_cache.size(1),
+              "key_cache must be [num_blocks, num_kv_heads, head_dim / x, block_size, x] for the value cache's sizes");
+  TORCH_CHECK(key_cache.stride(4) == 1 && key_cache.stride(3) == key_cache.size(4) &&
+                  key_cache.stride(2) == key_cache.size(3) * key_cache.size(4),
+              "each block and head of key_cache must be dense");
+  TORCH_CHECK(query.size(1) % value_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "head_dim must be dense");
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && out.scalar_type() == query.scalar_type() &&
                   value_cache.scalar_type() == query.scalar_type(), "query, out and caches must share a dtype");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,

@@ -15,7 +15,14 @@ import torch
 
 from engine.attention import select_backend
 from kvfleet_kernels import reference
-from kvfleet_kernels.cpu_paged_attention import load_error, paged_decode_attention
+from kvfleet_kernels.cpu_paged_attention import (
+    gather_keys,
+    key_cache_view,
+    load_error,
+    pack_key_cache,
+    paged_decode_attention,
+    store_keys,
+)
 from tests.kvfleet_kernels.test_reference import attention_sinks, paged_setup
 
 GQA = [(4, 4), (4, 2), (8, 2), (9, 3), (12, 2)]  # ratios 1, 2, 4, 3 (SmolLM2), 6: every V-pass tiling
@@ -36,15 +43,16 @@ def decode_case(context_lens, num_heads, num_kv_heads, head_dim, block_size, sli
     scale = 1 / math.sqrt(head_dim)
     expected = reference.paged_decode_attention(query, key_cache, value_cache, block_tables, lens, scale,
                                                 sliding_window, sinks=sinks)
-    got = paged_decode_attention(query.to(dtype), key_cache.to(dtype), value_cache.to(dtype), block_tables, lens,
-                                 scale, sliding_window, sinks=None if sinks is None else sinks.to(dtype))
+    got = paged_decode_attention(query.to(dtype), pack_key_cache(key_cache.to(dtype)), value_cache.to(dtype),
+                                 block_tables, lens, scale, sliding_window,
+                                 sinks=None if sinks is None else sinks.to(dtype))
     assert got.dtype == dtype and got.shape == expected.shape
     return got.float(), expected
 
 
 @pytest.mark.parametrize("num_heads, num_kv_heads", GQA)
 @pytest.mark.parametrize("head_dim", [64, 128, 80])  # 80: the run-time head size path
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("block_size", [8, 16, 32])  # 8: under a run of 16 slots, the scalar K pass
 @pytest.mark.parametrize("context_lens", [[1], [32], [1, 16, 33, 64, 70, 300], MANY])
 def test_matches_reference(num_heads, num_kv_heads, head_dim, block_size, context_lens):
     got, expected = decode_case(context_lens, num_heads, num_kv_heads, head_dim, block_size)
@@ -74,7 +82,7 @@ def test_score_gaps_beyond_the_exponent_range():
     query = 40 * torch.randn(2, 4, 64)
     lens = torch.tensor([37, 300])
     expected = reference.paged_decode_attention(query, key_cache, value_cache, block_tables, lens, 0.125)
-    got = paged_decode_attention(query, key_cache, value_cache, block_tables, lens, 0.125)
+    got = paged_decode_attention(query, pack_key_cache(key_cache), value_cache, block_tables, lens, 0.125)
     assert torch.isfinite(got).all()
     assert (got - expected).abs().max() <= 1e-4
 
@@ -133,8 +141,8 @@ def test_bf16_v_pass_over_windows_sinks_and_every_tiling(num_heads, num_kv_heads
     query = torch.randn(len(context_lens), num_heads, head_dim, generator=torch.Generator().manual_seed(1)).bfloat16()
     sinks = attention_sinks(num_heads) if with_sinks else None
     lens, scale = torch.tensor(context_lens), 1 / math.sqrt(head_dim)
-    got = paged_decode_attention(query, key_cache, value_cache, block_tables, lens, scale, sliding_window,
-                                 sinks=sinks).float()
+    got = paged_decode_attention(query, pack_key_cache(key_cache), value_cache, block_tables, lens, scale,
+                                 sliding_window, sinks=sinks).float()
     expected, one_ulp_each = attention_with_bf16_probabilities(
         query, key_cache, value_cache, block_tables, lens, scale, sliding_window, None if sinks is None else sinks.float())
     assert_close_to_bf16_probability_attention(got, expected, one_ulp_each)
@@ -154,7 +162,7 @@ def test_bf16_kernel_is_fp32_attention_over_the_same_bf16_values(head_dim, conte
     lens, scale = torch.tensor(context_lens), 1 / math.sqrt(head_dim)
     exact = reference.paged_decode_attention(query.float(), key_cache.float(), value_cache.float(), block_tables,
                                              lens, scale, None)
-    got = paged_decode_attention(query, key_cache, value_cache, block_tables, lens, scale, None).float()
+    got = paged_decode_attention(query, pack_key_cache(key_cache), value_cache, block_tables, lens, scale, None).float()
     if head_dim in (64, 128) and torch.cpu._is_avx512_bf16_supported():  # the probabilities are rounded
         assert_close_to_bf16_probability_attention(
             got, *attention_with_bf16_probabilities(query, key_cache, value_cache, block_tables, lens, scale))
@@ -170,7 +178,7 @@ def test_writes_into_a_strided_out_and_reads_a_strided_query():
     rows = torch.randn(5, 4, 64)  # the decode rows of a step sit after the prefill rows
     out = torch.full((5, 4, 64), 7.0)
     lens = torch.tensor([9, 40])
-    paged_decode_attention(rows[3:], key_cache, value_cache, block_tables, lens, 0.125, out=out[3:])
+    paged_decode_attention(rows[3:], pack_key_cache(key_cache), value_cache, block_tables, lens, 0.125, out=out[3:])
     expected = reference.paged_decode_attention(rows[3:], key_cache, value_cache, block_tables, lens, 0.125)
     assert (out[3:] - expected).abs().max() <= 1e-5
     assert torch.equal(out[:3], torch.full((3, 4, 64), 7.0))
@@ -182,15 +190,49 @@ def test_writes_into_a_strided_out_and_reads_a_strided_query():
     (lambda a: {**a, "context_lens": torch.tensor([0, 9])}, r"context_lens must be in \[1, max_blocks"),
     (lambda a: {**a, "query": a["query"].double()}, "must share a dtype"),
     (lambda a: {**a, "query": torch.randn(2, 3, 64)}, "multiple of num_kv_heads"),
-    (lambda a: {**a, "query": torch.randn(2, 4, 32)}, "head_dim of query and cache differ"),
+    (lambda a: {**a, "query": torch.randn(2, 4, 32)}, "value_cache must be"),
+    (lambda a: {**a, "key_cache": a["key_cache"].transpose(2, 3)}, "key_cache must be"),
+    (lambda a: {**a, "key_cache": a["key_cache"].transpose(0, 1).contiguous().transpose(0, 1)[:, :, :, :8]},
+     "key_cache must be"),
     (lambda a: {**a, "block_tables": a["block_tables"][:1]}, "block_tables must be"),
 ])
 def test_bad_arguments_are_clear_errors(change, message):
     key_cache, value_cache, _, block_tables = paged_setup([9, 40], 16, 2, 64)
-    args = {"query": torch.randn(2, 4, 64), "key_cache": key_cache, "value_cache": value_cache,
+    args = {"query": torch.randn(2, 4, 64), "key_cache": pack_key_cache(key_cache), "value_cache": value_cache,
             "block_tables": block_tables, "context_lens": torch.tensor([9, 40])}
     with pytest.raises(RuntimeError, match=message):
         paged_decode_attention(**change(args), scale=0.125)
+
+
+@pytest.mark.parametrize("dtype, words", [(torch.float32, 1), (torch.bfloat16, 2), (torch.float16, 2)])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_key_layout_stores_and_gathers_what_the_plain_cache_holds(dtype, words, block_size):
+    """The decode kernel's key layout, [blocks, Hkv, D / x, block_size, x], written through
+    store_keys and read back through gather_keys, holds exactly the plain cache's values."""
+    generator = torch.Generator().manual_seed(3)
+    plain = torch.zeros(6, block_size, 3, 64, dtype=dtype)  # [blocks, block_size, Hkv, D]
+    laid_out = key_cache_view(torch.zeros_like(plain))
+    assert laid_out.shape == (6, 3, 64 // words, block_size, words)
+    slots = torch.randperm(6 * block_size, generator=generator)[:2 * block_size + 5]
+    key = torch.randn(len(slots), 3, 64, generator=generator).to(dtype)
+    plain.view(-1, 3, 64).index_copy_(0, slots, key)
+    store_keys(key, laid_out, slots)
+    assert torch.equal(laid_out, pack_key_cache(plain))
+    table = torch.tensor([4, 0, 2, 5])
+    for context_len in (1, block_size, 3 * block_size + 1):
+        assert torch.equal(gather_keys(laid_out, table, context_len), reference.gather_kv(plain, table, context_len))
+
+
+def test_key_layout_refuses_what_it_cannot_hold():
+    laid_out = key_cache_view(torch.zeros(2, 16, 2, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="slot 32 is outside the cache"):
+        store_keys(torch.zeros(1, 2, 64, dtype=torch.bfloat16), laid_out, torch.tensor([32]))
+    with pytest.raises(RuntimeError, match="key must be"):
+        store_keys(torch.zeros(1, 2, 32, dtype=torch.bfloat16), laid_out, torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="block 7 is outside the cache"):
+        gather_keys(laid_out, torch.tensor([0, 7]), 20)
+    with pytest.raises(ValueError, match="head_dim 63 must be a multiple of 2"):
+        key_cache_view(torch.zeros(2, 16, 2, 63, dtype=torch.bfloat16))
 
 
 def test_backend_selection_on_the_cpu(monkeypatch):
