@@ -110,7 +110,6 @@ class StructuredOutputs:
         self.executor = ThreadPoolExecutor(max_workers=NUM_COMPILE_THREADS, thread_name_prefix="kvfleet-grammar")
         self.batch_matcher = xgrammar.BatchGrammarMatcher()  # fills every constrained row in C++ threads
         self.compiled: OrderedDict[str, Future] = OrderedDict()  # LRU: constraint -> its compile
-        self.compile_seconds: dict[str, float] = {}
 
     def check(self, params: StructuredOutputsParams) -> None:
         """Raise ValueError if the constraint does not convert to a grammar (no tokenizer needed).
@@ -138,15 +137,13 @@ class StructuredOutputs:
         key = params.cache_key()
         compiled = self.compiled.get(key)
         if compiled is None:  # a failed compile stays cached too: it would fail again
-            compiled = self.compiled[key] = self.executor.submit(self._compile, params, key)
+            compiled = self.compiled[key] = self.executor.submit(self._compile, params)
         self.compiled.move_to_end(key)
-        finished = [k for k, future in self.compiled.items() if future.done()]
-        for old_key in finished[:max(0, len(finished) - MAX_CACHED_GRAMMARS)]:
-            del self.compiled[old_key]  # least recently used first; running sequences keep their own
+        while len(self.compiled) > MAX_CACHED_GRAMMARS:  # a hard bound, compiling or not: a sequence
+            self.compiled.popitem(last=False)  # holds its own future, so evicting one never loses it
         return SequenceGrammar(compiled, params.json is not None or params.json_object)
 
-    def _compile(self, params: StructuredOutputsParams, key: str):
-        start = time.perf_counter()
+    def _compile(self, params: StructuredOutputsParams):
         compiler = self.compiler
         if params.json is not None:
             compiled = compiler.compile_json_schema(_schema_text(params.json), any_whitespace=False)
@@ -158,7 +155,6 @@ class StructuredOutputs:
             compiled = compiler.compile_grammar(params.to_ebnf_choice())
         else:
             compiled = compiler.compile_grammar(params.grammar)
-        self.compile_seconds[key] = time.perf_counter() - start
         return compiled
 
     def apply_masks(self, logits: torch.Tensor, grammars: list[SequenceGrammar | None]) -> None:

@@ -98,12 +98,12 @@ def test_a_grammar_that_fails_or_outlasts_its_timeout_fails_its_request_alone(de
     engine = LLMEngine(EngineConfig(model=demo_model, num_kv_blocks=256, max_num_seqs=8))
     compile_grammar = structured_outputs.StructuredOutputs._compile
 
-    def compile_or_break(self, params, key):
+    def compile_or_break(self, params):
         if params.regex == "broken":
             raise RuntimeError("the compiler gave up")
         if params.regex == "slow+":
             time.sleep(3)
-        return compile_grammar(self, params, key)
+        return compile_grammar(self, params)
 
     monkeypatch.setattr(structured_outputs.StructuredOutputs, "_compile", compile_or_break)
     monkeypatch.setattr(structured_outputs, "COMPILE_TIMEOUT_SECONDS", 1.0)
@@ -133,3 +133,22 @@ def test_the_compile_cache_is_a_bounded_lru(llm, monkeypatch):
                      use_tqdm=False)
     cache = llm.engine.model_runner.structured.compiled
     assert len(cache) == 2 and list(cache)[-1] == StructuredOutputsParams(regex="a{2}").cache_key()
+
+
+def test_the_bound_holds_while_grammars_compile(llm, monkeypatch):
+    """Grammars still compiling count against the bound too; an evicted one still reaches its sequence."""
+    import threading
+
+    from engine import structured_outputs
+
+    llm.generate(["x"], SamplingParams(max_tokens=1, structured_outputs=StructuredOutputsParams(regex="z")),
+                 use_tqdm=False)  # the engine's StructuredOutputs exists
+    structured, release = llm.engine.model_runner.structured, threading.Event()
+    compile_now = structured._compile
+    monkeypatch.setattr(structured_outputs, "MAX_CACHED_GRAMMARS", 2)
+    monkeypatch.setattr(structured, "_compile", lambda params: release.wait(10) and compile_now(params))
+    states = [structured.start(StructuredOutputsParams(regex=p)) for p in ("d{2}", "e{2}", "f{2}")]
+    keys = [StructuredOutputsParams(regex=p).cache_key() for p in ("e{2}", "f{2}")]
+    assert not any(state.is_ready() for state in states) and list(structured.compiled) == keys
+    release.set()
+    assert all(state.compiled.result(timeout=10) is not None for state in states)
