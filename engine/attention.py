@@ -150,7 +150,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
         self._kernels.store_keys(key, key_cache, slot_mapping)
-        value_cache.view(-1, *value.shape[1:]).index_copy_(0, slot_mapping, value)
+        reference.store_rows(value, value_cache, slot_mapping)
 
     def gather_keys(self, key_cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
         return self._kernels.gather_keys(key_cache, block_table, context_len)

@@ -88,7 +88,8 @@ def require_built() -> None:
 
 
 def key_word_elements(dtype: torch.dtype) -> int:
-    """x of the key cache layout: elements to a 32-bit word (2 for bf16 and fp16, 1 for fp32)."""
+    """x of the key cache layout: elements to a 32-bit word (2 for bf16 and fp16, 1 for fp32);
+    csrc/decode_keys.h's key_word_elements is its C++ twin."""
     return 2 if dtype.itemsize == 2 else 1
 
 
@@ -114,9 +115,12 @@ def pack_key_cache(key_cache: torch.Tensor) -> torch.Tensor:
 
 def store_keys(key: torch.Tensor, key_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """key [num_tokens, Hkv, D] into its slots (slot_mapping [num_tokens] int64) of a key cache
-    in the kernel's layout."""
+    in the kernel's layout. Read in place when each token's [Hkv, D] is dense (a slice of the
+    fused qkv output is): no copy per layer."""
     require_built()
-    torch.ops.kvfleet_cpu.store_keys(key_cache, key.contiguous(), slot_mapping)
+    if key.stride(2) != 1 or key.stride(1) != key.shape[2]:
+        key = key.contiguous()
+    torch.ops.kvfleet_cpu.store_keys(key_cache, key, slot_mapping)
 
 
 def gather_keys(key_cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:

@@ -21,9 +21,14 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
     """Write new K/V rows into their cache slots. key, value: [num_tokens, num_kv_heads,
     head_dim]; key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim];
     slot_mapping: [num_tokens] int64."""
-    num_kv_heads, head_dim = key.shape[1:]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    store_rows(key, key_cache, slot_mapping)
+    store_rows(value, value_cache, slot_mapping)
+
+
+def store_rows(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """rows [num_tokens, num_kv_heads, head_dim] into their slots of one plain cache,
+    [num_blocks, block_size, num_kv_heads, head_dim]."""
+    cache.view(-1, *rows.shape[1:]).index_copy_(0, slot_mapping, rows)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:

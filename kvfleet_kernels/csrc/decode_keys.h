@@ -26,9 +26,11 @@
 
 namespace kvfleet_cpu {
 
-// Elements of a key cache dtype to one 32-bit word of the layout.
+// x: elements of a key cache dtype to one 32-bit word of the layout (2 for bf16 and fp16, 1 for
+// fp32); kvfleet_kernels/cpu_paged_attention.py's key_word_elements is its Python twin.
+constexpr int64_t key_word_elements(int64_t element_size) { return element_size == 2 ? 2 : 1; }
 template <typename scalar_t>
-constexpr int64_t kKeyWordElements = sizeof(scalar_t) == 2 ? 2 : 1;
+constexpr int64_t kKeyWordElements = key_word_elements(sizeof(scalar_t));
 
 // Dimensions d and d + 1 of 16 consecutive positions, from one row of 16 words (bf16, fp16).
 template <typename scalar_t>

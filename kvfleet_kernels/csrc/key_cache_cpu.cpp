@@ -8,75 +8,85 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "decode_keys.h"
+
 #include <cstdint>
 #include <cstring>
 
 namespace {
 
-void check_layout(const at::Tensor& key_cache) {
-  TORCH_CHECK(key_cache.dim() == 5 && key_cache.is_contiguous() && key_cache.device().is_cpu(),
-              "key_cache must be a dense CPU [num_blocks, num_kv_heads, head_dim / x, block_size, x]");
-  TORCH_CHECK(key_cache.size(4) == (key_cache.element_size() == 2 ? 2 : 1),
-              "key_cache's x must be 2 for 2-byte dtypes, 1 otherwise");
-}
+// One key cache's geometry in bytes; a token's keys are num_words words, (kv head, d / x) flattened.
+struct KeyLayout {
+  char* cache;
+  int64_t num_blocks, block_size, word_bytes, num_words, block_bytes;
 
-// Copies one token's keys [num_kv_heads, head_dim] (dense rows) to or from slot `offset` of a
-// block's [num_kv_heads, head_dim / x, block_size, x] `block`: word by word, x elements at once.
-template <bool kToCache>
-void copy_token(char* block, char* token, int64_t offset, int64_t num_words, int64_t block_size, int64_t word_bytes) {
-  for (int64_t w = 0; w < num_words; ++w) {  // word w of the token: (head, d / x) flattened
-    char* slot = block + (w * block_size + offset) * word_bytes;
-    if constexpr (kToCache) std::memcpy(slot, token + w * word_bytes, word_bytes);
-    else std::memcpy(token + w * word_bytes, slot, word_bytes);
+  explicit KeyLayout(const at::Tensor& key_cache) {
+    TORCH_CHECK(key_cache.dim() == 5 && key_cache.is_contiguous() && key_cache.device().is_cpu(),
+                "key_cache must be a dense CPU [num_blocks, num_kv_heads, head_dim / x, block_size, x]");
+    TORCH_CHECK(key_cache.size(4) == kvfleet_cpu::key_word_elements(key_cache.element_size()),
+                "key_cache's x must be 2 for 2-byte dtypes, 1 otherwise");
+    cache = static_cast<char*>(key_cache.data_ptr());
+    num_blocks = key_cache.size(0);
+    block_size = key_cache.size(3);
+    word_bytes = key_cache.size(4) * key_cache.element_size();
+    num_words = key_cache.size(1) * key_cache.size(2);
+    block_bytes = key_cache.stride(0) * key_cache.element_size();
   }
-}
+
+  // Copies one token's num_words words (dense in `token`) to or from cache slot `slot`.
+  template <bool kToCache>
+  void copy_token(int64_t slot, char* token) const {
+    char* block = cache + slot / block_size * block_bytes;
+    const int64_t offset = slot % block_size;
+    for (int64_t w = 0; w < num_words; ++w) {
+      char* cached = block + (w * block_size + offset) * word_bytes;
+      if constexpr (kToCache) std::memcpy(cached, token + w * word_bytes, word_bytes);
+      else std::memcpy(token + w * word_bytes, cached, word_bytes);
+    }
+  }
+};
 
 // key [num_tokens, num_kv_heads, head_dim] -> the slots slot_mapping [num_tokens] int64
-// (block * block_size + offset) of key_cache.
+// (block * block_size + offset) of key_cache. Each token's keys must be dense, but tokens may
+// sit apart: the keys arrive as a slice of the fused qkv projection, read in place.
 void store_keys(const at::Tensor& key_cache, const at::Tensor& key, const at::Tensor& slot_mapping) {
-  check_layout(key_cache);
-  const int64_t block_size = key_cache.size(3), word_bytes = key_cache.size(4) * key_cache.element_size();
-  const int64_t num_words = key_cache.size(1) * key_cache.size(2);
+  const KeyLayout layout(key_cache);
   TORCH_CHECK(key.dim() == 3 && key.size(1) == key_cache.size(1) && key.size(2) == key_cache.size(2) * key_cache.size(4),
               "key must be [num_tokens, num_kv_heads, head_dim] for this cache");
-  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && key.is_contiguous(), "key must be dense, the cache's dtype");
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && key.stride(2) == 1 && key.stride(1) == key.size(2),
+              "key must be the cache's dtype, each token's [num_kv_heads, head_dim] dense");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                   slot_mapping.numel() == key.size(0), "slot_mapping must be [num_tokens] int64");
   const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
-  const int64_t num_slots = key_cache.size(0) * block_size;
   for (int64_t t = 0; t < key.size(0); ++t)
-    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " is outside the cache");
-  auto* cache = static_cast<char*>(key_cache.data_ptr());
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < layout.num_blocks * layout.block_size, "slot ", slots[t],
+                " is outside the cache");
   auto* tokens = static_cast<char*>(key.data_ptr());
-  const int64_t block_bytes = key_cache.stride(0) * key_cache.element_size(), token_bytes = num_words * word_bytes;
+  const int64_t token_bytes = key.stride(0) * key.element_size();
   at::parallel_for(0, key.size(0), 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      copy_token<true>(cache + slots[t] / block_size * block_bytes, tokens + t * token_bytes, slots[t] % block_size,
-                       num_words, block_size, word_bytes);
+    for (int64_t t = begin; t < end; ++t) layout.copy_token<true>(slots[t], tokens + t * token_bytes);
   });
 }
 
 // One sequence's first context_len keys, block_table [num_blocks_of_seq] int64 -> a new
 // [context_len, num_kv_heads, head_dim] tensor in token order.
 at::Tensor gather_keys(const at::Tensor& key_cache, const at::Tensor& block_table, int64_t context_len) {
-  check_layout(key_cache);
-  const int64_t block_size = key_cache.size(3), word_bytes = key_cache.size(4) * key_cache.element_size();
-  const int64_t num_words = key_cache.size(1) * key_cache.size(2);
+  const KeyLayout layout(key_cache);
   TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 1 && block_table.is_contiguous() &&
-                  context_len >= 0 && context_len <= block_table.numel() * block_size,
+                  context_len >= 0 && context_len <= block_table.numel() * layout.block_size,
               "block_table must be [num_blocks] int64 covering context_len");
   const int64_t* table = block_table.const_data_ptr<int64_t>();
-  for (int64_t b = 0; b * block_size < context_len; ++b)
-    TORCH_CHECK(table[b] >= 0 && table[b] < key_cache.size(0), "block ", table[b], " is outside the cache");
+  for (int64_t b = 0; b * layout.block_size < context_len; ++b)
+    TORCH_CHECK(table[b] >= 0 && table[b] < layout.num_blocks, "block ", table[b], " is outside the cache");
   at::Tensor out = at::empty({context_len, key_cache.size(1), key_cache.size(2) * key_cache.size(4)},
                              key_cache.options());
-  auto* cache = static_cast<char*>(key_cache.data_ptr());
   auto* tokens = static_cast<char*>(out.data_ptr());
-  const int64_t block_bytes = key_cache.stride(0) * key_cache.element_size(), token_bytes = num_words * word_bytes;
+  const int64_t token_bytes = layout.num_words * layout.word_bytes;
   at::parallel_for(0, context_len, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      copy_token<false>(cache + table[t / block_size] * block_bytes, tokens + t * token_bytes, t % block_size,
-                        num_words, block_size, word_bytes);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = table[t / layout.block_size] * layout.block_size + t % layout.block_size;
+      layout.copy_token<false>(slot, tokens + t * token_bytes);
+    }
   });
   return out;
 }

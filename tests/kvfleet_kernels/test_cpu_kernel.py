@@ -216,13 +216,15 @@ def test_bad_arguments_are_clear_errors(change, message):
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_key_layout_stores_and_gathers_what_the_plain_cache_holds(dtype, words, block_size):
     """The decode kernel's key layout, [blocks, Hkv, D / x, block_size, x], written through
-    store_keys and read back through gather_keys, holds exactly the plain cache's values."""
+    store_keys and read back through gather_keys, holds exactly the plain cache's values. The keys
+    are a slice of a fused qkv row, as the models pass them (read in place, tokens apart)."""
     generator = torch.Generator().manual_seed(3)
     plain = torch.zeros(6, block_size, 3, 64, dtype=dtype)  # [blocks, block_size, Hkv, D]
     laid_out = key_cache_view(torch.zeros_like(plain))
     assert laid_out.shape == (6, 3, 64 // words, block_size, words)
     slots = torch.randperm(6 * block_size, generator=generator)[:2 * block_size + 5]
-    key = torch.randn(len(slots), 3, 64, generator=generator).to(dtype)
+    qkv = torch.randn(len(slots), (9 + 3 + 3) * 64, generator=generator).to(dtype)  # [T, (Hq + 2 Hkv) D]
+    key = qkv[:, 9 * 64:12 * 64].view(len(slots), 3, 64)
     plain.view(-1, 3, 64).index_copy_(0, slots, key)
     store_keys(key, laid_out, slots)
     assert torch.equal(laid_out, pack_key_cache(plain))
