@@ -1,0 +1,184 @@
+// The decode kernel's V pass (kvfleet_kernels/csrc/paged_decode_cpu.cpp): acc[t] += sum over
+// slots i of weights[t][i] * value_row[i] for the query rows t of a GQA group. Tiled for head
+// sizes 64 and 128 (fp32, with 8-lane vectors where 16-lane sums would not fit the registers,
+// and bf16 on avx512_bf16's dot product), a plain loop for other sizes. Its K pass is
+// csrc/decode_keys.h.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include "cpu_vec.h"
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+namespace kvfleet_cpu {
+
+// 8 fp32 lanes, half a vfloat: fp32 loops whose 16-lane sums would spill on AVX2 and NEON.
+using vfloat8 = float __attribute__((vector_size(32)));
+constexpr int kHalfLanes = 8;
+inline vfloat8 load8(const float* p) {
+  vfloat8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store8(float* p, vfloat8 v) { std::memcpy(p, &v, sizeof v); }
+
+#if defined(__AVX512BF16__)
+constexpr bool kHasBf16Dot = true;
+// The V pass of bf16 caches on avx512_bf16: acc[t] += sum over rows i of weights[t][i] * rows[i] as
+// weighted_rows_add_tile does, with avx512_bf16's dot product over pairs of rows: rows i and
+// i + 1 interleaved (unpacklo/hi_epi16: dimension d of each side by side) meet the pair of
+// their bf16 weights in one instruction, half the work of widening each row and multiplying
+// it in fp32. The weights are the softmax numerators rounded to bf16, as torch's bf16
+// attention rounds its probabilities before the product with V; the sums stay fp32. `acc`
+// holds each row's HEAD_DIM sums in the unpack order (unpack_order_index maps them back); an odd
+// last row pairs with itself under a zero weight, so no row outside [0, num_rows) is read.
+template <int HEAD_DIM, int TILE>
+inline void weighted_rows_add_tile_bf16(float* acc, int64_t acc_stride, const uint16_t* weights,
+                                        int64_t weight_stride, const at::BFloat16* first, int64_t row_stride,
+                                        int64_t num_rows) {
+  constexpr int kPairs = HEAD_DIM / 16;  // accumulators per query row: 16 dimensions each
+  __m512 sum[TILE][kPairs];
+  for (int t = 0; t < TILE; ++t)
+    for (int k = 0; k < kPairs; ++k) sum[t][k] = _mm512_loadu_ps(acc + t * acc_stride + 16 * k);
+  auto accumulate = [&](const at::BFloat16* a, const at::BFloat16* b, int64_t i, uint32_t keep_second) {
+    __m512i pairs[kPairs];
+    for (int c = 0; c < kPairs / 2; ++c) {
+      const __m512i va = _mm512_loadu_si512(a + 32 * c), vb = _mm512_loadu_si512(b + 32 * c);
+      pairs[2 * c] = _mm512_unpacklo_epi16(va, vb);
+      pairs[2 * c + 1] = _mm512_unpackhi_epi16(va, vb);
+    }
+    for (int t = 0; t < TILE; ++t) {
+      uint32_t w;
+      std::memcpy(&w, weights + t * weight_stride + i, sizeof(w));
+      const __m512bh w2 = (__m512bh)_mm512_set1_epi32(static_cast<int>(w & keep_second));
+      for (int k = 0; k < kPairs; ++k) sum[t][k] = _mm512_dpbf16_ps(sum[t][k], (__m512bh)pairs[k], w2);
+    }
+  };
+  int64_t i = 0;
+  for (; i + 1 < num_rows; i += 2) accumulate(first + i * row_stride, first + (i + 1) * row_stride, i, ~0u);
+  if (i < num_rows) accumulate(first + i * row_stride, first + i * row_stride, i, 0xFFFFu);  // weight pair (w_i, 0)
+  for (int t = 0; t < TILE; ++t)
+    for (int k = 0; k < kPairs; ++k) _mm512_storeu_ps(acc + t * acc_stride + 16 * k, sum[t][k]);
+}
+
+// Dimension d of a row of weighted_rows_add_tile_bf16's sums, which sit in the unpack order:
+// per 32 dimensions, 128-bit lane L of the low half holds d = 8L..8L+3, of the high half 8L+4..8L+7.
+inline int64_t unpack_order_index(int64_t d) {
+  const int64_t chunk = d / 32, in_chunk = d % 32, lane = in_chunk / 8, j = in_chunk % 8;
+  return chunk * 32 + (j < 4 ? 0 : 16) + lane * 4 + (j % 4);
+}
+#else
+constexpr bool kHasBf16Dot = false;
+template <int HEAD_DIM, int TILE>
+inline void weighted_rows_add_tile_bf16(float*, int64_t, const uint16_t*, int64_t, const at::BFloat16*, int64_t,
+                                        int64_t) {}  // never called
+inline int64_t unpack_order_index(int64_t d) { return d; }
+#endif
+
+// acc[0:head_dim] += sum over rows i of weights[i] * rows[i], rows[i] = first + i * row_stride:
+// the V pass for head sizes other than 64 and 128 (those run weighted_rows_add_group).
+template <typename scalar_t>
+inline void weighted_rows_add(float* acc, const float* weights, const scalar_t* first, int64_t row_stride,
+                              int64_t num_rows, int64_t head_dim) {
+  for (int64_t i = 0; i < num_rows; ++i)
+    for (int64_t d = 0; d < head_dim; ++d) acc[d] += weights[i] * static_cast<float>(first[i * row_stride + d]);
+}
+
+// weighted_rows_add_tile for fp32 rows where its TILE * HEAD_DIM / 16 sums do not fit the
+// registers (AVX2, NEON: 8 vfloats): 16 dimensions at a time, as two 8-lane sums a query row
+// (g++ kept arrays of 16-lane ones on the stack), re-reading the block's rows from L1 once per
+// 16 dimensions. Holding every sum spilled them, a load and a store around each multiply-add:
+// the whole kernel ran ~5.2 ms a layer on a 2-core AVX2 host where it runs ~3.4 this way
+// (fp32, 40 sequences x 450 positions, 9/3 heads of 64).
+template <int HEAD_DIM, int TILE>
+inline void weighted_rows_add_tile_narrow(float* acc, int64_t acc_stride, const float* weights,
+                                          int64_t weight_stride, const float* first, int64_t row_stride,
+                                          int64_t num_rows) {
+  for (int c = 0; c < HEAD_DIM; c += 2 * kHalfLanes) {
+    vfloat8 low[TILE], high[TILE];
+    for (int t = 0; t < TILE; ++t) {
+      low[t] = load8(acc + t * acc_stride + c);
+      high[t] = load8(acc + t * acc_stride + c + kHalfLanes);
+    }
+    for (int64_t i = 0; i < num_rows; ++i) {
+      const float* row = first + i * row_stride + c;
+      const vfloat8 v_low = load8(row), v_high = load8(row + kHalfLanes);
+      for (int t = 0; t < TILE; ++t) {
+        const float w = weights[t * weight_stride + i];
+        low[t] += w * v_low;
+        high[t] += w * v_high;
+      }
+    }
+    for (int t = 0; t < TILE; ++t) {
+      store8(acc + t * acc_stride + c, low[t]);
+      store8(acc + t * acc_stride + c + kHalfLanes, high[t]);
+    }
+  }
+}
+
+// The V pass for TILE query rows of one GQA group at once: acc[t] += sum over rows i of
+// weights[t * weight_stride + i] * rows[i]. Each V row is loaded (and widened from bf16/fp16)
+// once into registers and feeds all TILE accumulators, which stay in registers for the
+// block: widening a block into a buffer and re-reading it per query row cost about twice the
+// instructions. TILE * HEAD_DIM / 16 accumulators plus a row's HEAD_DIM / 16 must fit the 32
+// vector registers (AVX-512); where they do not, fp32 rows take the narrow form above.
+template <int HEAD_DIM, int TILE, typename scalar_t>
+inline void weighted_rows_add_tile(float* acc, int64_t acc_stride, const float* weights, int64_t weight_stride,
+                                   const scalar_t* first, int64_t row_stride, int64_t num_rows) {
+  constexpr int kChunks = HEAD_DIM / kLanes;
+  if constexpr ((TILE + 1) * kChunks > kVfloatRegisters && std::is_same_v<scalar_t, float>) {
+    weighted_rows_add_tile_narrow<HEAD_DIM, TILE>(acc, acc_stride, weights, weight_stride, first, row_stride, num_rows);
+    return;
+  }
+  vfloat sum[TILE][kChunks];
+  for (int t = 0; t < TILE; ++t)
+    for (int c = 0; c < kChunks; ++c) sum[t][c] = load16(acc + t * acc_stride + c * kLanes);
+  for (int64_t i = 0; i < num_rows; ++i) {
+    const scalar_t* row = first + i * row_stride;
+    vfloat v[kChunks];
+    for (int c = 0; c < kChunks; ++c) v[c] = load16(row + c * kLanes);
+    for (int t = 0; t < TILE; ++t) {
+      const float w = weights[t * weight_stride + i];
+      for (int c = 0; c < kChunks; ++c) sum[t][c] += w * v[c];
+    }
+  }
+  for (int t = 0; t < TILE; ++t)
+    for (int c = 0; c < kChunks; ++c) store16(acc + t * acc_stride + c * kLanes, sum[t][c]);
+}
+
+// Query rows per V-pass tile: TILE * HEAD_DIM / 16 accumulators plus a V row's (or row
+// pair's) HEAD_DIM / 16 registers within the 32.
+template <int HEAD_DIM>
+constexpr int kVTile = HEAD_DIM <= 64 ? 4 : 2;
+
+// The V pass for `count` query rows (a GQA group) of fp32 weights.
+template <int HEAD_DIM, typename scalar_t>
+inline void weighted_rows_add_group(float* acc, const float* weights, int64_t weight_stride, const scalar_t* first,
+                                    int64_t row_stride, int64_t num_rows, int64_t count) {
+  for_each_tile<kVTile<HEAD_DIM>>(count, [&](auto tile, int64_t r) {
+    weighted_rows_add_tile<HEAD_DIM, decltype(tile)::value>(acc + r * HEAD_DIM, HEAD_DIM, weights + r * weight_stride,
+                                                            weight_stride, first, row_stride, num_rows);
+  });
+}
+
+// The rows [lo, hi) of one KV head of a value cache block, widened to fp32 once into `dst`
+// ([block_size, head_dim]) so that the GQA group's query rows read them without converting
+// each again (the V pass of head sizes other than 64 and 128); fp32 rows are read in place.
+template <typename scalar_t>
+inline void widen_rows(float* dst, const scalar_t* rows, int64_t row_stride, int64_t lo, int64_t hi,
+                       int64_t head_dim) {
+  for (int64_t i = lo; i < hi; ++i) {
+    int64_t d = 0;
+    for (; d + kLanes <= head_dim; d += kLanes) store16(dst + i * head_dim + d, load16(rows + i * row_stride + d));
+    for (; d < head_dim; ++d) dst[i * head_dim + d] = static_cast<float>(rows[i * row_stride + d]);
+  }
+}
+
+}  // namespace kvfleet_cpu
