@@ -5,7 +5,7 @@ sure every batch ends.
 flag on the batch lets only the first caller enqueue the RQ job (JSON serializer,
 never pickle). An RQ worker runs `finalize_batch`:
 
-    rq worker --serializer rq.serializers.JSONSerializer kvfleet-finalize
+    rq worker -w jobs.rq_workers.FinalizeWorker --serializer rq.serializers.JSONSerializer kvfleet-finalize
     python -m workers.finalizer            # the same, plus the sweep (jobs/sweeper.py)
 
 A permanent storage error (NoSuchBucket, AccessDenied, an unwritable folder) ends the
@@ -29,7 +29,7 @@ import time
 
 import redis
 from redis.exceptions import LockError
-from rq import Queue, SimpleWorker, get_current_job
+from rq import Queue, get_current_job
 from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
@@ -38,6 +38,7 @@ from jobs import batches, keys, queues
 from jobs.connection import connect, queue_connection
 from jobs.files import create_file
 from jobs.results import is_error_line
+from jobs.rq_workers import InProcessWorker
 from jobs.storage import CHUNK, describe_error, is_permanent_error, open_storage, result_stores
 from jobs.tenants import DEFAULT_TENANT
 
@@ -96,8 +97,8 @@ def run_queued_jobs(r: redis.Redis) -> int:
     queue = finalize_queue(r)
     num_jobs = queue.count
     if num_jobs:
-        SimpleWorker([queue], connection=queue.connection, serializer=JSONSerializer).work(burst=True,
-                                                                                          logging_level="WARNING")
+        InProcessWorker([queue], connection=queue.connection, serializer=JSONSerializer).work(burst=True,
+                                                                                             logging_level="WARNING")
     return num_jobs
 
 

@@ -4,8 +4,8 @@ that makes sure every batch ends (jobs/sweeper.py).
     python -m workers.finalizer [--redis-url URL] [--burst] [--sweep-seconds 2] [--grace-seconds 30]
         [--enqueue-grace-seconds 600]
 
-The same as `rq worker --serializer rq.serializers.JSONSerializer kvfleet-finalize`
-(jobs are JSON, never pickle), plus a thread that sweeps every open batch: it ends the
+The same as `rq worker -w jobs.rq_workers.FinalizeWorker --serializer rq.serializers.JSONSerializer
+kvfleet-finalize` (jobs are JSON, never pickle), plus a thread that sweeps every open batch: it ends the
 ones past their window or cancelled that no worker settles, fails the ones whose enqueue
 never finished, and enqueues finalize again for counted batches whose job failed or was
 lost (jobs/sweeper.py). Several finalizers may run: RQ hands each job to
@@ -21,7 +21,6 @@ import sys
 import threading
 
 import redis
-from rq import Worker
 from rq.serializers import JSONSerializer
 
 from jobs import keys
@@ -29,6 +28,7 @@ from jobs.connection import REDIS_URL_HELP, connect
 from jobs.finalize import finalize_queue
 from jobs.preflight import StartupError, check_startup
 from jobs.retention import default_retention
+from jobs.rq_workers import FinalizeWorker
 from jobs.storage import STORAGE_ERRORS
 from jobs.sweeper import DEFAULT_ENQUEUE_GRACE_SECONDS, Sweeper
 
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         threading.Thread(target=run_sweeps, args=(r, args.sweep_seconds, sweeper, stop), daemon=True,
                          name="sweep").start()
     queue = finalize_queue(r)  # on a plain Redis of its own with a cluster (KVFLEET_QUEUE_URL)
-    worker = Worker([queue], connection=queue.connection, serializer=JSONSerializer)
+    worker = FinalizeWorker([queue], connection=queue.connection, serializer=JSONSerializer)
     try:
         worker.work(burst=args.burst, with_scheduler=False)  # no forked scheduler: see jobs/finalize.py
     finally:
