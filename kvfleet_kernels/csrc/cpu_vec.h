@@ -157,4 +157,19 @@ void parallel_for_by_cost(const std::vector<int64_t>& cost_before, Body&& body) 
   });
 }
 
+// Asks for `rows` rows of `row_elements` elements, `row_stride` apart, to be brought to the
+// cache level `kLocality` names (__builtin_prefetch's). The prefetch helpers are always inlined:
+// g++ (12) counts a function whose only work is prefetching as free of effects and drops every
+// call to one it has not inlined. A first build of the decode kernel's ItemDecoder lost its K
+// pass's value prefetch that way (objdump showed 2 prefetch sites of 3), and ran ~1.05 ms a
+// layer against ~0.6.
+#define KVFLEET_PREFETCH_HELPER __attribute__((always_inline)) inline
+template <int kLocality = 3, typename scalar_t>
+KVFLEET_PREFETCH_HELPER void prefetch_block(const scalar_t* block, int64_t rows, int64_t row_stride,
+                                            int64_t row_elements) {
+  constexpr int64_t kLine = 64 / sizeof(scalar_t);  // elements per cache line
+  for (int64_t row = 0; row < rows; ++row)
+    for (int64_t e = 0; e < row_elements; e += kLine) __builtin_prefetch(block + row * row_stride + e, 0, kLocality);
+}
+
 }  // namespace kvfleet_cpu

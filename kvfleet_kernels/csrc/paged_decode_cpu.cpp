@@ -55,19 +55,9 @@ struct Item {
 
 // Blocks sit wherever the allocator put them, so the hardware prefetcher, which follows
 // sequential streams within a page, stalls at every block boundary. The walks ask for the
-// block kPrefetchBlocks ahead while they work on this one: `rows` slots of `row_elements`
-// elements, `row_stride` apart. The prefetch helpers are always inlined: g++ (12) counts a
-// function whose only work is prefetching as free of effects and drops every call to one it
-// has not inlined. A first build of ItemDecoder lost the K pass's value prefetch that way
-// (objdump showed 2 prefetch sites of 3), and ran ~1.05 ms a layer against ~0.6.
-#define KVFLEET_PREFETCH_HELPER __attribute__((always_inline)) inline
+// block kPrefetchBlocks ahead while they work on this one (prefetch_block, csrc/cpu_vec.h,
+// which says why every prefetch helper here is KVFLEET_PREFETCH_HELPER).
 constexpr int64_t kPrefetchBlocks = 2;
-template <int kLocality = 3, typename scalar_t>
-KVFLEET_PREFETCH_HELPER void prefetch_block(const scalar_t* block, int64_t rows, int64_t row_stride, int64_t row_elements) {
-  constexpr int64_t kLine = 64 / sizeof(scalar_t);  // elements per cache line
-  for (int64_t row = 0; row < rows; ++row)
-    for (int64_t e = 0; e < row_elements; e += kLine) __builtin_prefetch(block + row * row_stride + e, 0, kLocality);
-}
 
 // One thread's decoder: its buffers, and the work of one item at a time. With many sequences
 // an item's span is every KV head, so each value block [block_size, num_kv_heads, head_dim]
@@ -190,7 +180,8 @@ class ItemDecoder {
   // (64 x 335 positions) and from ~1.3 to ~1.1 ms (16 x 1,700), interleaved runs.
   void key_pass() {
     for_each_block([&](int64_t j, int64_t start, int64_t head, int64_t lo, int64_t hi) {
-      if (start + kPrefetchBlocks * bs_ < item_.len) prefetch_keys(table_[j + kPrefetchBlocks], item_.first_kv_head + head);
+      if (start + kPrefetchBlocks * bs_ < item_.len)
+        prefetch_keys(table_[j + kPrefetchBlocks], item_.first_kv_head + head);
       prefetch_value_share<1>(table_[j], head);
       key_scores(scores_.data() + head * group_ * score_stride_ + start, head * group_,
                  keys_of(table_[j], item_.first_kv_head + head), lo, hi);
@@ -233,9 +224,9 @@ class ItemDecoder {
     const int64_t* next_table = a_.block_tables + next.seq * st_.table_seq + next.first_block;
     const int64_t next_blocks = next.end_block - next.first_block;
     for_each_block([&](int64_t j, int64_t start, int64_t head, int64_t lo, int64_t hi) {
-      const int64_t k = j - item_.first_block;
-      for (int64_t b = k; b < (start + bs_ >= item_.len ? next_blocks : std::min(k + 1, next_blocks)); ++b)
-        prefetch_keys(next_table[b], next.first_kv_head + head);
+      const int64_t k = j - item_.first_block;  // this block's index in the item, as the next item's blocks count
+      const int64_t to = start + bs_ >= item_.len ? next_blocks : std::min(k + 1, next_blocks);
+      for (int64_t b = k; b < to; ++b) prefetch_keys(next_table[b], next.first_kv_head + head);
       const scalar_t* values = values_of(table_[j], head) + lo * st_.cache_slot;
       const int64_t r = head * group_;  // the group's first query row
       if constexpr (kDotBf16) {
@@ -312,8 +303,14 @@ void decode_kernel(const DecodeArgs<scalar_t>& args) {
     cost_before[work + 1] = cost_before[work] + (item.len - item.first) + bs;  // + a block's fixed work
   }
   parallel_for_by_cost(cost_before, [&](int64_t begin, int64_t end) {
+    if (begin >= end) return;
     ItemDecoder<scalar_t, HEAD_DIM> decoder(args, span);
-    for (int64_t work = begin; work < end; ++work) decoder.decode(item_at(work), work + 1 < end ? item_at(work + 1) : Item{});
+    Item item = item_at(begin);
+    for (int64_t work = begin; work < end; ++work) {
+      const Item next = work + 1 < end ? item_at(work + 1) : Item{};
+      decoder.decode(item, next);
+      item = next;
+    }
   });
 }
 
