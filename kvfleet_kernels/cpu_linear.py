@@ -1,8 +1,14 @@
-"""bf16 linear layers on oneDNN's brgemm microkernel (csrc/brgemm_linear_cpu.cpp, in the library
-kvfleet_kernels/cpu_paged_attention.py builds), over a weight packed once: the CPU linear of bf16
-models on CPUs with AMX (engine/models/layers.py: BrgemmLinear). On those it beat oneDNN's matmul
-primitive at every row count measured (1.8x at 16 rows, 1.2x at 64 and 8,192; the C++ file has
-the figures); elsewhere it is unmeasured, so the primitive stays."""
+"""bf16 linear layers over a weight packed once into VNNI pairs, in the library
+kvfleet_kernels/cpu_paged_attention.py builds: the CPU linear of bf16 models on CPUs with native
+bf16 (engine/models/layers.py: PackedBf16Linear). Two kernels, one per kind of CPU:
+
+- "brgemm" (csrc/brgemm_linear_cpu.cpp): oneDNN's brgemm microkernel, on CPUs with AMX. It beat
+  oneDNN's matmul primitive at every row count measured (1.8x at 16 rows, 1.2x at 64 and 8,192).
+- "vnni" (csrc/vnni_linear_cpu.cpp): avx512_bf16's pair dot product, on CPUs with it and no AMX,
+  where torch's brgemm packs no bf16. Against the primitive on a 2-core EPYC: 1.5-2x at 1-16 rows
+  (weights streamed at ~30 GB/s, the read probe), 1.2x at 64, even at thousands (~400 GFLOP/s).
+
+Elsewhere neither is measured, or neither runs, and bf16 linears stay on oneDNN's primitive."""
 
 from __future__ import annotations
 
@@ -12,30 +18,48 @@ import torch
 
 from kvfleet_kernels.cpu_paged_attention import load_error, require_built
 
+KERNELS = ("brgemm", "vnni")
+
 
 @functools.cache
-def available() -> bool:
-    """The library builds and torch's brgemm packs bf16 on this CPU."""
-    return load_error() is None and torch.ops.kvfleet_cpu.brgemm_bf16_supported()
+def available(kernel: str) -> bool:
+    """The library builds and `kernel` runs bf16 on this CPU."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown bf16 linear kernel {kernel!r}; expected one of {KERNELS}")
+    if load_error() is not None:
+        return False
+    if kernel == "brgemm":
+        return torch.ops.kvfleet_cpu.brgemm_bf16_supported()
+    return torch.cpu._is_avx512_bf16_supported() and torch.ops.kvfleet_cpu.vnni_linear_supported()
 
 
-def preferred() -> bool:
-    """Whether bf16 linears take this path here: available, and the CPU has AMX tiles."""
-    return torch.cpu._is_amx_tile_supported() and available()
+def preferred_kernel() -> str | None:
+    """The kernel bf16 linears take here: brgemm on CPUs with AMX tiles, vnni on CPUs with
+    avx512_bf16 and no AMX; None where neither applies (oneDNN's primitive stays)."""
+    if torch.cpu._is_amx_tile_supported():
+        return "brgemm" if available("brgemm") else None
+    return "vnni" if available("vnni") else None
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] (K even) -> its bf16 copy in the microkernel's blocked VNNI layout,
-    [ceil(N / 64), K * 64], readable only by `linear`."""
+def pack_weight(weight: torch.Tensor, kernel: str) -> torch.Tensor:
+    """weight [N, K] (K even) -> its bf16 copy in `kernel`'s VNNI panels of 64 output columns,
+    [ceil(N / 64), K * 64], readable only by `linear` with the same kernel."""
     require_built()
-    return torch.ops.kvfleet_cpu.pack_brgemm_weight(weight.detach().to(torch.bfloat16).contiguous())
+    weight = weight.detach().to(torch.bfloat16).contiguous()
+    if kernel == "brgemm":
+        return torch.ops.kvfleet_cpu.pack_brgemm_weight(weight)
+    return torch.ops.kvfleet_cpu.pack_vnni_weight(weight)
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None,
+           kernel: str) -> torch.Tensor:
     """x [rows, K] (any float dtype; bf16 with dense rows is read in place) @ weight^T + bias
-    -> [rows, out_features] bf16, sums in fp32; bias [out_features] fp32 or None."""
+    -> [rows, out_features] bf16, sums in fp32 rounded once; bias [out_features] fp32 or None."""
     if x.dtype != torch.bfloat16 or x.stride(-1) != 1:
         x = x.to(torch.bfloat16).contiguous()
     out = x.new_empty((x.shape[0], out_features))
-    torch.ops.kvfleet_cpu.brgemm_linear(out, x, packed, bias)
+    if kernel == "brgemm":
+        torch.ops.kvfleet_cpu.brgemm_linear(out, x, packed, bias)
+    else:
+        torch.ops.kvfleet_cpu.vnni_linear(out, x, packed, bias)
     return out

@@ -269,40 +269,48 @@ def can_use_onednn_linear(device: torch.device, dtype: torch.dtype) -> bool:
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
-class BrgemmLinear(nn.Module):
-    """A bf16 nn.Linear on oneDNN's brgemm microkernel, its weight packed once
-    (kvfleet_kernels/cpu_linear.py): what OneDNNLinear is for the other CPUs, on CPUs with AMX,
-    where SmolLM2's decoder linears, decode attention between layers, took 11.6 against 14.7 ms
-    at 16 rows, 17.2 against 18.5 at 64, and 25.8 against 32.8 ms at 8,192 (a prefill step, run
-    back to back). Any row count, no padding."""
+class PackedBf16Linear(nn.Module):
+    """A bf16 nn.Linear on one of kvfleet's own bf16 kernels (kvfleet_kernels/cpu_linear.py), its
+    weight packed once: what OneDNNLinear is for the other CPUs, on CPUs with native bf16. Any
+    row count, no padding, one copy of the weight for decode and prefill alike.
 
-    def __init__(self, linear: nn.Linear) -> None:
+    Measured on SmolLM2's decoder linears, decode attention between layers: on an AMX Xeon
+    ("brgemm") 11.6 against oneDNN's 14.7 ms at 16 rows, 17.2 against 18.5 at 64, 25.8 against
+    32.8 at 8,192 (a prefill step); on an EPYC with avx512_bf16 ("vnni", the 120 linears back to
+    back) 6.9-9 against 12-14 ms at 1 row, 9-10 against 13-16 at 8, 35 against 42-47 at 64, and
+    even from a few hundred rows on."""
+
+    def __init__(self, linear: nn.Linear, kernel: str) -> None:
         super().__init__()
         from kvfleet_kernels import cpu_linear  # noqa: PLC0415 (builds the library)
 
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.in_features, self.out_features, self.kernel = linear.in_features, linear.out_features, kernel
         self._linear = cpu_linear.linear
-        # [ceil(out / 64), in * 64] bf16 in the microkernel's VNNI blocks, only readable by it
-        self.register_buffer("packed_weight", cpu_linear.pack_weight(linear.weight))
+        # [ceil(out / 64), in * 64] bf16 in the kernel's VNNI panels, only readable by it
+        self.register_buffer("packed_weight", cpu_linear.pack_weight(linear.weight, kernel))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, in_features] -> [num_tokens, out_features] bf16"""
-        return self._linear(x, self.packed_weight, self.out_features, self.bias)
+        return self._linear(x, self.packed_weight, self.out_features, self.bias, self.kernel)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"
 
 
-def brgemm_linear_applies(linear: nn.Linear) -> bool:
-    """A bf16 weight with an even in_features, on a CPU where BrgemmLinear is the faster."""
+def packed_bf16_kernel(linear: nn.Linear) -> str | None:
+    """The kernel PackedBf16Linear runs `linear` on: for a bf16 CPU weight with an even
+    in_features, the CPU's preferred bf16 kernel; None (oneDNN's primitive) otherwise."""
     if linear.weight.dtype != torch.bfloat16 or linear.in_features % 2 or linear.weight.device.type != "cpu":
-        return False
+        return None
     from kvfleet_kernels import cpu_linear  # noqa: PLC0415
 
-    return cpu_linear.preferred()
+    return cpu_linear.preferred_kernel()
 
 
 def use_onednn_linears(model: nn.Module, batch_size_hint: int) -> None:
-    """Swap every nn.Linear of `model` for a packed CPU linear (BrgemmLinear for bf16 on AMX
-    CPUs, OneDNNLinear otherwise), and pack the experts of every MoE layer (a module with
+    """Swap every nn.Linear of `model` for a packed CPU linear (PackedBf16Linear for bf16 on CPUs
+    with native bf16, OneDNNLinear otherwise), and pack the experts of every MoE layer (a module with
     `pack_for_onednn`) for oneDNN. A weight tied to an embedding stays where it is (the
     embedding still reads it)."""
     for module in model.modules():
@@ -311,5 +319,5 @@ def use_onednn_linears(model: nn.Module, batch_size_hint: int) -> None:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                packed = BrgemmLinear(child) if brgemm_linear_applies(child) else OneDNNLinear(child, batch_size_hint)
-                setattr(parent, name, packed)
+                kernel = packed_bf16_kernel(child)
+                setattr(parent, name, PackedBf16Linear(child, kernel) if kernel else OneDNNLinear(child, batch_size_hint))

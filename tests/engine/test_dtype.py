@@ -39,7 +39,7 @@ def test_auto_engine_runs_bf16_end_to_end_on_a_bf16_cpu(monkeypatch, tiny_llama)
     runner = LLM(tiny_llama, num_kv_blocks=32).engine.model_runner
     assert runner.dtype == torch.bfloat16
     assert runner.kv_caches[0][0].dtype == torch.bfloat16
-    packed = [m for m in runner.model.modules() if type(m).__name__ in ("OneDNNLinear", "BrgemmLinear")]
+    packed = [m for m in runner.model.modules() if type(m).__name__ in ("OneDNNLinear", "PackedBf16Linear")]
     if onednn_bf16_supported():  # oneDNN packs bf16 weights once
         assert packed and all(m.packed_weight.dtype == torch.bfloat16 for m in packed)
     else:  # a CPU oneDNN has no bf16 matmul for (AVX2 only): torch's own linears, nothing packed

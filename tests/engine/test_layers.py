@@ -28,25 +28,32 @@ def test_onednn_linear_equals_nn_linear_for_any_row_count(num_rows):
     torch.testing.assert_close(got, linear(x), rtol=1e-5, atol=1e-5)
 
 
-def brgemm_available() -> bool:
-    from kvfleet_kernels import cpu_linear  # noqa: PLC0415 (builds the native library)
+def bf16_kernels() -> list[str]:
+    """The packed bf16 linear kernels this CPU runs (builds the native library)."""
+    from kvfleet_kernels import cpu_linear  # noqa: PLC0415
 
-    return cpu_linear.available()
-
-
-needs_brgemm = pytest.mark.skipif(not brgemm_available(), reason="torch's brgemm has no bf16 on this CPU, or no compiler")
+    return [kernel for kernel in cpu_linear.KERNELS if cpu_linear.available(kernel)]
 
 
-@needs_brgemm
-@pytest.mark.parametrize("rows, out_features, in_features", [(1, 64, 64), (17, 100, 576), (64, 960, 576),
-                                                             (300, 3072, 576), (513, 70, 1536)])
+def each_bf16_kernel(test):
+    """Runs `test` once per kernel in cpu_linear.KERNELS, skipping those this CPU lacks."""
+    from kvfleet_kernels import cpu_linear  # noqa: PLC0415
+
+    marks = {kernel: pytest.mark.skipif(kernel not in bf16_kernels(), reason=f"no {kernel} bf16 linears on this CPU")
+             for kernel in cpu_linear.KERNELS}
+    return pytest.mark.parametrize("kernel", [pytest.param(k, marks=marks[k]) for k in cpu_linear.KERNELS])(test)
+
+
+@each_bf16_kernel
+@pytest.mark.parametrize("rows, out_features, in_features", [(1, 64, 64), (5, 20, 2), (8, 130, 64), (17, 100, 576),
+                                                             (64, 960, 576), (300, 3072, 576), (513, 70, 1536)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_brgemm_linear_rounds_the_fp32_product_to_bf16(rows, out_features, in_features, with_bias):
-    """Row counts across the 256-row blocks, widths off the 64-column blocks: fp32 sums of exact
-    bf16 products, rounded once to bf16 (with the bias added in fp32 first), as a bf16 matmul's
-    are. Only the order of the fp32 sums differs from torch's, so an output sitting on a
-    rounding boundary may land one bf16 ulp away: nearly all must be equal."""
-    from engine.models.layers import BrgemmLinear  # noqa: PLC0415
+def test_packed_bf16_linear_rounds_the_fp32_product_to_bf16(kernel, rows, out_features, in_features, with_bias):
+    """Row counts across the tiles of rows and the blocks of them, widths off the 64-column
+    panels: fp32 sums of exact bf16 products, rounded once to bf16 (with the bias added in fp32
+    first), as a bf16 matmul's are. Only the order of the fp32 sums differs from torch's, so an
+    output sitting on a rounding boundary may land one bf16 ulp away: nearly all must be equal."""
+    from engine.models.layers import PackedBf16Linear  # noqa: PLC0415
 
     generator = torch.Generator().manual_seed(rows * out_features)
     linear = nn.Linear(in_features, out_features, bias=with_bias).bfloat16()
@@ -57,42 +64,59 @@ def test_brgemm_linear_rounds_the_fp32_product_to_bf16(rows, out_features, in_fe
     x = torch.randn(rows, in_features, generator=generator).bfloat16()
     expected = x.float() @ linear.weight.float().t()
     expected = (expected + linear.bias.float() if with_bias else expected).bfloat16()
-    got = BrgemmLinear(linear)(x)
+    packed = PackedBf16Linear(linear, kernel)
+    got = packed(x)
     assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got, expected, rtol=2**-7, atol=1e-3)
     assert (got == expected).float().mean() > 0.999
     strided = torch.cat([x, x], dim=1)[:, :in_features]  # rows 2 * in_features apart, read in place
-    assert torch.equal(BrgemmLinear(linear)(strided), got)
-    assert torch.equal(BrgemmLinear(linear)(x.float()), got)  # other dtypes are cast to bf16 first
+    assert torch.equal(packed(strided), got)
+    assert torch.equal(packed(x.float()), got)  # other dtypes are cast to bf16 first
 
 
-@needs_brgemm
-def test_brgemm_pack_refuses_what_it_cannot_lay_out():
+@each_bf16_kernel
+def test_packed_bf16_linear_refuses_what_it_cannot_lay_out(kernel):
     from kvfleet_kernels import cpu_linear  # noqa: PLC0415
 
     with pytest.raises(RuntimeError, match="K must be even"):
-        cpu_linear.pack_weight(torch.ones(64, 7))
-    packed = cpu_linear.pack_weight(torch.ones(64, 8))
-    with pytest.raises(RuntimeError, match="packed must come from pack_brgemm_weight for x's K"):
-        cpu_linear.linear(torch.ones(2, 16, dtype=torch.bfloat16), packed, 64)
+        cpu_linear.pack_weight(torch.ones(64, 7), kernel)
+    packed = cpu_linear.pack_weight(torch.ones(64, 8), kernel)
+    with pytest.raises(RuntimeError, match=f"packed must come from pack_{kernel}_weight for x's K"):
+        cpu_linear.linear(torch.ones(2, 16, dtype=torch.bfloat16), packed, 64, None, kernel)
     with pytest.raises(RuntimeError, match="N the packed weight's"):
-        cpu_linear.linear(torch.ones(2, 8, dtype=torch.bfloat16), packed, 65)
+        cpu_linear.linear(torch.ones(2, 8, dtype=torch.bfloat16), packed, 65, None, kernel)
 
 
-@pytest.mark.parametrize("preferred", [False, True])
-def test_bf16_linears_take_brgemm_exactly_where_preferred(monkeypatch, preferred):
-    """bf16 weights with an even in_features go to BrgemmLinear on CPUs where it is preferred
-    (AMX), everything else to OneDNNLinear; fp32 models always to OneDNNLinear."""
+def test_vnni_panels_hold_column_pairs_side_by_side():
+    """The vnni layout, element by element: panel b, pair p, column c holds W[64b + c, 2p] then
+    W[64b + c, 2p + 1]; columns past N are zeros."""
+    if "vnni" not in bf16_kernels():
+        pytest.skip("no vnni bf16 linears on this CPU")
+    from kvfleet_kernels import cpu_linear  # noqa: PLC0415
+
+    weight = torch.arange(70 * 6, dtype=torch.float32).reshape(70, 6).bfloat16()
+    packed = cpu_linear.pack_weight(weight, "vnni").view(2, 3, 64, 2)  # [panels, K/2, 64, 2]
+    assert torch.equal(packed[1, 2, 5], weight[69, 4:6])
+    assert torch.equal(packed[0, 0, 0], weight[0, 0:2])
+    assert not packed[1, :, 6:].any()
+
+
+@pytest.mark.parametrize("kernel", [None, "brgemm", "vnni"])
+def test_bf16_linears_take_the_preferred_kernel(monkeypatch, kernel):
+    """bf16 weights with an even in_features go to PackedBf16Linear on the CPU's preferred
+    kernel (brgemm on AMX, vnni on avx512_bf16), everything else to OneDNNLinear; fp32 models
+    always to OneDNNLinear."""
     from engine.models import layers  # noqa: PLC0415
     from kvfleet_kernels import cpu_linear  # noqa: PLC0415
 
-    if not can_use_onednn_linear(torch.device("cpu"), torch.bfloat16) or (preferred and not brgemm_available()):
-        pytest.skip("needs oneDNN's bf16 matmul and torch's bf16 brgemm")
-    monkeypatch.setattr(cpu_linear, "preferred", lambda: preferred)
+    if not can_use_onednn_linear(torch.device("cpu"), torch.bfloat16) or (kernel and kernel not in bf16_kernels()):
+        pytest.skip(f"needs oneDNN's bf16 matmul and the {kernel} kernel")
+    monkeypatch.setattr(cpu_linear, "preferred_kernel", lambda: kernel)
     model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 7), nn.Linear(7, 5)).bfloat16()
     layers.use_onednn_linears(model, batch_size_hint=8)
-    brgemm = "BrgemmLinear" if preferred else "OneDNNLinear"
-    assert [type(m).__name__ for m in model] == [brgemm, brgemm, "OneDNNLinear"]  # 7 inputs: no bf16 pairs
+    packed = "PackedBf16Linear" if kernel else "OneDNNLinear"
+    assert [type(m).__name__ for m in model] == [packed, packed, "OneDNNLinear"]  # 7 inputs: no bf16 pairs
+    assert [getattr(m, "kernel", None) for m in model[:2]] == [kernel, kernel]
     fp32 = nn.Sequential(nn.Linear(64, 32))
     layers.use_onednn_linears(fp32, batch_size_hint=8)
     assert type(fp32[0]).__name__ == "OneDNNLinear"

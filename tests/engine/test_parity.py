@@ -63,7 +63,7 @@ def assert_token_identical(llm: LLM, expected: list[list[int]]):
     assert engine.num_free_blocks == engine.num_total_blocks, "blocks leaked after generate"
 
 
-# The CPU default (native decode kernel, packed linears: BrgemmLinear for bf16 on AMX, else oneDNN)
+# The CPU default (native decode kernel, packed linears: PackedBf16Linear for bf16 on CPUs with native bf16, else oneDNN)
 # and the plain torch path.
 CPU_PATHS = {"default": {"attention_backend": "cpu", "onednn_linear": True},
              "plain-torch": {"attention_backend": "torch", "onednn_linear": False}}
@@ -73,7 +73,7 @@ def check_cpu_path(llm: LLM, path: str) -> None:
     runner = llm.engine.model_runner
     assert runner.backend.name == CPU_PATHS[path]["attention_backend"]
     kinds = {type(m).__name__ for m in runner.model.modules()}
-    assert bool(kinds & {"OneDNNLinear", "BrgemmLinear"}) == CPU_PATHS[path]["onednn_linear"]
+    assert bool(kinds & {"OneDNNLinear", "PackedBf16Linear"}) == CPU_PATHS[path]["onednn_linear"]
     assert ("Linear" in kinds) != CPU_PATHS[path]["onednn_linear"]
 
 
@@ -123,8 +123,8 @@ def bf16_reference(model_dir: str, prompts: list[list[int]], num_tokens: int):
 
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_bf16_greedy_is_close_to_transformers_bf16(tiny_models, name):
-    """bf16 on the CPU default path (packed bf16 linears: the brgemm microkernel on AMX CPUs, else
-    oneDNN; bf16 KV cache and decode kernel, flash prefill) under vLLM's check_logprobs_close rule: bf16 rounding differs between
+    """bf16 on the CPU default path (packed bf16 linears: the brgemm microkernel on AMX CPUs, the
+    vnni kernel on avx512_bf16 ones, else oneDNN; bf16 KV cache and decode kernel, flash prefill) under vLLM's check_logprobs_close rule: bf16 rounding differs between
     implementations, so tokens may part where two candidates are near-tied, but only there."""
     prompts = [p for p, n in zip(workload(512)[0], PROMPT_LENGTHS) if n in (5, 17, 33, 49, 65, 127, 200)]
     expected, expected_tops = bf16_reference(tiny_models[name], prompts, 16)

@@ -75,7 +75,7 @@ def test_sixteen_chat_prompts_match_transformers_on_the_same_gguf(demo_llm):
 
 @pytest.mark.skipif(not cpu_has_native_bf16(), reason="no avx512_bf16 or AMX: bf16 matmuls are emulated (minutes)")
 def test_bf16_answers_stay_close_to_transformers_bf16():
-    """bf16 on the CPU default path (on CPUs with AMX, BrgemmLinear) against transformers bf16:
+    """bf16 on the CPU default path (PackedBf16Linear: brgemm on AMX, vnni on avx512_bf16) against transformers bf16:
     rounding differs between implementations, so answers may part at a near-tie, only there.
     Measured on an AMX host: 11 of 16 token-identical on the brgemm linears, 9 on oneDNN's."""
     llm = LLM("demo", dtype="bfloat16", num_kv_blocks=256)

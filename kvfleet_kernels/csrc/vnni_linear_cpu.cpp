@@ -1,0 +1,182 @@
+// bf16 linear layers on avx512_bf16's pair dot product (vdpbf16ps) over a weight packed once
+// into 64-column VNNI panels: the CPU linear of bf16 models on CPUs with avx512_bf16 and no AMX
+// (engine/models/layers.py: VnniLinear). On AMX CPUs the brgemm microkernel does this job
+// (csrc/brgemm_linear_cpu.cpp); torch's brgemm packs no bf16 on the others.
+//
+// Why not oneDNN's matmul primitive over a reordered weight, as fp32 linears use: on a 2-core
+// AMD EPYC (avx512_bf16, no AMX, 32 GB/s read probe), SmolLM2's 120 decoder linears took 14.4 ms
+// at 1 row (weights streamed at 15 GB/s) and 48 ms at 64 rows (280 GFLOP/s against a 400
+// GFLOP/s probe). A decode step is those linears plus attention; at a few rows it is bound by
+// reading the weights, at tens of rows by the dot products, and the primitive met neither bound.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include "cpu_vec.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// Output columns per panel: four vectors of 16 fp32 sums. A panel of K/2 pairs is one
+// contiguous stream of K * 128 bytes, which the hardware prefetcher follows.
+constexpr int64_t kPanelColumns = 64;
+constexpr int kPanelVectors = kPanelColumns / 16;
+// Rows whose sums share the registers (kTileRows * 4 accumulators of the 32): each weight
+// vector loaded serves that many rows. Rows per work item: a block of activations that stays
+// in L2 while every panel passes over it.
+constexpr int kTileRows = 6;  // panel_rows dispatches passes of 1 to 6 rows
+constexpr int64_t kBlockRows = 128;
+
+bool vnni_linear_supported() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+#if defined(__AVX512BF16__)
+
+struct LinearArgs {
+  const at::BFloat16* x;  // [rows, K], row stride x_stride
+  const at::BFloat16* packed;  // [panels, K * 64]
+  const float* bias;  // [N] or nullptr
+  at::BFloat16* out;  // [rows, N], row stride out_stride
+  int64_t rows, k, n, panels, x_stride, out_stride;
+};
+
+// Cache lines of the next panel to bring into L2 while a tile pass computes on this one, spread
+// evenly over the pass: the passes over a panel after the first read it from L2, and without
+// this the first pass waits on memory while the others leave it idle.
+struct NextPanel {
+  const char* lines = nullptr;  // the first line this pass asks for; nullptr: none
+  int64_t count = 0;
+};
+
+// out[r, c] for TILE rows from row0 and panel `panel`'s columns: sum over pairs p of
+// x[r, 2p:2p+2] . W^T[2p:2p+2, c], each row's pair broadcast against the panel's four vectors.
+template <int TILE>
+void panel_tile(const LinearArgs& args, int64_t row0, int64_t panel, NextPanel next) {
+  const at::BFloat16* weights = args.packed + panel * args.k * kPanelColumns;
+  const at::BFloat16* x = args.x + row0 * args.x_stride;
+  __m512 acc[TILE][kPanelVectors];
+  for (int t = 0; t < TILE; ++t)
+    for (int v = 0; v < kPanelVectors; ++v) acc[t][v] = _mm512_setzero_ps();
+  const int64_t pairs = args.k / 2;
+  int64_t owed = 0;  // next.count lines over `pairs` steps: Bresenham's running remainder
+  for (int64_t p = 0; p < pairs; ++p) {
+    for (owed += next.count; next.lines && owed >= pairs; owed -= pairs, next.lines += 64)
+      __builtin_prefetch(next.lines, 0, 2);
+    const at::BFloat16* w = weights + p * 2 * kPanelColumns;  // [64 columns, 2] for pair p
+    __m512bh wv[kPanelVectors];
+    for (int v = 0; v < kPanelVectors; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(w + 32 * v);
+    for (int t = 0; t < TILE; ++t) {
+      int32_t pair;
+      std::memcpy(&pair, x + t * args.x_stride + 2 * p, sizeof pair);
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      for (int v = 0; v < kPanelVectors; ++v) acc[t][v] = _mm512_dpbf16_ps(acc[t][v], xv, wv[v]);
+    }
+  }
+  const int64_t col0 = panel * kPanelColumns, cols = std::min(kPanelColumns, args.n - col0);
+  for (int t = 0; t < TILE; ++t) {
+    at::BFloat16* out = args.out + (row0 + t) * args.out_stride + col0;
+    for (int v = 0; v < kPanelVectors && 16 * v < cols; ++v) {
+      __m512 sum = acc[t][v];
+      const int64_t lanes = std::min<int64_t>(16, cols - 16 * v);
+      const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1);
+      if (args.bias) sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(mask, args.bias + col0 + 16 * v));
+      _mm256_mask_storeu_epi16(out + 16 * v, mask, (__m256i)_mm512_cvtneps_pbh(sum));  // round to nearest even
+    }
+  }
+}
+
+// Rows [row0, row0 + count) against one panel, in ceil(count / kTileRows) passes of as even a
+// size as may be (8 rows: 4 + 4, not 6 + 2: a pass of few rows loads as many weight vectors for
+// fewer products); each pass prefetches its share of `next_panel` (nullptr: none).
+void panel_rows(const LinearArgs& args, int64_t row0, int64_t count, int64_t panel, const at::BFloat16* next_panel) {
+  const int64_t passes = (count + kTileRows - 1) / kTileRows, panel_lines = args.k * kPanelColumns * 2 / 64;
+  for (int64_t pass = 0; pass < passes; ++pass) {
+    const int64_t first = count * pass / passes, rows = count * (pass + 1) / passes - first;
+    NextPanel next;
+    if (next_panel) {
+      const int64_t first_line = panel_lines * pass / passes;
+      next = {reinterpret_cast<const char*>(next_panel) + 64 * first_line, panel_lines * (pass + 1) / passes - first_line};
+    }
+    switch (rows) {
+      case 6: panel_tile<6>(args, row0 + first, panel, next); break;
+      case 5: panel_tile<5>(args, row0 + first, panel, next); break;
+      case 4: panel_tile<4>(args, row0 + first, panel, next); break;
+      case 3: panel_tile<3>(args, row0 + first, panel, next); break;
+      case 2: panel_tile<2>(args, row0 + first, panel, next); break;
+      default: panel_tile<1>(args, row0 + first, panel, next); break;
+    }
+  }
+}
+
+#endif  // __AVX512BF16__
+
+// weight [N, K] bf16 (K even) -> [ceil(N / 64), K * 64]: panel b holds output columns
+// [64b, 64b + 64) (zeros past N) as K/2 pairs, each 64 columns of (W[c, 2p], W[c, 2p + 1]).
+at::Tensor pack_vnni_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.device().is_cpu(),
+              "weight must be [N, K] bf16 on the CPU");
+  TORCH_CHECK(weight.size(1) % 2 == 0, "K must be even (bf16 pairs)");
+  const int64_t n = weight.size(0), k = weight.size(1), panels = (n + kPanelColumns - 1) / kPanelColumns;
+  at::Tensor padded = at::zeros({panels * kPanelColumns, k}, weight.options());
+  padded.narrow(0, 0, n).copy_(weight);
+  // [panels, 64, K/2, 2] -> [panels, K/2, 64, 2]
+  return padded.view({panels, kPanelColumns, k / 2, 2}).permute({0, 2, 1, 3}).contiguous().view({panels, k * kPanelColumns});
+}
+
+// out [M, N] = x [M, K] @ weight^T + bias, weight as pack_vnni_weight left it, sums in fp32 and
+// rounded once to bf16. Work items are (row block, panel) pairs, row-block major, split evenly
+// over the threads: at decode sizes (one row block) each thread streams its share of the
+// weight from memory once, and every further tile of rows reads its panel from cache.
+void vnni_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+                 const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(vnni_linear_supported(), "vnni_linear needs a CPU with avx512_bf16 (and this library built for it)");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "x must be [M, K] bf16, rows dense");
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+                  packed.size(1) == x.size(1) * kPanelColumns, "packed must come from pack_vnni_weight for x's K");
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kBFloat16 && out.stride(1) == 1 && out.size(0) == x.size(0) &&
+                  out.size(1) <= packed.size(0) * kPanelColumns && out.size(1) > (packed.size(0) - 1) * kPanelColumns,
+              "out must be [M, N] bf16, rows dense, N the packed weight's");
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == out.size(1)),
+              "bias must be [N] fp32");
+  TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu() && packed.device().is_cpu(), "CPU tensors only");
+#if defined(__AVX512BF16__)
+  const LinearArgs args{x.const_data_ptr<at::BFloat16>(), packed.const_data_ptr<at::BFloat16>(),
+                        bias ? bias->const_data_ptr<float>() : nullptr, out.data_ptr<at::BFloat16>(),
+                        x.size(0), x.size(1), out.size(1), packed.size(0), x.stride(0), out.stride(0)};
+  const int64_t row_blocks = (args.rows + kBlockRows - 1) / kBlockRows;
+  at::parallel_for(0, row_blocks * args.panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t row0 = item / args.panels * kBlockRows;
+      const at::BFloat16* next = item + 1 < end ? args.packed + (item + 1) % args.panels * args.k * kPanelColumns : nullptr;
+      panel_rows(args, row0, std::min(kBlockRows, args.rows - row0), item % args.panels, next);
+    }
+  });
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvfleet_cpu, m) {
+  m.def("pack_vnni_weight(Tensor weight) -> Tensor");
+  m.def("vnni_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias=None) -> ()");
+  m.def("vnni_linear_supported() -> bool", &vnni_linear_supported);
+}
+
+TORCH_LIBRARY_IMPL(kvfleet_cpu, CPU, m) {
+  m.impl("pack_vnni_weight", &pack_vnni_weight);
+  m.impl("vnni_linear", &vnni_linear);
+}
