@@ -47,3 +47,12 @@ def test_roofline_is_the_bytes_read_when_compute_is_free(config_and_params):
         * (config.hidden_size // config.num_attention_heads) * 4  # K and V, fp32
     seconds = decode_step_roofline_seconds(config, contexts, matmul_flops=1e30, read_bytes_per_s=1e9)
     assert seconds == pytest.approx((kv_bytes + 4 * (linear_weights + lm_head_weights)) / 1e9, rel=1e-12)
+
+
+def test_the_cpu_linear_benchmark_passes_over_every_decoder_weight(config_and_params):
+    """benchmarks/cpu_linears.py's fused shapes hold exactly the model's decoder linear weights,
+    so its GB/s and GFLOP/s divide by the bytes and products a decode step really has."""
+    from benchmarks.cpu_linears import decoder_shapes  # noqa: PLC0415
+
+    config, linear_weights, _ = config_and_params
+    assert config.num_hidden_layers * sum(i * o for i, o in decoder_shapes(config)) == linear_weights
