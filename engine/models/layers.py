@@ -298,10 +298,11 @@ class PackedBf16Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"
 
 
-def packed_bf16_kernel(linear: nn.Linear) -> str | None:
-    """The kernel PackedBf16Linear runs `linear` on: for a bf16 CPU weight with an even
-    in_features, the CPU's preferred bf16 kernel; None (oneDNN's primitive) otherwise."""
-    if linear.weight.dtype != torch.bfloat16 or linear.in_features % 2 or linear.weight.device.type != "cpu":
+def packed_bf16_kernel(weight: torch.Tensor) -> str | None:
+    """The kernel a linear's weight [out, in] runs on (PackedBf16Linear, the CPU experts of an
+    MoE layer): for a bf16 CPU weight with an even in_features, the CPU's preferred bf16
+    kernel; None (oneDNN's primitive) otherwise."""
+    if weight.dtype != torch.bfloat16 or weight.shape[-1] % 2 or weight.device.type != "cpu":
         return None
     from kvfleet_kernels import cpu_linear  # noqa: PLC0415
 
@@ -319,5 +320,5 @@ def use_onednn_linears(model: nn.Module, batch_size_hint: int) -> None:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                kernel = packed_bf16_kernel(child)
+                kernel = packed_bf16_kernel(child.weight)
                 setattr(parent, name, PackedBf16Linear(child, kernel) if kernel else OneDNNLinear(child, batch_size_hint))

@@ -17,13 +17,14 @@ The experts of every model live in one stacked layout, whatever the checkpoint:
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine import parallel
-from engine.models.layers import onednn_linear
+from engine.models.layers import onednn_linear, packed_bf16_kernel
 from engine.models.parallel_layers import copy_checked, set_loader
 from kvfleet_kernels import reference
 
@@ -94,7 +95,8 @@ class FusedMoE(nn.Module):
         if self.w2_bias is not None:
             set_loader(self.w2_bias, self._load_w2_bias, tensors_per_projection)
         self.kernel = reference.fused_moe
-        self.packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # pack_for_onednn()
+        self.packed: tuple[list, list] | None = None  # pack_for_onednn(): per expert, oneDNN's or PackedExpertWeight
+        self.linear = onednn_linear  # what runs a packed expert's matmul
 
     def use_triton_kernel(self) -> None:
         from kvfleet_kernels.fused_moe import fused_moe  # noqa: PLC0415 (imports triton)
@@ -102,13 +104,23 @@ class FusedMoE(nn.Module):
         self.kernel = fused_moe
 
     def pack_for_onednn(self, batch_size_hint: int) -> None:
-        """CPU fp32: each expert's w13 and w2 reordered once into oneDNN's blocked layout,
-        as OneDNNLinear does for dense layers (engine/models/layers.py says why): a few
-        rows per expert is the common case, where repacking on every call doubled the
-        expert matmuls' time. The stacked weights are dropped: the packed copies replace them."""
-        reorder = torch.ops.mkldnn._reorder_linear_weight
-        self.packed = ([reorder(w.detach(), batch_size_hint) for w in self.w13_weight],
-                       [reorder(w.detach(), batch_size_hint) for w in self.w2_weight])
+        """CPU: each expert's w13 and w2 packed once, as dense layers are (engine/models/layers.py
+        says why): a few rows per expert is the common case, where repacking on every call
+        doubled the expert matmuls' time. bf16 experts go to the CPU's packed bf16 kernel
+        (PackedBf16Linear's), the rest to oneDNN's blocked layout. The stacked weights are
+        dropped: the packed copies replace them."""
+        kernels = {packed_bf16_kernel(self.w13_weight), packed_bf16_kernel(self.w2_weight)}
+        kernel = kernels.pop() if len(kernels) == 1 else None
+
+        def pack(weight: torch.Tensor):  # one expert's [out, in]
+            if kernel is None:
+                return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size_hint)
+            from kvfleet_kernels import cpu_linear  # noqa: PLC0415 (builds the native library)
+
+            return PackedExpertWeight(cpu_linear.pack_weight(weight, kernel), weight.shape[0], kernel)
+
+        self.linear = onednn_linear if kernel is None else packed_expert_linear
+        self.packed = ([pack(w) for w in self.w13_weight], [pack(w) for w in self.w2_weight])
         self.w13_weight = self.w2_weight = None
 
     def _load_w13(self, param: torch.Tensor, source, part: tuple[int | None, str]) -> None:
@@ -140,11 +152,25 @@ class FusedMoE(nn.Module):
         w2_bias = self.w2_bias if parallel.tp_rank() == 0 else None
         if self.packed is not None:
             out = reference.fused_moe(hidden, *self.packed, topk_weights, topk_ids, self.activation, self.w13_bias,
-                                      w2_bias, linear=onednn_linear, **self.activation_args)
+                                      w2_bias, linear=self.linear, **self.activation_args)
         else:
             out = self.kernel(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.activation,
                               self.w13_bias, w2_bias, **self.activation_args)
         return parallel.all_reduce(out)
+
+
+class PackedExpertWeight(NamedTuple):
+    """One expert's weight [out, in] packed for a bf16 kernel of kvfleet_kernels/cpu_linear.py."""
+    packed: torch.Tensor  # [ceil(out / 64), in * 64] VNNI panels
+    out_features: int
+    kernel: str
+
+
+def packed_expert_linear(x: torch.Tensor, weight: PackedExpertWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [rows, in] @ one packed expert's weight^T + bias -> [rows, out] bf16 (reference.fused_moe's `linear`)."""
+    from kvfleet_kernels import cpu_linear  # noqa: PLC0415
+
+    return cpu_linear.linear(x, weight.packed, weight.out_features, None if bias is None else bias.float(), weight.kernel)
 
 
 # experts.<e>.<projection>.weight: one expert's tensor, in Mixtral's and Qwen's checkpoints.

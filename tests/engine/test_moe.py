@@ -16,11 +16,12 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
 from engine import LLM, SamplingParams
 from engine.demo_model import write_checkpoint
+from engine.models import layers, moe
 from engine.models.gpt_oss import GptOssMLP, deinterleave
 from engine.models.mixtral import MixtralDecoderLayer
 from engine.models.moe import FusedMoE
 from engine.models.qwen3_moe import Qwen3MoeDecoderLayer
-from kvfleet_kernels import reference
+from kvfleet_kernels import cpu_linear, reference
 from tests.engine.test_parity import reference_outputs
 from tests.tiny_models import TINY_CONFIGS
 
@@ -178,3 +179,31 @@ def test_configurations_that_cannot_run_are_clear_errors(tmp_path, tiny_tokenize
     config_file.write_text(json.dumps(data))
     with pytest.raises(ValueError, match=message):
         LLM(str(model_dir), num_kv_blocks=16)
+
+
+@pytest.mark.parametrize("kernel", [None, "vnni", "brgemm"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_experts_packed_for_the_cpu_keep_the_expert_sum(monkeypatch, kernel, bias):
+    """pack_for_onednn on bf16 experts: each expert's w13 and w2 go to the CPU's packed bf16
+    kernel (or, without one, to oneDNN's layout), and the expert sum stays the torch path's
+    within bf16 rounding (both round each matmul's fp32 sums once)."""
+    if kernel and not cpu_linear.available(kernel):
+        pytest.skip(f"no {kernel} bf16 linears on this CPU")
+    if not kernel and not layers.onednn_bf16_supported():
+        pytest.skip("oneDNN has no bf16 matmul on this CPU")
+    monkeypatch.setattr(cpu_linear, "preferred_kernel", lambda: kernel)
+    generator = torch.Generator().manual_seed(7)
+    experts = FusedMoE(8, 64, 96, "silu", bias=bias).bfloat16()
+    with torch.no_grad():
+        for param in experts.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    hidden = torch.randn(37, 64, generator=generator).bfloat16()
+    topk_ids = torch.randint(0, 8, (37, 2), generator=generator)
+    topk_weights = torch.rand(37, 2, generator=generator).softmax(-1)
+    expected = experts(hidden, topk_weights, topk_ids)
+    experts.pack_for_onednn(batch_size_hint=64)
+    assert experts.w13_weight is None and len(experts.packed[0]) == len(experts.packed[1]) == 8
+    assert experts.linear is (moe.packed_expert_linear if kernel else layers.onednn_linear)
+    assert all(getattr(w, "kernel", None) == kernel for w in experts.packed[0] + experts.packed[1])
+    got = experts(hidden, topk_weights, topk_ids)
+    torch.testing.assert_close(got, expected, rtol=2**-6, atol=2e-2)
