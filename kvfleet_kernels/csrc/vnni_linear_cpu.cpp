@@ -62,34 +62,35 @@ struct NextPanel {
   int64_t count = 0;
 };
 
-// out[r, c] for TILE rows from row0 and panel `panel`'s columns: sum over pairs p of
-// x[r, 2p:2p+2] . W^T[2p:2p+2, c], each row's pair broadcast against the panel's four vectors.
-template <int TILE>
-void panel_tile(const LinearArgs& args, int64_t row0, int64_t panel, NextPanel next) {
-  const at::BFloat16* weights = args.packed + panel * args.k * kPanelColumns;
+// out[r, c] for TILE rows from row0 and the VECTORS x 16 columns of panel `panel` from its vector
+// `first`: sum over pairs p of x[r, 2p:2p+2] . W^T[2p:2p+2, c], each row's pair broadcast
+// against the vectors.
+template <int TILE, int VECTORS>
+void panel_tile(const LinearArgs& args, int64_t row0, int64_t panel, int first, NextPanel next) {
+  const at::BFloat16* weights = args.packed + panel * args.k * kPanelColumns + 32 * first;
   const at::BFloat16* x = args.x + row0 * args.x_stride;
-  __m512 acc[TILE][kPanelVectors];
+  __m512 acc[TILE][VECTORS];
   for (int t = 0; t < TILE; ++t)
-    for (int v = 0; v < kPanelVectors; ++v) acc[t][v] = _mm512_setzero_ps();
+    for (int v = 0; v < VECTORS; ++v) acc[t][v] = _mm512_setzero_ps();
   const int64_t pairs = args.k / 2;
   int64_t owed = 0;  // next.count lines over `pairs` steps: Bresenham's running remainder
   for (int64_t p = 0; p < pairs; ++p) {
     for (owed += next.count; next.lines && owed >= pairs; owed -= pairs, next.lines += 64)
       __builtin_prefetch(next.lines, 0, 2);
     const at::BFloat16* w = weights + p * 2 * kPanelColumns;  // [64 columns, 2] for pair p
-    __m512bh wv[kPanelVectors];
-    for (int v = 0; v < kPanelVectors; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(w + 32 * v);
+    __m512bh wv[VECTORS];
+    for (int v = 0; v < VECTORS; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(w + 32 * v);
     for (int t = 0; t < TILE; ++t) {
       int32_t pair;
       std::memcpy(&pair, x + t * args.x_stride + 2 * p, sizeof pair);
       const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-      for (int v = 0; v < kPanelVectors; ++v) acc[t][v] = _mm512_dpbf16_ps(acc[t][v], xv, wv[v]);
+      for (int v = 0; v < VECTORS; ++v) acc[t][v] = _mm512_dpbf16_ps(acc[t][v], xv, wv[v]);
     }
   }
-  const int64_t col0 = panel * kPanelColumns, cols = std::min(kPanelColumns, args.n - col0);
+  const int64_t col0 = panel * kPanelColumns + 16 * first, cols = std::min<int64_t>(16 * VECTORS, args.n - col0);
   for (int t = 0; t < TILE; ++t) {
     at::BFloat16* out = args.out + (row0 + t) * args.out_stride + col0;
-    for (int v = 0; v < kPanelVectors && 16 * v < cols; ++v) {
+    for (int v = 0; v < VECTORS && 16 * v < cols; ++v) {
       __m512 sum = acc[t][v];
       const int64_t lanes = std::min<int64_t>(16, cols - 16 * v);
       const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1);
@@ -99,26 +100,46 @@ void panel_tile(const LinearArgs& args, int64_t row0, int64_t panel, NextPanel n
   }
 }
 
-// Rows [row0, row0 + count) against one panel, in ceil(count / kTileRows) passes of as even a
-// size as may be (8 rows: 4 + 4, not 6 + 2: a pass of few rows loads as many weight vectors for
-// fewer products); each pass prefetches its share of `next_panel` (nullptr: none).
-void panel_rows(const LinearArgs& args, int64_t row0, int64_t count, int64_t panel, const at::BFloat16* next_panel) {
+// Rows [row0, row0 + count) against VECTORS vectors of one panel from its vector `first`, in
+// passes of as even a size as may be (8 rows: 4 + 4, not 6 + 2: a pass of few rows loads as many
+// weight vectors for fewer products); each pass prefetches its share of `next_panel` (nullptr:
+// none).
+template <int VECTORS>
+void panel_rows(const LinearArgs& args, int64_t row0, int64_t count, int64_t panel, int first,
+                const at::BFloat16* next_panel) {
+  if (panel * kPanelColumns + 16 * first >= args.n) return;  // a slice wholly in the padding
   const int64_t passes = (count + kTileRows - 1) / kTileRows, panel_lines = args.k * kPanelColumns * 2 / 64;
   for (int64_t pass = 0; pass < passes; ++pass) {
-    const int64_t first = count * pass / passes, rows = count * (pass + 1) / passes - first;
+    const int64_t begin = count * pass / passes, rows = count * (pass + 1) / passes - begin, r = row0 + begin;
     NextPanel next;
     if (next_panel) {
       const int64_t first_line = panel_lines * pass / passes;
       next = {reinterpret_cast<const char*>(next_panel) + 64 * first_line, panel_lines * (pass + 1) / passes - first_line};
     }
     switch (rows) {
-      case 6: panel_tile<6>(args, row0 + first, panel, next); break;
-      case 5: panel_tile<5>(args, row0 + first, panel, next); break;
-      case 4: panel_tile<4>(args, row0 + first, panel, next); break;
-      case 3: panel_tile<3>(args, row0 + first, panel, next); break;
-      case 2: panel_tile<2>(args, row0 + first, panel, next); break;
-      default: panel_tile<1>(args, row0 + first, panel, next); break;
+      case 6: panel_tile<6, VECTORS>(args, r, panel, first, next); break;
+      case 5: panel_tile<5, VECTORS>(args, r, panel, first, next); break;
+      case 4: panel_tile<4, VECTORS>(args, r, panel, first, next); break;
+      case 3: panel_tile<3, VECTORS>(args, r, panel, first, next); break;
+      case 2: panel_tile<2, VECTORS>(args, r, panel, first, next); break;
+      default: panel_tile<1, VECTORS>(args, r, panel, first, next); break;
     }
+  }
+}
+
+// Work item `item` of row_blocks x panels x slices, row-block major: a block of rows against one
+// slice (4 / slices vectors) of one panel. A whole panel also asks for the thread's next one.
+void linear_item(const LinearArgs& args, int64_t item, int64_t end, int slices) {
+  const int64_t per_block = args.panels * slices, row0 = item / per_block * kBlockRows;
+  const int64_t panel = item % per_block / slices, rows = std::min(kBlockRows, args.rows - row0);
+  const int first = static_cast<int>(item % slices) * (kPanelVectors / slices);
+  if (slices == 1) {
+    const at::BFloat16* next = item + 1 < end ? args.packed + (item + 1) % args.panels * args.k * kPanelColumns : nullptr;
+    panel_rows<kPanelVectors>(args, row0, rows, panel, 0, next);
+  } else if (slices == 2) {
+    panel_rows<2>(args, row0, rows, panel, first, nullptr);
+  } else {
+    panel_rows<1>(args, row0, rows, panel, first, nullptr);
   }
 }
 
@@ -138,8 +159,8 @@ at::Tensor pack_vnni_weight(const at::Tensor& weight) {
 }
 
 // out [M, N] = x [M, K] @ weight^T + bias, weight as pack_vnni_weight left it, sums in fp32 and
-// rounded once to bf16. Work items are (row block, panel) pairs, row-block major, split evenly
-// over the threads: at decode sizes (one row block) each thread streams its share of the
+// rounded once to bf16. Work items are (row block, panel) pairs (linear_item), row-block major,
+// split evenly over the threads: at decode sizes (one row block) each thread streams its share of the
 // weight from memory once, and every further tile of rows reads its panel from cache.
 void vnni_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                  const std::optional<at::Tensor>& bias) {
@@ -158,12 +179,13 @@ void vnni_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& p
                         bias ? bias->const_data_ptr<float>() : nullptr, out.data_ptr<at::BFloat16>(),
                         x.size(0), x.size(1), out.size(1), packed.size(0), x.stride(0), out.stride(0)};
   const int64_t row_blocks = (args.rows + kBlockRows - 1) / kBlockRows;
-  at::parallel_for(0, row_blocks * args.panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t row0 = item / args.panels * kBlockRows;
-      const at::BFloat16* next = item + 1 < end ? args.packed + (item + 1) % args.panels * args.k * kPanelColumns : nullptr;
-      panel_rows(args, row0, std::min(kBlockRows, args.rows - row0), item % args.panels, next);
-    }
+  // Fewer (row block, panel) items than threads (a narrow layer at decode sizes on a many-core
+  // CPU): panels split into slices of 2 or 1 vectors, each thread then reading every other or
+  // every fourth cache line of a panel. A column's sum is the same whichever slice computes it.
+  int slices = 1;
+  while (slices < kPanelVectors && row_blocks * args.panels * slices < at::get_num_threads()) slices *= 2;
+  at::parallel_for(0, row_blocks * args.panels * slices, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) linear_item(args, item, end, slices);
   });
 #endif
 }

@@ -101,6 +101,34 @@ def test_vnni_panels_hold_column_pairs_side_by_side():
     assert not packed[1, :, 6:].any()
 
 
+@pytest.mark.parametrize("rows, out_features, in_features", [(1, 64, 576), (3, 130, 64), (7, 40, 96), (200, 70, 32)])
+def test_vnni_results_do_not_depend_on_the_thread_count(rows, out_features, in_features):
+    """With fewer (row block, panel) items than threads the vnni kernel splits each panel into
+    slices of 2 or 1 vectors (a narrow layer at decode sizes on a many-core CPU). Every column's
+    sum runs in the same order whichever thread takes it: the output is bit for bit the
+    one-thread output, slices wholly in a panel's padding included."""
+    if "vnni" not in bf16_kernels():
+        pytest.skip("no vnni bf16 linears on this CPU")
+    from kvfleet_kernels import cpu_linear  # noqa: PLC0415
+
+    generator = torch.Generator().manual_seed(rows + out_features)
+    weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
+    bias = torch.randn(out_features, generator=generator)
+    x = torch.randn(rows, in_features, generator=generator).bfloat16()
+    packed = cpu_linear.pack_weight(weight, "vnni")
+    threads = torch.get_num_threads()
+    try:
+        outputs = []
+        for count in (1, 2, 3, 8):  # slices of 4, 2 and 1 vectors
+            torch.set_num_threads(count)
+            outputs.append(cpu_linear.linear(x, packed, out_features, bias, "vnni"))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(out, outputs[0]) for out in outputs[1:])
+    expected = (x.float() @ weight.float().t() + bias).bfloat16()
+    torch.testing.assert_close(outputs[0], expected, rtol=2**-7, atol=1e-3)
+
+
 @pytest.mark.parametrize("kernel", [None, "brgemm", "vnni"])
 def test_bf16_linears_take_the_preferred_kernel(monkeypatch, kernel):
     """bf16 weights with an even in_features go to PackedBf16Linear on the CPU's preferred
