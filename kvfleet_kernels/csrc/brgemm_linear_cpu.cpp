@@ -1,6 +1,6 @@
 // bf16 linear layers on oneDNN's batch-reduce GEMM microkernel (torch's cpublas::brgemm, AMX
 // tiles where the CPU has them) over a weight packed once into its VNNI layout: the CPU
-// linear of bf16 models on AMX hosts (engine/models/layers.py: BrgemmLinear).
+// linear of bf16 models on AMX hosts (engine/models/layers.py: PackedBf16Linear, kernel "brgemm").
 //
 // Why not oneDNN's matmul primitive (mkldnn::_linear_pointwise over a reordered weight), as
 // the other CPU paths use: on a 2-core Xeon with AMX, SmolLM2's 120 decoder linears took 14.6 ms

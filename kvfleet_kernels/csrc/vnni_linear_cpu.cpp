@@ -1,6 +1,6 @@
 // bf16 linear layers on avx512_bf16's pair dot product (vdpbf16ps) over a weight packed once
 // into 64-column VNNI panels: the CPU linear of bf16 models on CPUs with avx512_bf16 and no AMX
-// (engine/models/layers.py: VnniLinear). On AMX CPUs the brgemm microkernel does this job
+// (engine/models/layers.py: PackedBf16Linear, kernel "vnni"). On AMX CPUs the brgemm microkernel does this job
 // (csrc/brgemm_linear_cpu.cpp); torch's brgemm packs no bf16 on the others.
 //
 // Why not oneDNN's matmul primitive over a reordered weight, as fp32 linears use: on a 2-core
@@ -180,8 +180,8 @@ void vnni_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& p
                         x.size(0), x.size(1), out.size(1), packed.size(0), x.stride(0), out.stride(0)};
   const int64_t row_blocks = (args.rows + kBlockRows - 1) / kBlockRows;
   // Fewer (row block, panel) items than threads (a narrow layer at decode sizes on a many-core
-  // CPU): panels split into slices of 2 or 1 vectors, each thread then reading every other or
-  // every fourth cache line of a panel. A column's sum is the same whichever slice computes it.
+  // CPU): panels split into slices of 2 or 1 vectors, a thread then reading 2 or 1 of the 4
+  // cache lines of each pair. A column's sum is the same whichever slice computes it.
   int slices = 1;
   while (slices < kPanelVectors && row_blocks * args.panels * slices < at::get_num_threads()) slices *= 2;
   at::parallel_for(0, row_blocks * args.panels * slices, 1, [&](int64_t begin, int64_t end) {
