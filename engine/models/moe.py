@@ -26,7 +26,7 @@ from torch import nn
 from engine import parallel
 from engine.models.layers import onednn_linear, packed_bf16_kernel
 from engine.models.parallel_layers import copy_checked, set_loader
-from kvfleet_kernels import reference
+from kvfleet_kernels import cpu_linear, reference
 
 # softmax_topk: softmax over all experts in fp32, then the top k (Mixtral, Qwen3-MoE);
 #   renormalize: the k weights divided by their sum (Mixtral always; Qwen3-MoE by norm_topk_prob).
@@ -115,8 +115,6 @@ class FusedMoE(nn.Module):
         def pack(weight: torch.Tensor):  # one expert's [out, in]
             if kernel is None:
                 return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size_hint)
-            from kvfleet_kernels import cpu_linear  # noqa: PLC0415 (builds the native library)
-
             return PackedExpertWeight(cpu_linear.pack_weight(weight, kernel), weight.shape[0], kernel)
 
         self.linear = onednn_linear if kernel is None else packed_expert_linear
@@ -168,8 +166,6 @@ class PackedExpertWeight(NamedTuple):
 
 def packed_expert_linear(x: torch.Tensor, weight: PackedExpertWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [rows, in] @ one packed expert's weight^T + bias -> [rows, out] bf16 (reference.fused_moe's `linear`)."""
-    from kvfleet_kernels import cpu_linear  # noqa: PLC0415
-
     return cpu_linear.linear(x, weight.packed, weight.out_features, None if bias is None else bias.float(), weight.kernel)
 
 

@@ -15,6 +15,7 @@
 #include <torch/library.h>
 
 #include "cpu_vec.h"
+#include "packed_linear.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -31,7 +32,7 @@ using kvfleet_cpu::vfloat;
 
 // Output columns per packed block (the microkernel's N: four 16-column AMX tiles) and rows
 // per work item: a 256-row block of activations stays in L2 while every weight block passes.
-constexpr int64_t kBlockN = 64, kBlockM = 256;
+constexpr int64_t kBlockN = kvfleet_cpu::kPackedColumns, kBlockM = 256;
 
 // weight [N, K] bf16 -> [ceil(N / 64), K * 64]: block b holds output columns [64b, 64b + 64)
 // (zeros past N) as cpublas::pack lays out B = weight^T, K/2 row pairs of 64 interleaved
@@ -66,15 +67,7 @@ void store_block(at::BFloat16* out, int64_t out_stride, const float* acc, const 
 // sizes (one row block) each thread streams its share of the weight once.
 void brgemm_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                    const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "x must be [M, K] bf16, rows dense");
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
-                  packed.size(1) == x.size(1) * kBlockN, "packed must come from pack_brgemm_weight for x's K");
-  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kBFloat16 && out.stride(1) == 1 && out.size(0) == x.size(0) &&
-                  out.size(1) <= packed.size(0) * kBlockN && out.size(1) > (packed.size(0) - 1) * kBlockN,
-              "out must be [M, N] bf16, rows dense, N the packed weight's");
-  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == out.size(1)),
-              "bias must be [N] fp32");
-  TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu() && packed.device().is_cpu(), "CPU tensors only");
+  kvfleet_cpu::check_packed_linear(out, x, packed, bias, "pack_brgemm_weight");
   const int64_t rows = x.size(0), k = x.size(1), n = out.size(1), col_blocks = packed.size(0);
   const int64_t row_blocks = (rows + kBlockM - 1) / kBlockM;
   const at::BFloat16* a = x.const_data_ptr<at::BFloat16>();

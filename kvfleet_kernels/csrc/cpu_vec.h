@@ -33,6 +33,14 @@ constexpr int kVfloatRegisters = 8;
 constexpr int kVfloatRegisters = 8;
 #endif
 
+// Whether this build has avx512_bf16's pair dot product (vdpbf16ps): the bf16 paths of the
+// decode and prefill attention kernels and the vnni linear need it.
+#if defined(__AVX512BF16__)
+constexpr bool kHasBf16Dot = true;
+#else
+constexpr bool kHasBf16Dot = false;
+#endif
+
 // 16 consecutive elements widened to fp32 (memcpy: unaligned, no aliasing assumptions).
 inline vfloat load16(const float* p) {
   vfloat v;

@@ -30,7 +30,6 @@ inline vfloat8 load8(const float* p) {
 inline void store8(float* p, vfloat8 v) { std::memcpy(p, &v, sizeof v); }
 
 #if defined(__AVX512BF16__)
-constexpr bool kHasBf16Dot = true;
 // The V pass of bf16 caches on avx512_bf16: acc[t] += sum over rows i of weights[t][i] * rows[i] as
 // weighted_rows_add_tile does, with avx512_bf16's dot product over pairs of rows: rows i and
 // i + 1 interleaved (unpacklo/hi_epi16: dimension d of each side by side) meet the pair of
@@ -75,7 +74,6 @@ inline int64_t unpack_order_index(int64_t d) {
   return chunk * 32 + (j < 4 ? 0 : 16) + lane * 4 + (j % 4);
 }
 #else
-constexpr bool kHasBf16Dot = false;
 template <int HEAD_DIM, int TILE>
 inline void weighted_rows_add_tile_bf16(float*, int64_t, const uint16_t*, int64_t, const at::BFloat16*, int64_t,
                                         int64_t) {}  // never called

@@ -35,13 +35,7 @@ using namespace kvfleet_cpu;  // NOLINT: the vector helpers are this kernel's vo
 constexpr int64_t kBlockPositions = 8;  // query positions per work item (times the GQA group: its rows)
 constexpr int64_t kKeyTile = 64;        // keys per score tile: four vectors of 16
 
-bool bf16_prefill_available() {
-#if defined(__AVX512BF16__)
-  return true;
-#else
-  return false;
-#endif
-}
+bool bf16_prefill_available() { return kHasBf16Dot; }
 
 #if defined(__AVX512BF16__)
 

@@ -14,6 +14,7 @@
 #include <torch/library.h>
 
 #include "cpu_vec.h"
+#include "packed_linear.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -28,7 +29,7 @@ namespace {
 
 // Output columns per panel: four vectors of 16 fp32 sums. A panel of K/2 pairs is one
 // contiguous stream of K * 128 bytes, which the hardware prefetcher follows.
-constexpr int64_t kPanelColumns = 64;
+constexpr int64_t kPanelColumns = kvfleet_cpu::kPackedColumns;
 constexpr int kPanelVectors = kPanelColumns / 16;
 // Rows whose sums share the registers (kTileRows * 4 accumulators of the 32): each weight
 // vector loaded serves that many rows. Rows per work item: a block of activations that stays
@@ -36,13 +37,7 @@ constexpr int kPanelVectors = kPanelColumns / 16;
 constexpr int kTileRows = 6;  // panel_rows dispatches passes of 1 to 6 rows
 constexpr int64_t kBlockRows = 128;
 
-bool vnni_linear_supported() {
-#if defined(__AVX512BF16__)
-  return true;
-#else
-  return false;
-#endif
-}
+bool vnni_linear_supported() { return kvfleet_cpu::kHasBf16Dot; }
 
 #if defined(__AVX512BF16__)
 
@@ -165,15 +160,7 @@ at::Tensor pack_vnni_weight(const at::Tensor& weight) {
 void vnni_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                  const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(vnni_linear_supported(), "vnni_linear needs a CPU with avx512_bf16 (and this library built for it)");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "x must be [M, K] bf16, rows dense");
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
-                  packed.size(1) == x.size(1) * kPanelColumns, "packed must come from pack_vnni_weight for x's K");
-  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kBFloat16 && out.stride(1) == 1 && out.size(0) == x.size(0) &&
-                  out.size(1) <= packed.size(0) * kPanelColumns && out.size(1) > (packed.size(0) - 1) * kPanelColumns,
-              "out must be [M, N] bf16, rows dense, N the packed weight's");
-  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == out.size(1)),
-              "bias must be [N] fp32");
-  TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu() && packed.device().is_cpu(), "CPU tensors only");
+  kvfleet_cpu::check_packed_linear(out, x, packed, bias, "pack_vnni_weight");
 #if defined(__AVX512BF16__)
   const LinearArgs args{x.const_data_ptr<at::BFloat16>(), packed.const_data_ptr<at::BFloat16>(),
                         bias ? bias->const_data_ptr<float>() : nullptr, out.data_ptr<at::BFloat16>(),

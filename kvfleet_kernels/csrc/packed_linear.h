@@ -1,0 +1,31 @@
+// What the two packed bf16 linears (csrc/brgemm_linear_cpu.cpp, csrc/vnni_linear_cpu.cpp) share:
+// the weight's outer layout, [ceil(N / 64), K * 64] (64 output columns a panel, each kernel with
+// its own order inside), and the check of a call's tensors against it.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+namespace kvfleet_cpu {
+
+constexpr int64_t kPackedColumns = 64;  // output columns per panel of a packed weight
+
+// out [M, N] = x [M, K] @ weight^T + bias, the weight packed by `pack_op`: bf16 rows read in
+// place, out N within the packed weight's last panel, an fp32 bias of N or none.
+inline void check_packed_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+                                const std::optional<at::Tensor>& bias, const std::string& pack_op) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "x must be [M, K] bf16, rows dense");
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+                  packed.size(1) == x.size(1) * kPackedColumns, "packed must come from ", pack_op, " for x's K");
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kBFloat16 && out.stride(1) == 1 && out.size(0) == x.size(0) &&
+                  out.size(1) <= packed.size(0) * kPackedColumns && out.size(1) > (packed.size(0) - 1) * kPackedColumns,
+              "out must be [M, N] bf16, rows dense, N the packed weight's");
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == out.size(1)),
+              "bias must be [N] fp32");
+  TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu() && packed.device().is_cpu(), "CPU tensors only");
+}
+
+}  // namespace kvfleet_cpu
