@@ -26,8 +26,8 @@ def check_history(r, expected: dict[str, set[str]], allow_failed: bool = False) 
         assert (lost, doubled, unknown) == ([], [], []), f"{batch_id}: lost {lost}, doubled {doubled}, " \
                                                          f"unknown {unknown}"
         assert batches.counted_ids(r, batch_id) == custom_ids
-        assert batch["request_counts"] == {"total": len(custom_ids), "completed": len(outputs),
-                                           "failed": len(errors)}
+        lines = {"total": len(custom_ids), "completed": len(outputs), "failed": len(errors)}
+        assert batch["request_counts"] == lines, f"{batch_id}: request_counts {batch['request_counts']}, lines {lines}"
         if not allow_failed:
             assert errors == [], errors[:3]
         usage = [line["response"]["body"]["usage"] for line in outputs]
