@@ -89,6 +89,10 @@ inline void key_scores16_bf16(float* s, int64_t s_stride, const at::BFloat16* q,
                               const at::BFloat16* keys, int64_t word_row, float scale) {
   __m512 even_sum[TILE], odd_sum[TILE];  // pairs (d, d + 1) with d / 2 even, and odd
   for (int t = 0; t < TILE; ++t) even_sum[t] = odd_sum[t] = _mm512_setzero_ps();
+  // Unrolled whole: rolled, g++ (12) kept two temporaries for the loop, re-loading a word row
+  // once per query row and spilling the other; in cache a bf16 layer of 14 sequences x 1,400
+  // positions went from ~0.356 to ~0.329 ms unrolled (2-core EPYC, interleaved runs).
+#pragma GCC unroll 32
   for (int p = 0; p < HEAD_DIM / 2; p += 2) {
     const __m512bh k0 = (__m512bh)_mm512_loadu_si512(keys + p * word_row);
     const __m512bh k1 = (__m512bh)_mm512_loadu_si512(keys + (p + 1) * word_row);

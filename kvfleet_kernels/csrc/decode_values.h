@@ -67,6 +67,15 @@ inline void weighted_rows_add_tile_bf16(float* acc, int64_t acc_stride, const ui
     for (int k = 0; k < kPairs; ++k) _mm512_storeu_ps(acc + t * acc_stride + 16 * k, sum[t][k]);
 }
 
+// 16 softmax numerators rounded to bf16 (nearest even) by avx512_bf16's convert: one
+// instruction for store16's six. It flushes denormals, which never come here: exp16's floor
+// keeps every numerator at e^-87 or above, a normal float.
+inline void store_probabilities16(at::BFloat16* p, vfloat v) {
+  __m512 x;
+  std::memcpy(&x, &v, sizeof x);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
+}
+
 // Dimension d of a row of weighted_rows_add_tile_bf16's sums, which sit in the unpack order:
 // per 32 dimensions, 128-bit lane L of the low half holds d = 8L..8L+3, of the high half 8L+4..8L+7.
 inline int64_t unpack_order_index(int64_t d) {
@@ -78,6 +87,7 @@ template <int HEAD_DIM, int TILE>
 inline void weighted_rows_add_tile_bf16(float*, int64_t, const uint16_t*, int64_t, const at::BFloat16*, int64_t,
                                         int64_t) {}  // never called
 inline int64_t unpack_order_index(int64_t d) { return d; }
+inline void store_probabilities16(at::BFloat16* p, vfloat v) { store16(p, v); }  // never called
 #endif
 
 // acc[0:head_dim] += sum over rows i of weights[i] * rows[i], rows[i] = first + i * row_stride:

@@ -204,7 +204,7 @@ class ItemDecoder {
       int64_t pos = first;
       for (; pos + kLanes <= len; pos += kLanes) {
         const vfloat numerators = exp16(load16(s + pos) - max16);
-        if constexpr (kDotBf16) store16(p + pos, numerators); else store16(s + pos, numerators);
+        if constexpr (kDotBf16) store_probabilities16(p + pos, numerators); else store16(s + pos, numerators);
         sum16 += numerators;
       }
       float total = reduce_add(sum16) + (a_.sinks ? std::exp(sink - row_max_[r]) : 0.f);
