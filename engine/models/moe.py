@@ -118,6 +118,10 @@ class FusedMoE(nn.Module):
             return PackedExpertWeight(cpu_linear.pack_weight(weight, kernel), weight.shape[0], kernel)
 
         self.linear = onednn_linear if kernel is None else packed_expert_linear
+        if kernel is not None:  # the kernel adds an fp32 bias: widened once here, as PackedBf16Linear's is
+            for bias in (self.w13_bias, self.w2_bias):
+                if bias is not None:
+                    bias.data = bias.data.float()
         self.packed = ([pack(w) for w in self.w13_weight], [pack(w) for w in self.w2_weight])
         self.w13_weight = self.w2_weight = None
 
@@ -165,8 +169,9 @@ class PackedExpertWeight(NamedTuple):
 
 
 def packed_expert_linear(x: torch.Tensor, weight: PackedExpertWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [rows, in] @ one packed expert's weight^T + bias -> [rows, out] bf16 (reference.fused_moe's `linear`)."""
-    return cpu_linear.linear(x, weight.packed, weight.out_features, None if bias is None else bias.float(), weight.kernel)
+    """x [rows, in] @ one packed expert's weight^T + bias (fp32: pack_for_onednn widened it) -> [rows, out] bf16
+    (reference.fused_moe's `linear`)."""
+    return cpu_linear.linear(x, weight.packed, weight.out_features, bias, weight.kernel)
 
 
 # experts.<e>.<projection>.weight: one expert's tensor, in Mixtral's and Qwen's checkpoints.

@@ -7,7 +7,6 @@
 
 #include <cstdint>
 #include <optional>
-#include <string>
 
 namespace kvfleet_cpu {
 
@@ -16,7 +15,7 @@ constexpr int64_t kPackedColumns = 64;  // output columns per panel of a packed 
 // out [M, N] = x [M, K] @ weight^T + bias, the weight packed by `pack_op`: bf16 rows read in
 // place, out N within the packed weight's last panel, an fp32 bias of N or none.
 inline void check_packed_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
-                                const std::optional<at::Tensor>& bias, const std::string& pack_op) {
+                                const std::optional<at::Tensor>& bias, const char* pack_op) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "x must be [M, K] bf16, rows dense");
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
                   packed.size(1) == x.size(1) * kPackedColumns, "packed must come from ", pack_op, " for x's K");
