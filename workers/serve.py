@@ -62,8 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     model = worker_cli.served_model_names(args)[0]
 
+    received: list[str] = []
+
     def on_signal(signum, _frame):
-        raise Stop(signal.Signals(signum).name)
+        # Kept as well as raised: a raise that lands inside a __del__ is printed and dropped by Python.
+        received.append(signal.Signals(signum).name)
+        raise Stop(received[0])
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -85,9 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         group.wait_for_model(connect(redis_url), model)
         print(f"kvfleet: serving {model!r} at http://{host}:{args.port}/v1 (redis {redis_url}); "
               "Ctrl-C or SIGTERM stops it", flush=True)
-        while True:
+        while not received:
             group.check()
             time.sleep(0.5)
+        raise Stop(received[0])
     except Stop as stop:
         print(f"kvfleet: {stop}: draining the worker, then stopping", flush=True)
     except SystemExit as error:  # a child exited, or did not come up

@@ -119,6 +119,7 @@ class Worker:
         self.leases = LeaseKeeper(r, options.name, min(options.maintain_seconds, options.lease_seconds / 4))
         weakref.finalize(self, self.leases.stop)
         self.stopping = False
+        self.cold_signal: str | None = None  # the second SIGTERM or SIGINT, once one came
         self.backoff = 0.0
         self.retry_at = 0.0
         self.last_maintain = self.last_trim = 0.0
@@ -141,9 +142,14 @@ class Worker:
         signal.signal(signal.SIGINT, self._on_signal)
 
     def _on_signal(self, signum, _frame) -> None:
-        if self.stopping:
-            raise ColdShutdown(signal.Signals(signum).name)
-        self.request_stop()
+        if not self.stopping:
+            self.request_stop()
+        elif self.cold_signal is None:
+            # Recorded before raising: the raise lands in whatever frame runs, and one inside a __del__ or a
+            # weakref callback is printed and dropped by Python. The loop re-raises it at its next turn.
+            self.cold_signal = signal.Signals(signum).name
+            raise ColdShutdown(self.cold_signal)
+        # A third signal is ignored, so that it cannot cut the hand-back short.
 
     def request_stop(self) -> None:
         if not self.stopping:
@@ -155,6 +161,8 @@ class Worker:
         drain_deadline, exit_code = None, 0
         try:
             while True:
+                if self.cold_signal is not None:
+                    raise ColdShutdown(self.cold_signal)
                 now = time.monotonic()
                 if self.stopping and drain_deadline is None:
                     drain_deadline = now + self.options.drain_seconds

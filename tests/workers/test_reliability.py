@@ -4,6 +4,7 @@ hand-backs are capped, and the batch cache stays bounded."""
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
@@ -118,3 +119,27 @@ def test_a_worker_never_dies_on_one_entry_s_data(engine, r):
     assert dead[b"custom_id"] == b"x0" and b"the worker could not take it: KeyError('expires_at')" in dead[b"error"]
     assert batches.num_counted(r, broken_sink) == 0  # its result was never acked: it returns after the lease
     assert r.xpending(keys.batch_stream(MODEL, broken_sink), keys.CONSUMER_GROUP)["pending"] == 1
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the dropped raise, on purpose
+def test_a_second_signal_swallowed_by_a_finalizer_still_cold_shuts_down(engine, r):
+    """Python drops an exception raised inside a __del__; the signal handler's raise can land in one (CI saw it in
+    redis-py's Pipeline.__del__). The worker must still stop at once, hand everything back and exit 1."""
+    worker = make_worker(engine, r)
+    batch_id = submit_lines(r, [completion(f"c{i}", f"request {i}", 400, ignore_eos=True) for i in range(3)])
+    while worker.num_in_flight < 3:
+        worker.run_once()
+    worker._on_signal(signal.SIGTERM, None)  # the first: drain
+    assert worker.stopping and worker.cold_signal is None
+
+    class Finalized:
+        def __del__(self):
+            worker._on_signal(signal.SIGTERM, None)  # the second, raised where Python ignores it
+
+    Finalized()  # collected at once: the ColdShutdown is printed and dropped
+    assert worker.cold_signal == "SIGTERM"
+    worker._on_signal(signal.SIGINT, None)  # a third neither raises nor cuts the hand-back short
+    assert worker.work() == 1
+    assert worker.num_in_flight == 0
+    assert r.xpending(keys.batch_stream(MODEL, batch_id), keys.CONSUMER_GROUP)["pending"] == 0
+    assert batches.num_counted(r, batch_id) == 0
