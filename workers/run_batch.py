@@ -116,6 +116,18 @@ class Runner:
         # engine request id -> (custom_id, request)
         self.pending: dict[str, tuple[str, EngineRequest | EmbeddingRequest]] = {}
         self.num_written = 0
+        self.stop_signal: str | None = None  # a SIGTERM or SIGINT that came (stop_on_signals)
+
+    def stop_on_signals(self) -> None:
+        """SIGTERM and SIGINT end the run as Ctrl-C does. The signal is kept as well as raised: a
+        KeyboardInterrupt that lands inside a __del__ is printed and dropped by Python, and the next
+        step raises it again."""
+        def on_signal(signum, _frame):
+            self.stop_signal = signal.Signals(signum).name
+            raise KeyboardInterrupt(self.stop_signal)
+
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, on_signal)
 
     def write(self, line: dict) -> None:
         self.out.write(json.dumps(line, separators=(",", ":")) + "\n")
@@ -145,6 +157,8 @@ class Runner:
         return self.engine.stats().num_waiting < self.engine.config.max_num_seqs
 
     def step(self) -> None:
+        if self.stop_signal is not None:
+            raise KeyboardInterrupt(self.stop_signal)
         for output in self.engine.step():
             custom_id, work = self.pending.pop(output.request_id)
             model = work.body.model or self.model
@@ -179,10 +193,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     done = finished_custom_ids(args.output_file) if args.resume and args.output_file != "-" else set()
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM ends the run like Ctrl-C
     to_stdout = args.output_file == "-"
     with nullcontext(sys.stdout) if to_stdout else open(args.output_file, "a" if done else "w", encoding="utf-8") as out:
         runner = Runner(engine, args.served_model_name or args.model, out, adapters)
+        runner.stop_on_signals()
         progress = tqdm(total=num_lines - len(done), unit="req", file=sys.stderr,
                         disable=to_stdout or not sys.stderr.isatty())
         try:

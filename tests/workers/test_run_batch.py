@@ -12,8 +12,10 @@ import sys
 import time
 from pathlib import Path
 
-from engine import LLM, SamplingParams
-from workers.run_batch import main
+import pytest
+
+from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from workers.run_batch import Runner, main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -101,6 +103,32 @@ def test_skip_invalid_writes_error_lines_and_runs_the_rest(tiny_llama, tmp_path)
     assert lines["bad"]["error"]["code"] == "invalid_request" and "max_tokens" in lines["bad"]["error"]["message"]
     assert lines["line-3"]["error"]["message"].startswith("line 3: line: not valid JSON")
     assert lines["ok"]["response"]["body"]["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the dropped raise, on purpose
+def test_a_sigterm_swallowed_by_a_finalizer_still_stops_the_run(tiny_llama, tmp_path):
+    """The handler's KeyboardInterrupt can land inside a __del__, where Python drops it: the next step raises it."""
+    engine = LLMEngine(EngineConfig(model=tiny_llama, num_kv_blocks=32))
+    with open(tmp_path / "out.jsonl", "w", encoding="utf-8") as out:
+        runner = Runner(engine, "tiny", out)
+        runner.add(1, json.dumps({"custom_id": "a", "prompt": "one", "max_tokens": 50, "ignore_eos": True}).encode())
+        saved = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            runner.stop_on_signals()
+            runner.step()
+
+            class Finalized:
+                def __del__(self):
+                    signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+
+            Finalized()  # collected at once: its KeyboardInterrupt is printed and dropped
+            with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+                runner.step()
+        finally:
+            for signum, handler in saved.items():
+                signal.signal(signum, handler)
+            engine.shutdown()
+    assert runner.num_written == 0 and len(runner.pending) == 1
 
 
 def test_sigint_keeps_the_finished_lines_and_resume_completes_the_rest(tiny_llama, tmp_path):
