@@ -294,6 +294,18 @@ class PackedBf16Linear(nn.Module):
         """x [num_tokens, in_features] -> [num_tokens, out_features] bf16"""
         return self._linear(x, self.packed_weight, self.out_features, self.bias, self.kernel)
 
+    def can_fuse_silu_and_mul(self) -> bool:
+        from kvfleet_kernels import cpu_linear  # noqa: PLC0415
+
+        return cpu_linear.can_fuse_silu_and_mul(self.kernel, self.out_features)
+
+    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """As a gated MLP's gate_up projection: x [num_tokens, in_features] -> SiLU(gate) * up
+        [num_tokens, out_features / 2] bf16, in one pass (can_fuse_silu_and_mul)."""
+        from kvfleet_kernels import cpu_linear  # noqa: PLC0415
+
+        return cpu_linear.gate_up_silu(x, self.packed_weight, self.out_features, self.bias)
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"
 
@@ -322,3 +334,16 @@ def use_onednn_linears(model: nn.Module, batch_size_hint: int) -> None:
             if isinstance(child, nn.Linear):
                 kernel = packed_bf16_kernel(child.weight)
                 setattr(parent, name, PackedBf16Linear(child, kernel) if kernel else OneDNNLinear(child, batch_size_hint))
+    fuse_gate_up_silu(model)
+
+
+def fuse_gate_up_silu(model: nn.Module) -> None:
+    """Give every gated MLP whose SiLU-and-mul runs natively (use_cpu_layers) and whose gate_up
+    projection is a PackedBf16Linear that can fuse it, the two in one pass (`fused_gate_up_act`).
+    A projection wrapped for LoRA is not a PackedBf16Linear, so its adapters still apply."""
+    for module in model.modules():
+        gate_up = getattr(module, "gate_up_proj", None)
+        if getattr(module, "act_and_mul", None) is not None and hasattr(module, "fused_gate_up_act") \
+                and getattr(module, "activation", None) in ("silu", "swish") \
+                and isinstance(gate_up, PackedBf16Linear) and gate_up.can_fuse_silu_and_mul():
+            module.fused_gate_up_act = gate_up.forward_silu_and_mul

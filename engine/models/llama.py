@@ -87,8 +87,13 @@ class LlamaMLP(nn.Module):
         # gate_up [T, 2 * I] -> act(gate) * up [T, I] in one pass, where a native kernel has it
         # (engine/models/layers.py: use_cpu_layers); None: the torch ops below.
         self.act_and_mul = None
+        # x [T, hidden] -> act(gate) * up [T, I], the gate_up product included, where a packed CPU
+        # linear fuses the two (engine/models/layers.py: fuse_gate_up_silu); None: the steps above.
+        self.fused_gate_up_act = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_gate_up_act is not None:
+            return self.down_proj(self.fused_gate_up_act(x))
         if self.act_and_mul is not None:
             return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)

@@ -22,29 +22,10 @@ namespace {
 
 using kvfleet_cpu::kLanes;
 using kvfleet_cpu::load16;
+using kvfleet_cpu::round16;
+using kvfleet_cpu::silu_mul16;
 using kvfleet_cpu::store16;
 using kvfleet_cpu::vfloat;
-
-// 16 fp32 lanes rounded to scalar_t and widened back: where a torch op on bf16/fp16 tensors
-// would round its result before the next op reads it.
-template <typename scalar_t>
-inline vfloat round16(vfloat v) {
-  scalar_t narrow[kLanes];
-  store16(narrow, v);
-  return load16(narrow);
-}
-// bf16 in registers: the same rounding as store16's (to nearest even, finite values), with the low
-// half cleared instead of a store and a load through the stack. On a 2-core Xeon with AMX, 8,192
-// rows of SmolLM2: rotary 2.1 -> 1.2 ms (four roundings per 16 lanes), silu_and_mul 4.8 -> 3.7.
-template <>
-inline vfloat round16<at::BFloat16>(vfloat v) {
-  using u32x16 = uint32_t __attribute__((vector_size(64)));
-  u32x16 bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
-  std::memcpy(&v, &bits, sizeof v);
-  return v;
-}
 
 // RMSNorm with the residual add before it, one pass over each row, for bf16 and fp16
 // (fp32 stays on the torch path, whose rounding the exact-token tests pin). It rounds where
@@ -177,10 +158,9 @@ void add_layer_norm(const at::Tensor& out, const std::optional<at::Tensor>& out_
 
 // SiLU(gate) * up over an MLP's fused gate_up output, vLLM's silu_and_mul: one pass where
 // torch makes two (silu, then mul) over [rows, intermediate] tensors and a temporary; on a
-// prefill step of SmolLM2 those two took ~7% of the step. Rounds where transformers does:
-// SiLU in fp32 rounded to the dtype, then the product rounded. sigmoid(x) uses exp16 on
-// -|x| (relative error < 2e-7): a result can differ from torch's in its last bit when the
-// fp32 value sits within that of a rounding boundary.
+// prefill step of SmolLM2 those two took ~7% of the step. Rounds where transformers does
+// (silu_mul16, csrc/cpu_vec.h). On AMX hosts the brgemm linears fuse it into the gate_up
+// product instead (csrc/brgemm_linear_cpu.cpp: brgemm_gate_up_silu).
 template <typename scalar_t>
 void silu_and_mul_kernel(scalar_t* out, const scalar_t* x, int64_t rows, int64_t width, int64_t x_stride) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
@@ -189,13 +169,7 @@ void silu_and_mul_kernel(scalar_t* out, const scalar_t* x, int64_t rows, int64_t
       const scalar_t* up = gate + width;
       scalar_t* o = out + row * width;
       int64_t j = 0;
-      for (; j + kLanes <= width; j += kLanes) {
-        const vfloat g = load16(gate + j);
-        const vfloat zero{}, one = zero + 1.f;
-        const vfloat t = kvfleet_cpu::exp16(g < zero ? g : -g);  // e^-|g|
-        const vfloat sigmoid = (g < zero ? t : one) / (one + t);
-        store16(o + j, round16<scalar_t>(g * sigmoid) * load16(up + j));
-      }
+      for (; j + kLanes <= width; j += kLanes) store16(o + j, silu_mul16<scalar_t>(load16(gate + j), load16(up + j)));
       for (; j < width; ++j) {
         const float g = static_cast<float>(gate[j]);
         const float silu = static_cast<float>(static_cast<scalar_t>(g / (1.f + std::exp(-g))));

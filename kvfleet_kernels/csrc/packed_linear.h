@@ -12,19 +12,24 @@ namespace kvfleet_cpu {
 
 constexpr int64_t kPackedColumns = 64;  // output columns per panel of a packed weight
 
+// x [M, K] and a weight packed by `pack_op` for it: bf16 rows read in place, on the CPU.
+inline void check_packed_input(const at::Tensor& x, const at::Tensor& packed, const char* pack_op) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "x must be [M, K] bf16, rows dense");
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+                  packed.size(1) == x.size(1) * kPackedColumns, "packed must come from ", pack_op, " for x's K");
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "CPU tensors only");
+}
+
 // out [M, N] = x [M, K] @ weight^T + bias, the weight packed by `pack_op`: bf16 rows read in
 // place, out N within the packed weight's last panel, an fp32 bias of N or none.
 inline void check_packed_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                                 const std::optional<at::Tensor>& bias, const char* pack_op) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "x must be [M, K] bf16, rows dense");
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
-                  packed.size(1) == x.size(1) * kPackedColumns, "packed must come from ", pack_op, " for x's K");
+  check_packed_input(x, packed, pack_op);
   TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kBFloat16 && out.stride(1) == 1 && out.size(0) == x.size(0) &&
-                  out.size(1) <= packed.size(0) * kPackedColumns && out.size(1) > (packed.size(0) - 1) * kPackedColumns,
-              "out must be [M, N] bf16, rows dense, N the packed weight's");
+                  out.size(1) <= packed.size(0) * kPackedColumns && out.size(1) > (packed.size(0) - 1) * kPackedColumns &&
+                  out.device().is_cpu(), "out must be [M, N] bf16 on the CPU, rows dense, N the packed weight's");
   TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == out.size(1)),
               "bias must be [N] fp32");
-  TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu() && packed.device().is_cpu(), "CPU tensors only");
 }
 
 }  // namespace kvfleet_cpu

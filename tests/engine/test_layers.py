@@ -148,3 +148,70 @@ def test_bf16_linears_take_the_preferred_kernel(monkeypatch, kernel):
     fp32 = nn.Sequential(nn.Linear(64, 32))
     layers.use_onednn_linears(fp32, batch_size_hint=8)
     assert type(fp32[0]).__name__ == "OneDNNLinear"
+
+
+def brgemm_only():
+    if "brgemm" not in bf16_kernels():
+        pytest.skip("no brgemm bf16 linears on this CPU")
+
+
+@pytest.mark.parametrize("rows", [1, 24, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gate_up_silu_is_the_linear_then_silu_and_mul_bit_for_bit(rows, with_bias):
+    """The fused gate_up + SiLU-and-mul (brgemm) rounds gate and up to bf16 before the SiLU, as
+    the two ops do: its output equals theirs exactly, over one and two 256-row blocks."""
+    brgemm_only()
+    from engine.models.layers import PackedBf16Linear  # noqa: PLC0415
+    from kvfleet_kernels.cpu_layers import silu_and_mul  # noqa: PLC0415
+
+    generator = torch.Generator().manual_seed(rows)
+    linear = nn.Linear(96, 2 * 192, bias=with_bias).bfloat16()
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(linear.weight.shape, generator=generator) * 0.3)
+        if with_bias:
+            linear.bias.copy_(torch.randn(2 * 192, generator=generator))
+    x = torch.randn(rows, 96, generator=generator).bfloat16()
+    packed = PackedBf16Linear(linear, "brgemm")
+    assert packed.can_fuse_silu_and_mul()
+    fused = packed.forward_silu_and_mul(x)
+    assert fused.shape == (rows, 192) and fused.dtype == torch.bfloat16
+    assert torch.equal(fused, silu_and_mul(packed(x)))
+    gate, up = (x.float() @ linear.weight.float().t() + (linear.bias.float() if with_bias else 0)).bfloat16().chunk(2, 1)
+    torch.testing.assert_close(fused, (torch.nn.functional.silu(gate.float()).bfloat16() * up).bfloat16(), rtol=2**-6,
+                               atol=1e-2)
+
+
+def test_gate_up_silu_refuses_widths_off_the_panels():
+    brgemm_only()
+    from kvfleet_kernels import cpu_linear  # noqa: PLC0415
+
+    assert not cpu_linear.can_fuse_silu_and_mul("brgemm", 2 * 100) and not cpu_linear.can_fuse_silu_and_mul("vnni", 256)
+    packed = cpu_linear.pack_weight(torch.ones(200, 8), "brgemm")
+    with pytest.raises(RuntimeError, match="I a multiple of 64"):
+        cpu_linear.gate_up_silu(torch.ones(2, 8, dtype=torch.bfloat16), packed, 200, None)
+
+
+def test_gated_mlps_fuse_only_silu_on_a_plain_packed_projection():
+    """On an AMX host a bf16 Llama's SiLU MLPs take the fused path (and still match transformers:
+    the parity tests), a GeGLU one does not, and a LoRA-wrapped gate_up keeps its adapters."""
+    brgemm_only()
+    from transformers import LlamaConfig  # noqa: PLC0415
+
+    from engine.models.layers import fuse_gate_up_silu, use_cpu_layers, use_onednn_linears  # noqa: PLC0415
+    from engine.models.llama import LlamaMLP  # noqa: PLC0415
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, hidden_act="silu")
+    silu, gelu = LlamaMLP(config).bfloat16(), LlamaMLP(config, activation="gelu_pytorch_tanh").bfloat16()
+    model = nn.ModuleList([silu, gelu])
+    use_cpu_layers(model)
+    x = torch.randn(5, 64).bfloat16()
+    expected = silu(x)  # unfused: torch's linears, then the native silu_and_mul
+    use_onednn_linears(model, batch_size_hint=8)
+    assert silu.fused_gate_up_act is not None and gelu.fused_gate_up_act is None
+    assert torch.equal(silu(x), silu.down_proj(silu.act_and_mul(silu.gate_up_proj(x))))
+    torch.testing.assert_close(silu(x), expected, rtol=2**-6, atol=1e-2)
+    wrapped = LlamaMLP(config).bfloat16()
+    use_cpu_layers(wrapped)
+    wrapped.gate_up_proj = nn.Sequential(wrapped.gate_up_proj)  # stands for LinearWithLoRA around it
+    fuse_gate_up_silu(wrapped)
+    assert wrapped.fused_gate_up_act is None
