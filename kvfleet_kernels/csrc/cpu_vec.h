@@ -132,6 +132,17 @@ inline void store16(at::Half* p, vfloat v) {
   std::memcpy(p, &narrow, sizeof narrow);
 }
 
+// An optimization barrier: v is materialized here as computed, and g++ cannot fold the
+// operations before and after it into one reordered expression. A no-op without AVX-512, where
+// a 16-lane value spans several registers (nothing that needs it runs there).
+inline void pin(vfloat& v) {
+#if defined(__AVX512F__)
+  asm("" : "+v"(v));
+#else
+  (void)v;
+#endif
+}
+
 // 16 fp32 lanes rounded to scalar_t and widened back: where a torch op on bf16/fp16 tensors
 // would round its result before the next op reads it.
 template <typename scalar_t>
@@ -158,14 +169,16 @@ inline vfloat round16<at::BFloat16>(vfloat v) {
 // act(gate) * up rounds: the SiLU to scalar_t before the product (the caller's store rounds the
 // product). sigmoid(g) through exp16 on -|g| (relative error < 2e-7), so a result can differ
 // from torch's in its last bit when the fp32 value sits within that of a rounding boundary.
-// Not inlined, so that silu_and_mul and the fused gate_up product (csrc/brgemm_linear_cpu.cpp)
-// run one copy of it: inlined, -funsafe-math-optimizations let g++ order its products
-// differently in each, and 0.05% of their outputs differed in the last bit.
+// silu_and_mul and the fused gate_up product (csrc/brgemm_linear_cpu.cpp) must agree bit for
+// bit, yet -funsafe-math-optimizations lets g++ reorder the products around an inlined call
+// differently in each (a reciprocal form of this differed in 0.05% of outputs): the sigmoid is
+// pinned, so the ops on each side of it stay as written.
 template <typename scalar_t>
-__attribute__((noinline)) vfloat silu_mul16(vfloat gate, vfloat up) {
+inline vfloat silu_mul16(vfloat gate, vfloat up) {
   const vfloat zero{}, one = zero + 1.f;
   const vfloat t = exp16(gate < zero ? gate : -gate);  // e^-|g|
-  const vfloat sigmoid = (gate < zero ? t : one) / (one + t);
+  vfloat sigmoid = (gate < zero ? t : one) / (one + t);
+  pin(sigmoid);
   return round16<scalar_t>(gate * sigmoid) * up;
 }
 
