@@ -285,7 +285,7 @@ class PackedBf16Linear(nn.Module):
         from kvfleet_kernels import cpu_linear  # noqa: PLC0415 (builds the library)
 
         self.in_features, self.out_features, self.kernel = linear.in_features, linear.out_features, kernel
-        self._linear = cpu_linear.linear
+        self._linear, self._gate_up_silu = cpu_linear.linear, cpu_linear.gate_up_silu
         # [ceil(out / 64), in * 64] bf16 in the kernel's VNNI panels, only readable by it
         self.register_buffer("packed_weight", cpu_linear.pack_weight(linear.weight, kernel))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().contiguous())
@@ -302,9 +302,7 @@ class PackedBf16Linear(nn.Module):
     def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """As a gated MLP's gate_up projection: x [num_tokens, in_features] -> SiLU(gate) * up
         [num_tokens, out_features / 2] bf16, in one pass (can_fuse_silu_and_mul)."""
-        from kvfleet_kernels import cpu_linear  # noqa: PLC0415
-
-        return cpu_linear.gate_up_silu(x, self.packed_weight, self.out_features, self.bias)
+        return self._gate_up_silu(x, self.packed_weight, self.out_features, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"

@@ -77,7 +77,7 @@ void brgemm_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor&
   const float* bias_data = bias ? bias->const_data_ptr<float>() : nullptr;
   at::BFloat16* c = out.data_ptr<at::BFloat16>();
   at::parallel_for(0, row_blocks * col_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(kBlockM * kBlockN);  // [kBlockM, kBlockN] fp32 sums
+    std::vector<float> acc(std::min(rows, kBlockM) * kBlockN);  // [rows of a block, kBlockN] fp32 sums
     for (int64_t item = begin; item < end; ++item) {
       const int64_t row0 = item / col_blocks * kBlockM, col0 = item % col_blocks * kBlockN;
       const int64_t num_rows = std::min(kBlockM, rows - row0);
