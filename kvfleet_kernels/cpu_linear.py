@@ -66,17 +66,21 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
 
 
 def can_fuse_silu_and_mul(kernel: str, out_features: int) -> bool:
-    """Whether `gate_up_silu` takes a gate_up weight of `out_features` on `kernel`: brgemm only,
-    with I = out_features / 2 a multiple of the 64-column panels, so gate and up panels pair up."""
-    return kernel == "brgemm" and out_features % 128 == 0
+    """Whether `gate_up_silu` takes a gate_up weight of `out_features` on `kernel` (either): I =
+    out_features / 2 a multiple of the 64-column panels, so gate and up panels pair up."""
+    return kernel in KERNELS and out_features % 128 == 0
 
 
-def gate_up_silu(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """A gated MLP's gate_up projection and silu_and_mul in one pass (brgemm): x [rows, K] @
-    weight^T + bias = [gate, up] [rows, out_features] -> SiLU(gate) * up [rows, out_features / 2]
-    bf16, bit for bit `silu_and_mul(linear(...))` (kvfleet_kernels/cpu_layers.py)."""
+def gate_up_silu(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None,
+                 kernel: str) -> torch.Tensor:
+    """A gated MLP's gate_up projection and silu_and_mul in one pass: x [rows, K] @ weight^T + bias
+    = [gate, up] [rows, out_features] -> SiLU(gate) * up [rows, out_features / 2] bf16, bit for
+    bit `silu_and_mul(linear(...))` (kvfleet_kernels/cpu_layers.py)."""
     if x.dtype != torch.bfloat16 or x.stride(-1) != 1:
         x = x.to(torch.bfloat16).contiguous()
     out = x.new_empty((x.shape[0], out_features // 2))
-    torch.ops.kvfleet_cpu.brgemm_gate_up_silu(out, x, packed, bias)
+    if kernel == "brgemm":
+        torch.ops.kvfleet_cpu.brgemm_gate_up_silu(out, x, packed, bias)
+    else:
+        torch.ops.kvfleet_cpu.vnni_gate_up_silu(out, x, packed, bias)
     return out

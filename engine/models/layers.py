@@ -302,7 +302,7 @@ class PackedBf16Linear(nn.Module):
     def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """As a gated MLP's gate_up projection: x [num_tokens, in_features] -> SiLU(gate) * up
         [num_tokens, out_features / 2] bf16, in one pass (can_fuse_silu_and_mul)."""
-        return self._gate_up_silu(x, self.packed_weight, self.out_features, self.bias)
+        return self._gate_up_silu(x, self.packed_weight, self.out_features, self.bias, self.kernel)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"

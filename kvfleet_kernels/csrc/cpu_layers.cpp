@@ -159,8 +159,8 @@ void add_layer_norm(const at::Tensor& out, const std::optional<at::Tensor>& out_
 // SiLU(gate) * up over an MLP's fused gate_up output, vLLM's silu_and_mul: one pass where
 // torch makes two (silu, then mul) over [rows, intermediate] tensors and a temporary; on a
 // prefill step of SmolLM2 those two took ~7% of the step. Rounds where transformers does
-// (silu_mul16, csrc/cpu_vec.h). On AMX hosts the brgemm linears fuse it into the gate_up
-// product instead (csrc/brgemm_linear_cpu.cpp: brgemm_gate_up_silu).
+// (silu_mul16, csrc/cpu_vec.h). Where a bf16 gate_up runs on a packed kernel, that kernel fuses
+// it into the product instead (brgemm_gate_up_silu, vnni_gate_up_silu).
 template <typename scalar_t>
 void silu_and_mul_kernel(scalar_t* out, const scalar_t* x, int64_t rows, int64_t width, int64_t x_stride) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {

@@ -169,9 +169,9 @@ inline vfloat round16<at::BFloat16>(vfloat v) {
 // act(gate) * up rounds: the SiLU to scalar_t before the product (the caller's store rounds the
 // product). sigmoid(g) through exp16 on -|g| (relative error < 2e-7), so a result can differ
 // from torch's in its last bit when the fp32 value sits within that of a rounding boundary.
-// silu_and_mul and the fused gate_up product (csrc/brgemm_linear_cpu.cpp) must agree bit for
-// bit, yet -funsafe-math-optimizations lets g++ reorder the products around an inlined call
-// differently in each (a reciprocal form of this differed in 0.05% of outputs): the sigmoid is
+// silu_and_mul and the fused gate_up products (brgemm_linear_cpu.cpp, vnni_linear_cpu.cpp) must
+// agree bit for bit, yet -funsafe-math-optimizations lets g++ reorder the products around an
+// inlined call differently in each (a reciprocal form of this differed in 0.05% of outputs): the sigmoid is
 // pinned, so the ops on each side of it stay as written.
 template <typename scalar_t>
 inline vfloat silu_mul16(vfloat gate, vfloat up) {

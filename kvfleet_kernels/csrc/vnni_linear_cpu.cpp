@@ -41,6 +41,10 @@ bool vnni_linear_supported() { return kvfleet_cpu::kHasBf16Dot; }
 
 #if defined(__AVX512BF16__)
 
+// What a tile's epilogue writes: the rounded sums (a plain linear, and the gate half of a fused
+// gate_up), or SiLU(gate) * up from the up half's sums and the gate the first pass left in out.
+enum class Epilogue { kStore, kSiluMulGate };
+
 struct LinearArgs {
   const at::BFloat16* x;  // [rows, K], row stride x_stride
   const at::BFloat16* packed;  // [panels, K * 64]
@@ -60,7 +64,7 @@ struct NextPanel {
 // out[r, c] for TILE rows from row0 and the VECTORS x 16 columns of panel `panel` from its vector
 // `first`: sum over pairs p of x[r, 2p:2p+2] . W^T[2p:2p+2, c], each row's pair broadcast
 // against the vectors.
-template <int TILE, int VECTORS>
+template <int TILE, int VECTORS, Epilogue EPILOGUE>
 void panel_tile(const LinearArgs& args, int64_t row0, int64_t panel, int first, NextPanel next) {
   const at::BFloat16* weights = args.packed + panel * args.k * kPanelColumns + 32 * first;
   const at::BFloat16* x = args.x + row0 * args.x_stride;
@@ -90,7 +94,12 @@ void panel_tile(const LinearArgs& args, int64_t row0, int64_t panel, int first, 
       const int64_t lanes = std::min<int64_t>(16, cols - 16 * v);
       const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1);
       if (args.bias) sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(mask, args.bias + col0 + 16 * v));
-      _mm256_mask_storeu_epi16(out + 16 * v, mask, (__m256i)_mm512_cvtneps_pbh(sum));  // round to nearest even
+      if constexpr (EPILOGUE == Epilogue::kStore) {
+        _mm256_mask_storeu_epi16(out + 16 * v, mask, (__m256i)_mm512_cvtneps_pbh(sum));  // round to nearest even
+      } else {  // full panels only (gate_up_silu checks I): silu_and_mul's rounding, bit for bit
+        const kvfleet_cpu::vfloat up = kvfleet_cpu::round16<at::BFloat16>(sum);
+        kvfleet_cpu::store16(out + 16 * v, kvfleet_cpu::silu_mul16<at::BFloat16>(kvfleet_cpu::load16(out + 16 * v), up));
+      }
     }
   }
 }
@@ -99,7 +108,7 @@ void panel_tile(const LinearArgs& args, int64_t row0, int64_t panel, int first, 
 // passes of as even a size as may be (8 rows: 4 + 4, not 6 + 2: a pass of few rows loads as many
 // weight vectors for fewer products); each pass prefetches its share of `next_panel` (nullptr:
 // none).
-template <int VECTORS>
+template <int VECTORS, Epilogue EPILOGUE = Epilogue::kStore>
 void panel_rows(const LinearArgs& args, int64_t row0, int64_t count, int64_t panel, int first,
                 const at::BFloat16* next_panel) {
   if (panel * kPanelColumns + 16 * first >= args.n) return;  // a slice wholly in the padding
@@ -112,30 +121,65 @@ void panel_rows(const LinearArgs& args, int64_t row0, int64_t count, int64_t pan
       next = {reinterpret_cast<const char*>(next_panel) + 64 * first_line, panel_lines * (pass + 1) / passes - first_line};
     }
     switch (rows) {
-      case 6: panel_tile<6, VECTORS>(args, r, panel, first, next); break;
-      case 5: panel_tile<5, VECTORS>(args, r, panel, first, next); break;
-      case 4: panel_tile<4, VECTORS>(args, r, panel, first, next); break;
-      case 3: panel_tile<3, VECTORS>(args, r, panel, first, next); break;
-      case 2: panel_tile<2, VECTORS>(args, r, panel, first, next); break;
-      default: panel_tile<1, VECTORS>(args, r, panel, first, next); break;
+      case 6: panel_tile<6, VECTORS, EPILOGUE>(args, r, panel, first, next); break;
+      case 5: panel_tile<5, VECTORS, EPILOGUE>(args, r, panel, first, next); break;
+      case 4: panel_tile<4, VECTORS, EPILOGUE>(args, r, panel, first, next); break;
+      case 3: panel_tile<3, VECTORS, EPILOGUE>(args, r, panel, first, next); break;
+      case 2: panel_tile<2, VECTORS, EPILOGUE>(args, r, panel, first, next); break;
+      default: panel_tile<1, VECTORS, EPILOGUE>(args, r, panel, first, next); break;
     }
   }
 }
 
 // Work item `item` of row_blocks x panels x slices, row-block major: a block of rows against one
-// slice (4 / slices vectors) of one panel. A whole panel also asks for the thread's next one.
-void linear_item(const LinearArgs& args, int64_t item, int64_t end, int slices) {
+// slice (4 / slices vectors, from vector `first`) of one panel.
+struct Item {
+  int64_t row0, rows, panel;
+  int first;
+};
+Item item_at(const LinearArgs& args, int64_t item, int slices) {
   const int64_t per_block = args.panels * slices, row0 = item / per_block * kBlockRows;
-  const int64_t panel = item % per_block / slices, rows = std::min(kBlockRows, args.rows - row0);
-  const int first = static_cast<int>(item % slices) * (kPanelVectors / slices);
+  return {row0, std::min(kBlockRows, args.rows - row0), item % per_block / slices,
+          static_cast<int>(item % slices) * (kPanelVectors / slices)};
+}
+
+// The item's rows against its slice; a whole panel also asks for `next` (nullptr: none).
+template <Epilogue EPILOGUE = Epilogue::kStore>
+void run_item(const LinearArgs& args, const Item& it, int slices, const at::BFloat16* next) {
   if (slices == 1) {
-    const at::BFloat16* next = item + 1 < end ? args.packed + (item + 1) % args.panels * args.k * kPanelColumns : nullptr;
-    panel_rows<kPanelVectors>(args, row0, rows, panel, 0, next);
+    panel_rows<kPanelVectors, EPILOGUE>(args, it.row0, it.rows, it.panel, 0, next);
   } else if (slices == 2) {
-    panel_rows<2>(args, row0, rows, panel, first, nullptr);
+    panel_rows<2, EPILOGUE>(args, it.row0, it.rows, it.panel, it.first, nullptr);
   } else {
-    panel_rows<1>(args, row0, rows, panel, first, nullptr);
+    panel_rows<1, EPILOGUE>(args, it.row0, it.rows, it.panel, it.first, nullptr);
   }
+}
+
+const at::BFloat16* panel_at(const LinearArgs& args, int64_t panel) { return args.packed + panel * args.k * kPanelColumns; }
+
+// A plain linear's item; a whole panel asks for the thread's next one.
+void linear_item(const LinearArgs& args, int64_t item, int64_t end, int slices) {
+  const at::BFloat16* next = item + 1 < end ? panel_at(args, (item + 1) % args.panels) : nullptr;
+  run_item(args, item_at(args, item, slices), slices, next);
+}
+
+// A fused gate_up item: gate panel c into out as bf16, then up panel c (`up` is `gate` moved on
+// by I columns of weight and bias) combined with it. The gate pass asks for its up panel, the up
+// pass for the thread's next gate panel.
+void gate_up_item(const LinearArgs& gate, const LinearArgs& up, int64_t item, int64_t end, int slices) {
+  const Item it = item_at(gate, item, slices);
+  run_item(gate, it, slices, panel_at(up, it.panel));
+  const at::BFloat16* next = item + 1 < end ? panel_at(gate, (item + 1) % gate.panels) : nullptr;
+  run_item<Epilogue::kSiluMulGate>(up, it, slices, next);
+}
+
+// Fewer (row block, panel) items than threads (a narrow layer at decode sizes on a many-core
+// CPU): panels split into slices of 2 or 1 vectors, a thread then reading 2 or 1 of the 4
+// cache lines of each pair. A column's sum is the same whichever slice computes it.
+int slices_for(int64_t items) {
+  int slices = 1;
+  while (slices < kPanelVectors && items * slices < at::get_num_threads()) slices *= 2;
+  return slices;
 }
 
 #endif  // __AVX512BF16__
@@ -166,13 +210,38 @@ void vnni_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& p
                         bias ? bias->const_data_ptr<float>() : nullptr, out.data_ptr<at::BFloat16>(),
                         x.size(0), x.size(1), out.size(1), packed.size(0), x.stride(0), out.stride(0)};
   const int64_t row_blocks = (args.rows + kBlockRows - 1) / kBlockRows;
-  // Fewer (row block, panel) items than threads (a narrow layer at decode sizes on a many-core
-  // CPU): panels split into slices of 2 or 1 vectors, a thread then reading 2 or 1 of the 4
-  // cache lines of each pair. A column's sum is the same whichever slice computes it.
-  int slices = 1;
-  while (slices < kPanelVectors && row_blocks * args.panels * slices < at::get_num_threads()) slices *= 2;
+  const int slices = slices_for(row_blocks * args.panels);
   at::parallel_for(0, row_blocks * args.panels * slices, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) linear_item(args, item, end, slices);
+  });
+#endif
+}
+
+// out [M, I] = SiLU(gate) * up for [gate, up] = x [M, K] @ weight^T + bias: a gated MLP's gate_up
+// projection and silu_and_mul in one pass, bit for bit the two ops (as brgemm_gate_up_silu on AMX
+// hosts), so that the [M, 2I] product never goes to memory and back. weight [2I, K] as
+// pack_vnni_weight left it, I a multiple of 64: gate panel c pairs with up panel c + I / 64.
+void vnni_gate_up_silu(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+                       const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(vnni_linear_supported(), "vnni_gate_up_silu needs a CPU with avx512_bf16 (and this library built for it)");
+  kvfleet_cpu::check_packed_input(x, packed, "pack_vnni_weight");
+  const int64_t width = out.size(1), gate_panels = width / kPanelColumns;
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.size(0) == x.size(0) &&
+                  width % kPanelColumns == 0 && packed.size(0) == 2 * gate_panels && out.device().is_cpu(),
+              "out must be [M, I] bf16 on the CPU, I a multiple of 64 and half the packed weight's N");
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == 2 * width),
+              "bias must be [2 * I] fp32");
+#if defined(__AVX512BF16__)
+  const LinearArgs gate{x.const_data_ptr<at::BFloat16>(), packed.const_data_ptr<at::BFloat16>(),
+                        bias ? bias->const_data_ptr<float>() : nullptr, out.data_ptr<at::BFloat16>(),
+                        x.size(0), x.size(1), width, gate_panels, x.stride(0), width};
+  LinearArgs up = gate;
+  up.packed += gate_panels * gate.k * kPanelColumns;
+  if (up.bias) up.bias += width;
+  const int64_t row_blocks = (gate.rows + kBlockRows - 1) / kBlockRows;
+  const int slices = slices_for(row_blocks * gate_panels);
+  at::parallel_for(0, row_blocks * gate_panels * slices, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) gate_up_item(gate, up, item, end, slices);
   });
 #endif
 }
@@ -182,10 +251,12 @@ void vnni_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& p
 TORCH_LIBRARY_FRAGMENT(kvfleet_cpu, m) {
   m.def("pack_vnni_weight(Tensor weight) -> Tensor");
   m.def("vnni_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias=None) -> ()");
+  m.def("vnni_gate_up_silu(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias=None) -> ()");
   m.def("vnni_linear_supported() -> bool", &vnni_linear_supported);
 }
 
 TORCH_LIBRARY_IMPL(kvfleet_cpu, CPU, m) {
   m.impl("pack_vnni_weight", &pack_vnni_weight);
   m.impl("vnni_linear", &vnni_linear);
+  m.impl("vnni_gate_up_silu", &vnni_gate_up_silu);
 }

@@ -150,17 +150,13 @@ def test_bf16_linears_take_the_preferred_kernel(monkeypatch, kernel):
     assert type(fp32[0]).__name__ == "OneDNNLinear"
 
 
-def brgemm_only():
-    if "brgemm" not in bf16_kernels():
-        pytest.skip("no brgemm bf16 linears on this CPU")
-
-
-@pytest.mark.parametrize("rows", [1, 24, 300])
+@each_bf16_kernel
+@pytest.mark.parametrize("rows", [1, 5, 24, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_gate_up_silu_is_the_linear_then_silu_and_mul_bit_for_bit(rows, with_bias):
-    """The fused gate_up + SiLU-and-mul (brgemm) rounds gate and up to bf16 before the SiLU, as
-    the two ops do: its output equals theirs exactly, over one and two 256-row blocks."""
-    brgemm_only()
+def test_gate_up_silu_is_the_linear_then_silu_and_mul_bit_for_bit(kernel, rows, with_bias):
+    """The fused gate_up + SiLU-and-mul rounds gate and up to bf16 before the SiLU, as the two
+    ops do: its output equals theirs exactly, over tiles of every row count and over several row
+    blocks (128 rows a block on vnni, 256 on brgemm)."""
     from engine.models.layers import PackedBf16Linear  # noqa: PLC0415
     from kvfleet_kernels.cpu_layers import silu_and_mul  # noqa: PLC0415
 
@@ -171,7 +167,7 @@ def test_gate_up_silu_is_the_linear_then_silu_and_mul_bit_for_bit(rows, with_bia
         if with_bias:
             linear.bias.copy_(torch.randn(2 * 192, generator=generator))
     x = torch.randn(rows, 96, generator=generator).bfloat16()
-    packed = PackedBf16Linear(linear, "brgemm")
+    packed = PackedBf16Linear(linear, kernel)
     assert packed.can_fuse_silu_and_mul()
     fused = packed.forward_silu_and_mul(x)
     assert fused.shape == (rows, 192) and fused.dtype == torch.bfloat16
@@ -181,20 +177,45 @@ def test_gate_up_silu_is_the_linear_then_silu_and_mul_bit_for_bit(rows, with_bia
                                atol=1e-2)
 
 
-def test_gate_up_silu_refuses_widths_off_the_panels():
-    brgemm_only()
+def test_gate_up_silu_splits_narrow_layers_over_many_threads_with_the_same_bits():
+    """With more threads than (row block, panel) items, vnni splits each panel into slices of 2
+    or 1 vectors; each slice's gate and up pass still pair up, and the bits do not change."""
+    if "vnni" not in bf16_kernels():
+        pytest.skip("no vnni bf16 linears on this CPU")
+    from kvfleet_kernels import cpu_linear  # noqa: PLC0415
+    from kvfleet_kernels.cpu_layers import silu_and_mul  # noqa: PLC0415
+
+    generator = torch.Generator().manual_seed(7)
+    weight, x = torch.randn(2 * 64, 32, generator=generator), torch.randn(3, 32, generator=generator).bfloat16()
+    packed = cpu_linear.pack_weight(weight, "vnni")
+    threads = torch.get_num_threads()
+    try:
+        for count in (2, 4, 8):  # one gate panel: slices of 4, 2 and 1 vectors
+            torch.set_num_threads(count)
+            fused = cpu_linear.gate_up_silu(x, packed, 128, None, "vnni")
+            assert torch.equal(fused, silu_and_mul(cpu_linear.linear(x, packed, 128, None, "vnni"))), count
+    finally:
+        torch.set_num_threads(threads)
+
+
+@each_bf16_kernel
+def test_gate_up_silu_refuses_widths_off_the_panels(kernel):
     from kvfleet_kernels import cpu_linear  # noqa: PLC0415
 
-    assert not cpu_linear.can_fuse_silu_and_mul("brgemm", 2 * 100) and not cpu_linear.can_fuse_silu_and_mul("vnni", 256)
-    packed = cpu_linear.pack_weight(torch.ones(200, 8), "brgemm")
+    assert not cpu_linear.can_fuse_silu_and_mul(kernel, 2 * 100) and cpu_linear.can_fuse_silu_and_mul(kernel, 256)
+    packed = cpu_linear.pack_weight(torch.ones(200, 8), kernel)
     with pytest.raises(RuntimeError, match="I a multiple of 64"):
-        cpu_linear.gate_up_silu(torch.ones(2, 8, dtype=torch.bfloat16), packed, 200, None)
+        cpu_linear.gate_up_silu(torch.ones(2, 8, dtype=torch.bfloat16), packed, 200, None, kernel)
 
 
-def test_gated_mlps_fuse_only_silu_on_a_plain_packed_projection():
-    """On an AMX host a bf16 Llama's SiLU MLPs take the fused path (and still match transformers:
-    the parity tests), a GeGLU one does not, and a LoRA-wrapped gate_up keeps its adapters."""
-    brgemm_only()
+@each_bf16_kernel
+def test_gated_mlps_fuse_only_silu_on_a_plain_packed_projection(kernel, monkeypatch):
+    """With either bf16 kernel a Llama's SiLU MLPs take the fused path (and still match
+    transformers: the parity tests), a GeGLU one does not, and a LoRA-wrapped gate_up keeps its
+    adapters."""
+    from kvfleet_kernels import cpu_linear  # noqa: PLC0415
+
+    monkeypatch.setattr(cpu_linear, "preferred_kernel", lambda: kernel)
     from transformers import LlamaConfig  # noqa: PLC0415
 
     from engine.models.layers import fuse_gate_up_silu, use_cpu_layers, use_onednn_linears  # noqa: PLC0415
