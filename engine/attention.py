@@ -87,6 +87,8 @@ class TorchAttentionBackend:
         """query [T, Hq, D], key/value [T, Hkv, D], caches as cache_views gives them -> [T, Hq, D];
         sinks [Hq] or None (kvfleet_kernels/reference.py: prefill_attention)"""
         self.store_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+        if not meta.prefills:  # a decode-only step: the kernel's output is the layer's, no copy
+            return self.decode(query, key_cache, value_cache, meta, scale, sliding_window, sinks)
         out = torch.empty_like(query)
         for span in meta.prefills:
             rows = slice(span.query_start, span.query_start + span.num_queries)
@@ -149,8 +151,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-        self._kernels.store_keys(key, key_cache, slot_mapping)
-        reference.store_rows(value, value_cache, slot_mapping)
+        self._kernels.store_kv(key, value, key_cache, value_cache, slot_mapping)
 
     def gather_keys(self, key_cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
         return self._kernels.gather_keys(key_cache, block_table, context_len)

@@ -123,6 +123,19 @@ def store_keys(key: torch.Tensor, key_cache: torch.Tensor, slot_mapping: torch.T
     torch.ops.kvfleet_cpu.store_keys(key_cache, key, slot_mapping)
 
 
+def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """store_keys, and value [num_tokens, Hkv, D] into the same slots of the plain value cache
+    [num_blocks, block_size, Hkv, D]: one call for a layer's new K/V (reference.store_kv's contract,
+    the keys in this kernel's layout). Each token's rows are read in place when dense."""
+    require_built()
+    if key.stride(2) != 1 or key.stride(1) != key.shape[2]:
+        key = key.contiguous()
+    if value.stride(2) != 1 or value.stride(1) != value.shape[2]:
+        value = value.contiguous()
+    torch.ops.kvfleet_cpu.store_kv(key_cache, value_cache, key, value, slot_mapping)
+
+
 def gather_keys(key_cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
     """One sequence's first context_len keys from a key cache in the kernel's layout, in token
     order: [context_len, Hkv, D] (as kvfleet_kernels.reference.gather_kv reads the plain layout)."""

@@ -22,6 +22,7 @@ from kvfleet_kernels.cpu_paged_attention import (
     pack_key_cache,
     paged_decode_attention,
     store_keys,
+    store_kv,
 )
 from tests.kvfleet_kernels.test_reference import attention_sinks, paged_setup
 
@@ -231,6 +232,28 @@ def test_key_layout_stores_and_gathers_what_the_plain_cache_holds(dtype, words, 
     table = torch.tensor([4, 0, 2, 5])
     for context_len in (1, block_size, 3 * block_size + 1):
         assert torch.equal(gather_keys(laid_out, table, context_len), reference.gather_kv(plain, table, context_len))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_writes_keys_and_values_where_the_reference_store_does(dtype):
+    """One call stores a step's keys in the kernel's layout and its values in the plain cache:
+    both caches equal what reference.store_kv leaves, from slices of a fused qkv row (tokens
+    apart, read in place); slots outside the cache and mismatched values are refused."""
+    generator = torch.Generator().manual_seed(5)
+    plain_keys, plain_values = torch.zeros(5, 16, 3, 64, dtype=dtype), torch.zeros(5, 16, 3, 64, dtype=dtype)
+    key_cache, value_cache = key_cache_view(torch.zeros_like(plain_keys)), torch.zeros_like(plain_values)
+    slots = torch.randperm(5 * 16, generator=generator)[:21]
+    qkv = torch.randn(21, (9 + 3 + 3) * 64, generator=generator).to(dtype)  # [T, (Hq + 2 Hkv) D]
+    key, value = qkv[:, 9 * 64:12 * 64].view(21, 3, 64), qkv[:, 12 * 64:].view(21, 3, 64)
+    reference.store_kv(key, value, plain_keys, plain_values, slots)
+    store_kv(key, value, key_cache, value_cache, slots)
+    assert torch.equal(key_cache, pack_key_cache(plain_keys)) and torch.equal(value_cache, plain_values)
+    with pytest.raises(RuntimeError, match="slot 80 is outside the cache"):
+        store_kv(key[:1], value[:1], key_cache, value_cache, torch.tensor([80]))
+    with pytest.raises(RuntimeError, match="value must be as key"):
+        store_kv(key[:2], value[:1], key_cache, value_cache, slots[:2])
+    with pytest.raises(RuntimeError, match="value_cache must be"):
+        store_kv(key[:1], value[:1], key_cache, value_cache[:2], slots[:1])
 
 
 def test_key_layout_refuses_what_it_cannot_hold():
