@@ -110,13 +110,8 @@ void store_silu_block(at::BFloat16* out, int64_t out_stride, const float* gate_a
 // c + I / 64.
 void brgemm_gate_up_silu(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                          const std::optional<at::Tensor>& bias) {
-  kvfleet_cpu::check_packed_input(x, packed, "pack_brgemm_weight");
+  kvfleet_cpu::check_gate_up_silu(out, x, packed, bias, "pack_brgemm_weight");
   const int64_t rows = x.size(0), k = x.size(1), width = out.size(1), gate_blocks = width / kBlockN;
-  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.size(0) == rows &&
-                  width % kBlockN == 0 && packed.size(0) == 2 * gate_blocks && out.device().is_cpu(),
-              "out must be [M, I] bf16 on the CPU, I a multiple of 64 and half the packed weight's N");
-  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == 2 * width),
-              "bias must be [2 * I] fp32");
   const int64_t row_blocks = (rows + kBlockM - 1) / kBlockM, buffer_rows = std::min(rows, kBlockM);
   const at::BFloat16* a = x.const_data_ptr<at::BFloat16>();
   const at::BFloat16* b = packed.const_data_ptr<at::BFloat16>();

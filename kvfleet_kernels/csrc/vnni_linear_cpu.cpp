@@ -224,13 +224,8 @@ void vnni_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& p
 void vnni_gate_up_silu(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                        const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(vnni_linear_supported(), "vnni_gate_up_silu needs a CPU with avx512_bf16 (and this library built for it)");
-  kvfleet_cpu::check_packed_input(x, packed, "pack_vnni_weight");
+  kvfleet_cpu::check_gate_up_silu(out, x, packed, bias, "pack_vnni_weight");
   const int64_t width = out.size(1), gate_panels = width / kPanelColumns;
-  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.size(0) == x.size(0) &&
-                  width % kPanelColumns == 0 && packed.size(0) == 2 * gate_panels && out.device().is_cpu(),
-              "out must be [M, I] bf16 on the CPU, I a multiple of 64 and half the packed weight's N");
-  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == 2 * width),
-              "bias must be [2 * I] fp32");
 #if defined(__AVX512BF16__)
   const LinearArgs gate{x.const_data_ptr<at::BFloat16>(), packed.const_data_ptr<at::BFloat16>(),
                         bias ? bias->const_data_ptr<float>() : nullptr, out.data_ptr<at::BFloat16>(),
