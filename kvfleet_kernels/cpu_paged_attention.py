@@ -20,7 +20,7 @@ import torch
 # One library, kvfleet_cpu: the decode kernel, the packed attention of embedding models
 # (kvfleet_kernels/cpu_varlen_attention.py), bf16 prefill attention (kvfleet_kernels/cpu_prefill_attention.py),
 # the CPU layers and the LoRA delta (kvfleet_kernels/cpu_layers.py), bf16 linears on the brgemm microkernel
-# (kvfleet_kernels/cpu_linear.py), and the key cache's own layout (below: store_keys, gather_keys).
+# (kvfleet_kernels/cpu_linear.py), and the key cache's own layout (below: store_kv, gather_keys).
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("paged_decode_cpu.cpp", "varlen_attention_cpu.cpp", "prefill_attention_cpu.cpp", "cpu_layers.cpp",
                          "lora_cpu.cpp", "brgemm_linear_cpu.cpp", "vnni_linear_cpu.cpp", "key_cache_cpu.cpp")]
@@ -113,21 +113,13 @@ def pack_key_cache(key_cache: torch.Tensor) -> torch.Tensor:
     return words.permute(0, 2, 3, 1, 4).contiguous()
 
 
-def store_keys(key: torch.Tensor, key_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """key [num_tokens, Hkv, D] into its slots (slot_mapping [num_tokens] int64) of a key cache
-    in the kernel's layout. Read in place when each token's [Hkv, D] is dense (a slice of the
-    fused qkv output is): no copy per layer."""
-    require_built()
-    if key.stride(2) != 1 or key.stride(1) != key.shape[2]:
-        key = key.contiguous()
-    torch.ops.kvfleet_cpu.store_keys(key_cache, key, slot_mapping)
-
-
 def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """store_keys, and value [num_tokens, Hkv, D] into the same slots of the plain value cache
-    [num_blocks, block_size, Hkv, D]: one call for a layer's new K/V (reference.store_kv's contract,
-    the keys in this kernel's layout). Each token's rows are read in place when dense."""
+    """A layer's new K/V into their slots (slot_mapping [num_tokens] int64), reference.store_kv's
+    contract with the keys in this kernel's layout: key [num_tokens, Hkv, D] into the laid-out key
+    cache, value [num_tokens, Hkv, D] into the plain value cache [num_blocks, block_size, Hkv, D].
+    Read in place when each token's [Hkv, D] is dense (a slice of the fused qkv output is): no
+    copy per layer."""
     require_built()
     if key.stride(2) != 1 or key.stride(1) != key.shape[2]:
         key = key.contiguous()

@@ -64,20 +64,10 @@ const int64_t* checked_slots(const KeyLayout& layout, const at::Tensor& key_cach
   return slots;
 }
 
-// key [num_tokens, num_kv_heads, head_dim] -> the slots slot_mapping [num_tokens] of key_cache.
-void store_keys(const at::Tensor& key_cache, const at::Tensor& key, const at::Tensor& slot_mapping) {
-  const KeyLayout layout(key_cache);
-  const int64_t* slots = checked_slots(layout, key_cache, key, slot_mapping);
-  auto* tokens = static_cast<char*>(key.data_ptr());
-  const int64_t token_bytes = key.stride(0) * key.element_size();
-  at::parallel_for(0, key.size(0), 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) layout.copy_token<true>(slots[t], tokens + t * token_bytes);
-  });
-}
-
-// store_keys, and value [num_tokens, num_kv_heads, head_dim] (each token's rows dense) into the
-// same slots of value_cache [num_blocks, block_size, num_kv_heads, head_dim]: a step's new K/V
-// in one call a layer, where index_copy_ for the values cost a second op and its dispatch.
+// key [num_tokens, num_kv_heads, head_dim] -> the slots slot_mapping [num_tokens] of key_cache,
+// and value (the same shape, each token's rows dense) into the same slots of value_cache
+// [num_blocks, block_size, num_kv_heads, head_dim]: a step's new K/V in one call a layer, where
+// index_copy_ for the values cost a second op and its dispatch.
 void store_kv(const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& key,
               const at::Tensor& value, const at::Tensor& slot_mapping) {
   const KeyLayout layout(key_cache);
@@ -127,13 +117,11 @@ at::Tensor gather_keys(const at::Tensor& key_cache, const at::Tensor& block_tabl
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvfleet_cpu, m) {
-  m.def("store_keys(Tensor(a!) key_cache, Tensor key, Tensor slot_mapping) -> ()");
   m.def("store_kv(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor key, Tensor value, Tensor slot_mapping) -> ()");
   m.def("gather_keys(Tensor key_cache, Tensor block_table, int context_len) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvfleet_cpu, CPU, m) {
-  m.impl("store_keys", &store_keys);
   m.impl("store_kv", &store_kv);
   m.impl("gather_keys", &gather_keys);
 }

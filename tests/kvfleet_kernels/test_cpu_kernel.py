@@ -21,7 +21,6 @@ from kvfleet_kernels.cpu_paged_attention import (
     load_error,
     pack_key_cache,
     paged_decode_attention,
-    store_keys,
     store_kv,
 )
 from tests.kvfleet_kernels.test_reference import attention_sinks, paged_setup
@@ -217,7 +216,7 @@ def test_bad_arguments_are_clear_errors(change, message):
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_key_layout_stores_and_gathers_what_the_plain_cache_holds(dtype, words, block_size):
     """The decode kernel's key layout, [blocks, Hkv, D / x, block_size, x], written through
-    store_keys and read back through gather_keys, holds exactly the plain cache's values. The keys
+    store_kv and read back through gather_keys, holds exactly the plain cache's values. The keys
     are a slice of a fused qkv row, as the models pass them (read in place, tokens apart)."""
     generator = torch.Generator().manual_seed(3)
     plain = torch.zeros(6, block_size, 3, 64, dtype=dtype)  # [blocks, block_size, Hkv, D]
@@ -227,7 +226,7 @@ def test_key_layout_stores_and_gathers_what_the_plain_cache_holds(dtype, words, 
     qkv = torch.randn(len(slots), (9 + 3 + 3) * 64, generator=generator).to(dtype)  # [T, (Hq + 2 Hkv) D]
     key = qkv[:, 9 * 64:12 * 64].view(len(slots), 3, 64)
     plain.view(-1, 3, 64).index_copy_(0, slots, key)
-    store_keys(key, laid_out, slots)
+    store_kv(key, key, laid_out, torch.zeros_like(plain), slots)
     assert torch.equal(laid_out, pack_key_cache(plain))
     table = torch.tensor([4, 0, 2, 5])
     for context_len in (1, block_size, 3 * block_size + 1):
@@ -257,11 +256,14 @@ def test_store_kv_writes_keys_and_values_where_the_reference_store_does(dtype):
 
 
 def test_key_layout_refuses_what_it_cannot_hold():
-    laid_out = key_cache_view(torch.zeros(2, 16, 2, 64, dtype=torch.bfloat16))
+    values = torch.zeros(2, 16, 2, 64, dtype=torch.bfloat16)
+    laid_out = key_cache_view(torch.zeros_like(values))
     with pytest.raises(RuntimeError, match="slot 32 is outside the cache"):
-        store_keys(torch.zeros(1, 2, 64, dtype=torch.bfloat16), laid_out, torch.tensor([32]))
+        key = torch.zeros(1, 2, 64, dtype=torch.bfloat16)
+        store_kv(key, key, laid_out, values, torch.tensor([32]))
     with pytest.raises(RuntimeError, match="key must be"):
-        store_keys(torch.zeros(1, 2, 32, dtype=torch.bfloat16), laid_out, torch.tensor([0]))
+        key = torch.zeros(1, 2, 32, dtype=torch.bfloat16)
+        store_kv(key, key, laid_out, values, torch.tensor([0]))
     with pytest.raises(RuntimeError, match="block 7 is outside the cache"):
         gather_keys(laid_out, torch.tensor([0, 7]), 20)
     with pytest.raises(ValueError, match="head_dim 63 must be a multiple of 2"):
