@@ -97,10 +97,13 @@ class RotaryEmbedding(nn.Module):
 
     @staticmethod
     def tables(inv_freq: torch.Tensor, scaling: float, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-        positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq.float()[None, :]  # [max_positions, rotary_dim / 2]
+        # On the CPU whatever the model's device (transformers' rope inits return CPU tensors),
+        # then to the device the model is built on (its `with torch.device(...)`).
+        positions = torch.arange(max_positions, dtype=torch.float32, device="cpu")
+        freqs = positions[:, None] * inv_freq.float().cpu()[None, :]  # [max_positions, rotary_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos() * scaling, emb.sin() * scaling
+        device = torch.get_default_device()
+        return (emb.cos() * scaling).to(device), (emb.sin() * scaling).to(device)
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                 seq_lens: torch.Tensor | None = None):
