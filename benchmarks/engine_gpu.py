@@ -1,14 +1,15 @@
 """kvfleet's engine against transformers on one CUDA device, in bf16, on a ~1.1B
 random Llama (TinyLlama's shape).
 
-    python -m benchmarks.engine_gpu [--json OUT.json] [--dry-run]
+    python -m benchmarks.engine_gpu [--json OUT.json] [--dry-run] [--peers static,continuous]
 
 256 requests (prompts 16-512 tokens, outputs 16-256, ignore_eos, fixed seed), the
 same token ids for every engine. Peers in the same run: transformers `generate` in
 left-padded static batches of 64, and its continuous batching (`generate_batch`'s
 engine). For kvfleet's decode-only steps it also reports the weights-read roofline:
 the weights' bytes at the device's measured copy bandwidth, against the step's
-median time. Goal: kvfleet >= 3x static `generate`.
+median time, then profiles decode-only steps of 64 sequences (host functions by own time,
+device kernels by time) for the log. Goal: kvfleet >= 3x static `generate`.
 
 --dry-run: a tiny Llama on the CPU in fp32, 8 requests: proves the script, not the speed.
 """
@@ -71,11 +72,52 @@ def run_kvfleet(model_dir: str, workload, max_batch_size: int, dtype: str, devic
             "num_decode_steps": len(decode_step_seconds)}
 
 
+def profile_decode_steps(model_dir: str, dtype: str, device: str, num_seqs: int = 64, num_steps: int = 8) -> dict:
+    """Where a decode step's time goes: cProfile's host functions (by own time) and torch's
+    profiler (ops by device time, then by host time) over num_steps decode-only steps of
+    num_seqs sequences. Printed for the log; the median step goes in the report."""
+    import cProfile  # noqa: PLC0415
+    import pstats  # noqa: PLC0415
+
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    llm = LLM(model_dir, dtype=dtype, device=device, max_num_seqs=num_seqs, enable_prefix_caching=False)
+    engine = llm.engine
+    for index in range(num_seqs):
+        engine.add_request(str(index), [3 + (index * 7 + j) % 200 for j in range(64)],
+                           SamplingParams(temperature=0, max_tokens=4 * num_steps + 8, ignore_eos=True,
+                                          detokenize=False))
+    while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_tokens - 1 for s in engine.scheduler.running):
+        engine.step()  # prefill everything first: what follows are decode-only steps
+    engine.step()
+    step_seconds = []
+    for _ in range(num_steps):
+        begin = time.perf_counter()
+        engine.step()
+        step_seconds.append(time.perf_counter() - begin)
+    profiler = cProfile.Profile()
+    profiler.runcall(lambda: [engine.step() for _ in range(num_steps)])
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as trace:
+        for _ in range(num_steps):
+            engine.step()
+        synchronize(device)
+    sort_by = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+    print(trace.key_averages().table(sort_by=sort_by, row_limit=25, max_name_column_width=60))
+    print(trace.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
+    median = statistics.median(step_seconds)
+    print(f"decode-only steps of {num_seqs} sequences: median {median * 1e3:.2f} ms")
+    return {"num_seqs": num_seqs, "median_step_s": median}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--dry-run", action="store_true", help="a tiny model on the CPU")
     parser.add_argument("--model-dir", help="where the random checkpoint is written (default: a temp folder)")
+    parser.add_argument("--peers", default="static,continuous",
+                        help="transformers peers to run: static (generate, the goal's peer), continuous")
     args = parser.parse_args(argv)
     if args.dry_run:
         config, device, dtype, workload = tiny_config(), "cpu", torch.float32, make_workload(
@@ -89,17 +131,24 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = ensure_model(folder, config)
     bandwidth = copy_bandwidth(device, 1 << (30 if device == "cuda" else 24))
     dtype_name = str(dtype).removeprefix("torch.")
-    results = {"kvfleet": run_kvfleet(model_dir, workload, 64, dtype_name, device),
-               "transformers_static": run_hf_static(model_dir, workload, 64, dtype=dtype, device=device),
-               "transformers_continuous": run_hf_continuous(model_dir, workload, 64, dtype=dtype, device=device)}
+    results = {"kvfleet": run_kvfleet(model_dir, workload, 64, dtype_name, device)}
+    peers = {"static": ("transformers_static", run_hf_static),
+             "continuous": ("transformers_continuous", run_hf_continuous)}
+    for name, run_peer in (peers[peer] for peer in args.peers.split(",") if peer):
+        try:  # a peer's own failure (another transformers version, say) costs only its row
+            results[name] = run_peer(model_dir, workload, 64, dtype=dtype, device=device)
+        except Exception as error:  # noqa: BLE001
+            print(f"{name} failed: {type(error).__name__}: {error}")
+            results[name] = {"error": f"{type(error).__name__}: {error}"}
     kvfleet = results["kvfleet"]
     ratios = {f"kvfleet_over_{name}": kvfleet["output_tokens_per_s"] / result["output_tokens_per_s"]
-              for name, result in results.items() if name != "kvfleet"}
+              for name, result in results.items() if name != "kvfleet" and "error" not in result}
     roofline_s = kvfleet["weight_bytes"] / bandwidth
     fraction = roofline_s / kvfleet["median_decode_step_s"] if kvfleet["median_decode_step_s"] else None
     print(f"{len(workload.prompts)} requests, {workload.num_output_tokens} output tokens, {dtype_name} on {device}")
     for name, result in results.items():
-        print(f"{name:28s} {result['output_tokens_per_s']:9.1f} output tok/s  ({result['seconds']:.1f} s)")
+        if "error" not in result:
+            print(f"{name:28s} {result['output_tokens_per_s']:9.1f} output tok/s  ({result['seconds']:.1f} s)")
     for name, ratio in ratios.items():
         print(f"{name:40s} {ratio:6.2f}x")
     if fraction is not None:
@@ -108,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     report = {"device": device, "dtype": dtype_name, "num_requests": len(workload.prompts),
               "copy_bytes_per_s": bandwidth, "results": results, "ratios": ratios,
               "weights_roofline_fraction": fraction}
+    try:  # a diagnosis for the log: its failure costs none of the numbers above
+        report["decode_profile"] = profile_decode_steps(model_dir, dtype_name, device, 4 if args.dry_run else 64)
+    except Exception as error:  # noqa: BLE001
+        print(f"decode profile failed: {type(error).__name__}: {error}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0

@@ -55,7 +55,8 @@ def run_hf_continuous(model_dir: str, workload: Workload, max_batch_size: int, d
                                          pad_token_id=0, eos_token_id=2)
     # Its cache is sized to the workload: left to infer it from free memory, on a CPU it takes
     # most of RAM and refills an attention mask of that width every step: 27 s for the dry run's 92 tokens.
-    page_size = ContinuousBatchingConfig.page_size
+    defaults = ContinuousBatchingConfig()  # the field is `block_size` up to 5.17, `page_size` in later 5.x
+    page_size = getattr(defaults, "page_size", None) or defaults.block_size
     num_blocks = sum(-(-(len(p) + n) // page_size) for p, n in zip(workload.prompts, workload.output_lens))
     manager = model.init_continuous_batching(
         generation_config=generation_config,
