@@ -35,21 +35,28 @@ import torch
 import torch.nn.functional as F
 
 DECODE_GRID = [(1, 512), (1, 4096), (8, 512), (8, 4096), (64, 512), (64, 4096), (256, 1024)]
-REPEATS = {"cuda": 20, "cpu": 2}  # the interpreter is slow, and its times mean nothing
+REPEATS = {"cuda": 7, "cpu": 2}  # the interpreter is slow, and its times mean nothing
+CALLS_PER_EVENT = 10
+# Decode plans swept at context 4096 (kvfleet_kernels/paged_attention.py: decode_plan):
+# (tile tokens, partition tokens (0: no split), num_warps).
+DECODE_PLANS = [(tile, partition, warps) for tile, partition in ((32, 0), (64, 0), (128, 0), (256, 0), (128, 512))
+                for warps in (4, 8)] + [(128, 256, 4), (128, 1024, 4)]
 
 
 def timed(fn, device: str) -> float:
-    """Median seconds of fn()."""
+    """Median seconds of fn() on the device: on CUDA, CALLS_PER_EVENT calls back to back between
+    two events, so that the host's launch latency hides behind the queue (device time)."""
     fn()
     times = []
     for _ in range(REPEATS[device]):
         if device == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            for _ in range(CALLS_PER_EVENT):
+                fn()
             end.record()
             torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1000)
+            times.append(start.elapsed_time(end) / 1000 / CALLS_PER_EVENT)
         else:
             begin = time.perf_counter()
             fn()
@@ -92,6 +99,26 @@ def bench_decode(device, dtype, sizes, grid, bandwidth) -> list[dict]:
         rows.append({"batch": batch, "context": context, "triton_s": triton_s, "sdpa_s": sdpa_s,
                      "bytes_per_s": moved / triton_s, "fraction_of_copy": moved / triton_s / bandwidth,
                      "sdpa_fraction_of_copy": moved / sdpa_s / bandwidth})
+    return rows
+
+
+def bench_decode_plans(device, dtype, sizes, shapes, plans, bandwidth) -> list[dict]:
+    """Each (tile, partition, warps) plan at each (batch, context): fraction of the copy
+    bandwidth, and which plan decode_plan picks by itself."""
+    from kvfleet_kernels.paged_attention import _num_multiprocessors, decode_plan, paged_decode_attention
+
+    heads, kv_heads, dim = sizes
+    rows = []
+    for batch, context in shapes:
+        kernel_inputs, _, moved = decode_case(batch, context, heads, kv_heads, dim, dtype, device)
+        chosen = decode_plan(batch, kv_heads, 16, context // 16, _num_multiprocessors(torch.device(device)))
+        for tile, partition, warps in plans:
+            seconds = timed(partial(paged_decode_attention, *kernel_inputs, dim**-0.5, partition_tokens=partition,
+                                    tile_tokens=tile, num_warps=warps), device)
+            rows.append({"batch": batch, "context": context, "tile": tile, "partition": partition, "warps": warps,
+                         "seconds": seconds, "fraction_of_copy": moved / seconds / bandwidth,
+                         "default": (tile, partition) == chosen[:2] and warps == 4})
+        del kernel_inputs
     return rows
 
 
@@ -193,6 +220,13 @@ def main(argv: list[str] | None = None) -> int:
     for row in decode:
         print(f"{row['batch']:>5} {row['context']:>7} {row['triton_s'] * 1e3:>9.3f} {row['sdpa_s'] * 1e3:>9.3f} "
               f"{row['bytes_per_s'] / 1e9:>7.0f} {row['fraction_of_copy']:>7.0%} {row['sdpa_fraction_of_copy']:>12.0%}")
+    plan_shapes, plans = ([(1, 64)], [(16, 0, 4), (16, 32, 4)]) if args.dry_run else \
+        ([(1, 4096), (8, 4096), (64, 4096)], DECODE_PLANS)
+    plan_rows = bench_decode_plans(device, dtype, sizes, plan_shapes, plans, bandwidth)
+    print(f"{'batch':>5} {'context':>7} {'tile':>4} {'split':>5} {'warps':>5} {'ms':>7} {'of copy':>7}")
+    for row in plan_rows:
+        print(f"{row['batch']:>5} {row['context']:>7} {row['tile']:>4} {row['partition']:>5} {row['warps']:>5} "
+              f"{row['seconds'] * 1e3:>7.3f} {row['fraction_of_copy']:>7.0%}{'  (default)' if row['default'] else ''}")
     prefill_row = bench_prefill(device, dtype, sizes, *prefill)
     print(f"prefill {prefill[0]} x {prefill[1]} causal: triton {prefill_row['triton_tflops']:.1f} TFLOP/s, "
           f"sdpa {prefill_row['sdpa_tflops']:.1f} TFLOP/s")
@@ -208,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     if goal is not None:
         print(f"decode at batch 64, context 4096: {goal:.0%} of the measured copy bandwidth (goal 70%)")
     report = {"device": name, "dtype": str(dtype), "dry_run": args.dry_run, "copy_bytes_per_s": bandwidth,
-              "decode": decode, "prefill": prefill_row, "varlen": varlen, "small_kernels": small, "decode_goal_fraction": goal}
+              "decode": decode, "decode_plans": plan_rows, "prefill": prefill_row, "varlen": varlen, "small_kernels": small, "decode_goal_fraction": goal}
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(report, handle, indent=2)

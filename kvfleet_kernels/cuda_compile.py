@@ -30,11 +30,20 @@ from triton.compiler import ASTSource
 # compile-time shapes to build: the engine's common cases at both ends of the grid.
 # Integer arguments are strides and counts: i32, as Triton's launcher passes values below 2**31.
 KERNELS = {
+    # Decode: whole context per program (Llama-8B's heads, 64-token tiles and 128), and split-K
+    # partitions (gpt-oss-like: 7 heads a KV head padded to 16 rows, sinks, 32-token blocks).
     "paged_attention": ("kvfleet_kernels.paged_attention", "_paged_decode_kernel", {
-        "out_ptr": "*T", "query_ptr": "*T", "key_cache_ptr": "*T", "value_cache_ptr": "*T",
+        "out_ptr": "*T", "partial_ptr": "*fp32", "query_ptr": "*T", "key_cache_ptr": "*T", "value_cache_ptr": "*T",
         "block_tables_ptr": "*i64", "context_lens_ptr": "*i64", "sinks_ptr": "*T", "scale": "fp32"},
-        [{"NUM_QUERIES_PER_KV": 4, "GROUP_BLOCK": 4, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "HAS_SINKS": False},
-         {"NUM_QUERIES_PER_KV": 7, "GROUP_BLOCK": 8, "HEAD_DIM": 64, "BLOCK_SIZE": 32, "HAS_SINKS": True}]),
+        [{"NUM_QUERIES_PER_KV": 4, "ROWS": 16, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "TILE": 64, "PARTITION_TILES": 1,
+          "SPLIT": False, "HAS_SINKS": False, "DOT_PRECISION": "tf32"},
+         {"NUM_QUERIES_PER_KV": 4, "ROWS": 16, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "TILE": 128, "PARTITION_TILES": 1,
+          "SPLIT": False, "HAS_SINKS": False, "DOT_PRECISION": "tf32"},
+         {"NUM_QUERIES_PER_KV": 7, "ROWS": 16, "HEAD_DIM": 64, "BLOCK_SIZE": 32, "TILE": 64, "PARTITION_TILES": 8,
+          "SPLIT": True, "HAS_SINKS": True, "DOT_PRECISION": "tf32"}]),
+    "paged_attention_combine": ("kvfleet_kernels.paged_attention", "_combine_partitions_kernel", {
+        "out_ptr": "*T", "partial_ptr": "*fp32", "sinks_ptr": "*T"},
+        [{"HEAD_DIM": 128, "PARTITIONS": 8, "HAS_SINKS": False}, {"HEAD_DIM": 64, "PARTITIONS": 32, "HAS_SINKS": True}]),
     "prefill_attention": ("kvfleet_kernels.prefill_attention", "_prefill_kernel", {
         "out_ptr": "*T", "query_ptr": "*T", "key_cache_ptr": "*T", "value_cache_ptr": "*T",
         "block_tables_ptr": "*i64", "query_starts_ptr": "*i64", "context_lens_ptr": "*i64", "sinks_ptr": "*T",
@@ -65,7 +74,7 @@ KERNELS = {
     # The LoRA gather matmul (shrink and expand are the same kernel; expand accumulates).
     "lora_sgmv": ("kvfleet_kernels.lora", "_sgmv_kernel", {
         "x_ptr": "*T", "w_ptr": "*T", "out_ptr": "*T", "seg_starts_ptr": "*i64", "seg_slots_ptr": "*i64"},
-        [{"ACCUMULATE": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64}]),
+        [{"ACCUMULATE": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "DOT_PRECISION": "tf32"}]),
     "store_kv": ("kvfleet_kernels.store_kv", "_store_kv_kernel", {
         "key_ptr": "*T", "value_ptr": "*T", "key_cache_ptr": "*T", "value_cache_ptr": "*T",
         "slot_mapping_ptr": "*i64"}, [{"ROW": 1024, "ROW_BLOCK": 1024}, {"ROW": 320, "ROW_BLOCK": 512}]),

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvfleet_kernels import reference
-from kvfleet_kernels.paged_attention import paged_decode_attention
+from kvfleet_kernels.paged_attention import decode_plan, paged_decode_attention
 from kvfleet_kernels.prefill_attention import prefill_attention
 from kvfleet_kernels.rms_norm import rms_norm
 from kvfleet_kernels.rotary import rotary
@@ -56,6 +56,42 @@ def test_paged_decode_attention_sinks(num_heads, num_kv_heads, sliding_window):
     got = paged_decode_attention(query, key_cache, value_cache, block_tables, lens, 0.125, sliding_window,
                                  sinks=sinks)
     assert (got - expected).abs().max() <= TOLERANCE
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads", GQA)
+@pytest.mark.parametrize("partition_tokens, tile_tokens", [(32, 16), (64, 32), (64, 64), (0, 32), (0, 16), (128, 128)])
+@pytest.mark.parametrize("sliding_window, with_sinks", [(None, False), (24, False), (None, True), (40, True)])
+def test_paged_decode_attention_split_and_tiles(num_heads, num_kv_heads, partition_tokens, tile_tokens,
+                                                sliding_window, with_sinks):
+    """The split-K path (partitions combined by the second kernel) and multi-block tiles give
+    the reference's output: contexts shorter than one partition (the other partitions empty),
+    ending mid-tile and mid-block, a window that starts partitions late, sinks added once."""
+    context_lens = [1, 15, 31, 33, 64, 100, 130]
+    key_cache, value_cache, _, block_tables = paged_setup(context_lens, 16, num_kv_heads, 64, seed=7)
+    query, lens = torch.randn(len(context_lens), num_heads, 64), torch.tensor(context_lens)
+    sinks = attention_sinks(num_heads) if with_sinks else None
+    expected = reference.paged_decode_attention(query, key_cache, value_cache, block_tables, lens, 0.125,
+                                                sliding_window, sinks=sinks)
+    got = paged_decode_attention(query, key_cache, value_cache, block_tables, lens, 0.125, sliding_window,
+                                 sinks=sinks, partition_tokens=partition_tokens, tile_tokens=tile_tokens)
+    assert (got - expected).abs().max() <= TOLERANCE
+
+
+def test_decode_plan_splits_only_small_batches_with_long_contexts():
+    h200 = 132  # multiprocessors
+    assert decode_plan(1, 8, 16, 256, h200) == (128, 512, 8)  # 8 programs: 4096 tokens in 8 partitions
+    assert decode_plan(16, 8, 16, 257, h200) == (128, 512, 9)  # 128 < 264
+    assert decode_plan(64, 8, 16, 256, h200) == (128, 0, 1)  # 512 programs fill it
+    assert decode_plan(1, 8, 16, 32, h200) == (128, 0, 1)  # 512 tokens: one partition holds them
+    assert decode_plan(1, 8, 16, 33, h200) == (128, 512, 2)
+    assert decode_plan(1, 8, 256, 2, h200) == (256, 0, 1)  # a tile is at least one block
+    assert decode_plan(1, 8, 256, 4, h200) == (256, 512, 2)
+    assert decode_plan(1, 8, 16, 256, 1) == (128, 0, 1)  # the CPU interpreter: one "multiprocessor"
+    assert decode_plan(64, 8, 16, 256, h200, partition_tokens=0) == (128, 0, 1)
+    assert decode_plan(3, 2, 16, 9, h200, partition_tokens=64, tile_tokens=16) == (16, 64, 3)
+    assert decode_plan(3, 2, 16, 9, h200, partition_tokens=32, tile_tokens=64) == (32, 32, 5)  # tile <= partition
+    with pytest.raises(AssertionError):
+        decode_plan(3, 2, 16, 9, h200, tile_tokens=8)  # smaller than a block
 
 
 @pytest.mark.parametrize("num_heads, num_kv_heads", GQA)
