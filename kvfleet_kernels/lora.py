@@ -36,6 +36,7 @@ def _sgmv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32: tl.dot's default there is tf32 (10-bit mantissas)
 ):
     segment = tl.program_id(0)
     slot = tl.load(seg_slots_ptr + segment)
@@ -54,7 +55,7 @@ def _sgmv_kernel(
                             mask=(rows[:, None] < end) & (ks[None, :] < K), other=0.0)  # [BLOCK_M, BLOCK_K]
                 w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None] * stride_wk,
                             mask=(cols[None, :] < N) & (ks[:, None] < K), other=0.0)  # [BLOCK_K, BLOCK_N]
-                acc += tl.dot(x.to(w.dtype), w)
+                acc += tl.dot(x.to(w.dtype), w, input_precision=DOT_PRECISION)
             out_ptrs = out_ptr + rows[:, None] * stride_ot + cols[None, :] * stride_on
             mask = (rows[:, None] < end) & (cols[None, :] < N)
             if ACCUMULATE:
@@ -75,5 +76,6 @@ def sgmv(x: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, seg_starts: 
         grid = (num_segments, triton.cdiv(num_cols, block_n))
         _sgmv_kernel[grid](x, weights, out, seg_starts, seg_slots, num_cols, inner, x.stride(0), x.stride(1),
                            weights.stride(0), weights.stride(1), weights.stride(2), out.stride(0), out.stride(1),
-                           ACCUMULATE=accumulate, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k)
+                           ACCUMULATE=accumulate, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
+                           DOT_PRECISION="ieee" if weights.dtype == torch.float32 else "tf32")
     return out
