@@ -9,6 +9,7 @@ from torch import nn
 
 from engine.attention import ForwardContext
 from engine.config import EngineConfig
+from engine.devices import host_default_device
 from engine.loader import load_weights, model_weights
 from engine.model_runner import resolve_device, resolve_dtype
 from engine.models import MODEL_REGISTRY, get_model_class
@@ -101,6 +102,10 @@ class EmbeddingModelRunner:
     @torch.inference_mode()
     def embed(self, token_ids: list[list[int]], pooling_type: str) -> torch.Tensor:
         """Inputs' token ids -> pooled hidden states [num_inputs, hidden] fp32 (not normalized)."""
+        with host_default_device():  # the inputs are built on the host (engine/devices.py)
+            return self._embed(token_ids, pooling_type)
+
+    def _embed(self, token_ids: list[list[int]], pooling_type: str) -> torch.Tensor:
         seq_lens = [len(ids) for ids in token_ids]
         num_tokens = sum(seq_lens)
         num_rows = bucket_rows(num_tokens) if self.pad_rows else num_tokens

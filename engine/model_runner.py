@@ -19,6 +19,7 @@ from engine.attention import AttentionMetadata, ForwardContext, PrefillSpan, sel
 from engine.checkpoint import load_hf_config
 from engine.config import EngineConfig
 from engine.cpu_runtime import pin_threads
+from engine.devices import host_default_device
 from engine.kv_cache import KVGroup, kv_groups, pool_sizes
 from engine.loader import load_weights, model_weights
 from engine.lora.manager import LoRAModelManager, SlotTable, lora_step_inputs
@@ -211,6 +212,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SamplerOutput]:
         """Run the batch; return the sequences that produced a token, and their tokens."""
+        with host_default_device():  # the step's host tensors stay on the host (engine/devices.py)
+            return self._execute(batch)
+
+    def _execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SamplerOutput]:
         # Prefills (more than one new token) first, then single-token decodes.
         order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] == 1)
         seqs = [batch.seqs[i] for i in order]
