@@ -40,8 +40,8 @@ class GptOssMLP(nn.Module):
         self.router = TopKRouter(config.hidden_size, experts, config.num_experts_per_tok, "topk_softmax",
                                  renormalize=False, bias=True)
         self.experts = FusedMoE(experts, config.hidden_size, config.intermediate_size, "swigluoai", bias=True,
-                                stacked_checkpoint=True, swiglu_alpha=config.swiglu_alpha,
-                                swiglu_limit=config.swiglu_limit)
+                                stacked_checkpoint=True, swiglu_alpha=getattr(config, "swiglu_alpha", 1.702),
+                                swiglu_limit=getattr(config, "swiglu_limit", 7.0))  # config fields since 5.x
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, H] -> [T, H]"""

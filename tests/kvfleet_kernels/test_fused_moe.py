@@ -23,7 +23,7 @@ def moe_case(num_tokens, num_experts, top_k, hidden, intermediate, seed, used_ex
     generator = torch.Generator(device="cpu").manual_seed(seed)
 
     def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=generator) * scale).to(torch.get_default_device())
+        return (torch.randn(*shape, generator=generator, device="cpu") * scale).to(torch.get_default_device())
 
     x = randn(num_tokens, hidden)
     w13, w2 = randn(num_experts, 2 * intermediate, hidden, scale=0.2), randn(num_experts, hidden, intermediate,
@@ -59,8 +59,8 @@ def test_biases_and_gpt_oss_activation(activation):
     x, w13, w2, weights, ids = moe_case(25, 8, 2, 64, 32, seed=2)
     x = x * 4  # activations past the clamp limit
     generator = torch.Generator(device="cpu").manual_seed(3)
-    w13_bias = torch.randn(8, 64, generator=generator).to(x.device)
-    w2_bias = torch.randn(8, 64, generator=generator).to(x.device)
+    w13_bias = torch.randn(8, 64, generator=generator, device="cpu").to(x.device)
+    w2_bias = torch.randn(8, 64, generator=generator, device="cpu").to(x.device)
     options = {"swiglu_alpha": 1.702, "swiglu_limit": 1.0} if activation == "swigluoai" else {}
     got = fused_moe(x, w13, w2, weights, ids, activation, w13_bias, w2_bias, **options)
     expected = reference.fused_moe(x, w13, w2, weights, ids, activation, w13_bias, w2_bias, **options)

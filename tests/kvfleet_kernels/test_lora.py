@@ -14,6 +14,7 @@ from engine.lora.peft import LoRAAdapter, TargetModule
 from kvfleet_kernels import reference
 from kvfleet_kernels.cpu_layers import add_lora
 from kvfleet_kernels.lora import sgmv
+from tests.kvfleet_kernels.native import native_cpu
 
 # 7 segments over 4 slots: slot 2 has no tokens, slot -1 is the base model, two segments are empty.
 SEG_LENS = [5, 0, 1, 17, 3, 0, 40]
@@ -52,7 +53,7 @@ def adapter(name: str, rank: int, parts: dict[int, int], in_features: int) -> Lo
     return LoRAAdapter(name, "/nowhere", rank, modules)
 
 
-@pytest.mark.parametrize("kernel", ["grouped", "native", "triton"])
+@pytest.mark.parametrize("kernel", ["grouped", pytest.param("native", marks=native_cpu), "triton"])
 def test_lora_linear_delta_matches_the_reference(kernel):
     torch.manual_seed(1)
     part_sizes, in_features = (32, 16, 16), 48
@@ -91,6 +92,7 @@ def test_lora_linear_delta_matches_the_reference(kernel):
         torch.testing.assert_close(layer(x), base(x))
 
 
+@native_cpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_native_lora_kernel_matches_the_reference(dtype):
     """Shapes off the 16-lane width and the 4-row shrink blocks (in 37, rank 6, parts of 21 and
@@ -121,6 +123,7 @@ def test_native_lora_kernel_matches_the_reference(dtype):
     torch.testing.assert_close(out[base_rows], wide[base_rows].to(dtype))  # the base model's rows unchanged
 
 
+@native_cpu
 def test_native_lora_kernel_refuses_bad_inputs():
     lora_a, lora_b_t = torch.zeros(2, 8, 16), torch.zeros(2, 8, 24)
     x, out = torch.zeros(3, 16), torch.zeros(3, 24)

@@ -18,6 +18,7 @@ from kvfleet_kernels.cpu_paged_attention import load_error
 from kvfleet_kernels.cpu_varlen_attention import varlen_attention as cpu_varlen_attention
 from kvfleet_kernels.varlen_attention import varlen_attention
 from tests.embedding_models import write_embedding_checkpoint
+from tests.kvfleet_kernels.native import native_cpu
 
 TOLERANCE = 1e-4
 
@@ -25,7 +26,7 @@ TOLERANCE = 1e-4
 def packed(seq_lens, num_heads, num_kv_heads, head_dim, seed=0):
     generator = torch.Generator().manual_seed(seed)
     total = sum(seq_lens)
-    return [torch.randn(total, heads, head_dim, generator=generator).to(torch.get_default_device())
+    return [torch.randn(total, heads, head_dim, generator=generator, device="cpu").to(torch.get_default_device())
             for heads in (num_heads, num_kv_heads, num_kv_heads)]
 
 
@@ -47,7 +48,7 @@ def test_varlen_attention_matches_reference(num_heads, num_kv_heads, head_dim, c
         assert (native - expected).abs().max() <= TOLERANCE
 
 
-@pytest.mark.skipif(load_error() is not None, reason="no C++ compiler: the native kernels cannot build")
+@native_cpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal", [False, True])
 def test_native_cpu_kernel_reads_a_fused_projection_in_low_precision(dtype, causal):
@@ -56,7 +57,7 @@ def test_native_cpu_kernel_reads_a_fused_projection_in_low_precision(dtype, caus
     zero on the pad rows."""
     seq_lens, num_heads, head_dim = [3, 60, 1, 129, 16], 12, 32
     total, padded_rows = sum(seq_lens), sum(seq_lens) + 11
-    qkv = torch.randn(padded_rows, 3, num_heads, head_dim, generator=torch.Generator().manual_seed(7)).to(dtype)
+    qkv = torch.randn(padded_rows, 3, num_heads, head_dim, generator=torch.Generator().manual_seed(7), device="cpu").to(dtype)
     query, key, value = qkv.unbind(1)
     meta = PackedAttentionMetadata.build(seq_lens, causal, query.device, padded_rows)
     got = cpu_varlen_attention(query, key, value, meta.cu_seqlens, 0.2, causal)
@@ -89,15 +90,17 @@ def test_embedding_engine_on_triton_and_native_cpu_matches_torch(tmp_path, tiny_
     LayerNorms too)."""
     folder = str(write_embedding_checkpoint(name, tmp_path / name, tiny_tokenizer))
     generator = torch.Generator().manual_seed(3)
-    inputs = [torch.randint(3, 500, (n,), generator=generator).tolist() for n in (1, 9, 40, 64, 17, 70)]
-    results = {}
+    inputs = [torch.randint(3, 500, (n,), generator=generator, device="cpu").tolist() for n in (1, 9, 40, 64, 17, 70)]
+    results, on_cuda = {}, torch.get_default_device().type == "cuda"  # under scripts/gpu_check.py
     backends = ("torch", "auto") if extra.get("dtype") == "bfloat16" else ("torch", "triton", "auto")
     for backend in backends:
         engine = create_engine(EngineConfig(model=folder, attention_backend=backend, task="embed", **extra))
-        assert engine.model_runner.backend.name == {"auto": "cpu"}.get(backend, backend)
+        auto = "triton" if on_cuda else "cpu"
+        assert engine.model_runner.backend.name == {"auto": auto}.get(backend, backend)
         engine.add_request("r", inputs)
         (output,) = engine.step()
         results[backend] = torch.tensor([o.embedding for o in output.outputs])
-    assert engine.model_runner.pad_rows and sum(map(len, inputs)) != bucket_rows(sum(map(len, inputs)))
+    padded = sum(map(len, inputs)) != bucket_rows(sum(map(len, inputs)))
+    assert on_cuda or (engine.model_runner.pad_rows and padded)
     for backend in backends[1:]:
         assert F.cosine_similarity(results[backend], results["torch"]).min() >= 0.99999
