@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -40,9 +41,11 @@ def test_the_dry_run_runs_every_part_and_writes_the_report(tmp_path):
     bench = parts["kernel_bench"]["result"]
     assert bench["copy_bytes_per_s"] > 0 and len(bench["decode"]) == 2 and bench["prefill"]["triton_s"] > 0
     assert bench["varlen"]["tokens"] == 31 and bench["varlen"]["triton_s"] > 0
+    assert [(row["tile"], row["partition"]) for row in bench["decode_plans"]] == [(16, 0), (16, 32)]
     engine = parts["engine_bench"]["result"]
-    assert set(engine["ratios"]) == {"kvfleet_over_transformers_static", "kvfleet_over_transformers_continuous"}
-    assert engine["results"]["kvfleet"]["num_decode_steps"] > 0
+    assert set(engine["ratios"]) == {"kvfleet_over_transformers_static"}  # the goal's peer only (gpu_check)
+    assert engine["results"]["kvfleet"]["num_decode_steps"] > 0 and engine["decode_profile"]["median_step_s"] > 0
+    assert list(os.listdir(tmp_path)) and len(os.listdir(tmp_path)) <= 8  # what comes back from a GPU machine
     moe = parts["moe_bench"]["result"]
     assert moe["ratios"]["kvfleet_vs_transformers_static"] > 0 and moe["model"]["active_params"] < moe["model"]["params"]
     assert [row["batch"] for row in moe["decode_steps"]] == [1, 4, 16, 32, 64]
