@@ -127,9 +127,10 @@ class TorchAttentionBackend:
 
 class CpuAttentionBackend(TorchAttentionBackend):
     """The torch backend with decode attention in native code reading the paged cache
-    in place (kvfleet_kernels/cpu_paged_attention.py), and bf16 prefill attention in native code on
-    CPUs with avx512_bf16 but no AMX (kvfleet_kernels/cpu_prefill_attention.py: with AMX, torch's flash
-    kernel is the faster); the CPU default where it builds. native_prefill None: that rule."""
+    in place (kvfleet_kernels/cpu_paged_attention.py), and bf16 prefill attention in native code
+    (kvfleet_kernels/cpu_prefill_attention.py: on AMX tiles through oneDNN's brgemm, or on
+    avx512_bf16's dot product where there is no AMX); the CPU default where it builds.
+    native_prefill None: the native prefill wherever one of those kernels runs."""
 
     name = "cpu"
 
@@ -141,8 +142,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self._decode = cpu_paged_attention.paged_decode_attention
         self._prefill_native = cpu_prefill_attention
         self.native_prefill = cpu_prefill_attention.preferred() if native_prefill is None else native_prefill
-        if native_prefill is None and not self.native_prefill and cpu_prefill_attention.available():
-            logger.info("bf16 prefill attention: torch's flash kernel (on this CPU's AMX tiles)")
+        if native_prefill is None and self.native_prefill:
+            logger.info("bf16 prefill attention: kvfleet's native %s kernel", cpu_prefill_attention.kernel())
 
     def cache_views(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys in the decode kernel's layout, [num_blocks, Hkv, D / x, block_size, x]

@@ -1,10 +1,14 @@
-"""Causal prefill attention for bf16 models in native code (csrc/prefill_attention_cpu.cpp, in
-the library kvfleet_kernels/cpu_paged_attention.py builds), on CPUs with avx512_bf16: both products on
-the CPU's bf16 dot product, where torch's CPU flash kernel runs bf16 at its fp32 speed.
+"""Causal prefill attention for bf16 models in native code (in the library
+kvfleet_kernels/cpu_paged_attention.py builds), one kernel per kind of CPU:
 
-On CPUs with AMX that is no longer so: torch's flash kernel then runs its bf16 tiles on AMX
-through oneDNN's brgemm, and beats this kernel about 3x (1,400 tokens, SmolLM2's 9/3 heads
-of 64: 3.8 against 12.0 ms), so `preferred()` is false there and the CPU backend keeps torch's."""
+- "brgemm" (csrc/prefill_attention_brgemm.cpp), on CPUs with AMX: flash attention whose two
+  products run on oneDNN's brgemm microkernel (AMX tiles), computing only the key blocks the
+  causal triangle needs. Torch's CPU flash kernel, which also reaches AMX through brgemm, spent
+  ~0.5 ns a score there on two cores and computed ~1/3 more scores than the triangle holds.
+- "bf16_dot" (csrc/prefill_attention_cpu.cpp), on CPUs with avx512_bf16 but no AMX: both products
+  on the CPU's bf16 dot product, where torch's flash kernel runs bf16 at its fp32 speed.
+
+`kernel()` names this CPU's; where neither applies the CPU backend keeps torch's flash kernel."""
 
 from __future__ import annotations
 
@@ -14,33 +18,57 @@ import torch
 
 from kvfleet_kernels.cpu_paged_attention import load_error
 
+KERNELS = ("brgemm", "bf16_dot")
+
 
 @functools.cache
+def available_kernels() -> tuple[str, ...]:
+    """The kernels this CPU runs (the library is compiled for the host it runs on)."""
+    if load_error() is not None:
+        return ()
+    ops = torch.ops.kvfleet_cpu
+    found = {"brgemm": torch.cpu._is_amx_tile_supported() and bool(ops.brgemm_bf16_supported()),
+             "bf16_dot": bool(ops.bf16_prefill_available())}
+    return tuple(name for name in KERNELS if found[name])
+
+
 def available() -> bool:
-    """The library built, for a CPU with avx512_bf16 (it is compiled for the host it runs on)."""
-    return load_error() is None and bool(torch.ops.kvfleet_cpu.bf16_prefill_available())
+    return bool(available_kernels())
 
 
 @functools.cache
+def kernel() -> str | None:
+    """This CPU's faster native bf16 prefill attention: brgemm with AMX tiles, else bf16_dot."""
+    kernels = available_kernels()
+    return kernels[0] if kernels else None
+
+
 def preferred() -> bool:
-    """Whether this kernel is the faster bf16 prefill here: built, and the CPU has no AMX tiles."""
-    return available() and not torch.cpu._is_amx_tile_supported()
+    """Whether a native kernel is this CPU's bf16 prefill attention (the CPU backend's default)."""
+    return kernel() is not None
 
 
-def supports(query: torch.Tensor, sinks: torch.Tensor | None) -> bool:
-    """Whether prefill_attention takes this call: bf16 on the CPU, head size 64 or 128, no sinks."""
-    return (sinks is None and query.dtype == torch.bfloat16 and query.device.type == "cpu"
-            and query.shape[-1] in (64, 128) and available())
+def supports(query: torch.Tensor, sinks: torch.Tensor | None, name: str | None = None) -> bool:
+    """Whether the kernel (this CPU's by default) takes this call: bf16 on the CPU, no sinks, and a
+    head size it has tiles for (brgemm: multiples of 32 up to 256; bf16_dot: 64 or 128)."""
+    name = name or kernel()
+    head_dim = query.shape[-1]
+    sizes_ok = head_dim % 32 == 0 and head_dim <= 256 if name == "brgemm" else head_dim in (64, 128)
+    return (name in available_kernels() and sinks is None and query.dtype == torch.bfloat16
+            and query.device.type == "cpu" and sizes_ok)
 
 
 def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-                      sliding_window: int | None = None) -> torch.Tensor:
+                      sliding_window: int | None = None, name: str | None = None) -> torch.Tensor:
     """Same contract as kvfleet_kernels.reference.prefill_attention without sinks: query [Q, Hq, D] (the
     last Q positions of the context), key/value [C, Hkv, D] -> [Q, Hq, D]; rows of any stride.
-    Probabilities are rounded to bf16 before they weigh V, as torch's flash kernel does."""
-    if not available():
-        raise RuntimeError(f"native bf16 prefill attention is unavailable here: "
-                           f"{load_error() or 'the CPU has no avx512_bf16'}")
+    Probabilities are rounded to bf16 before they weigh V, as torch's flash kernel does.
+    name: "brgemm" or "bf16_dot" (default: this CPU's)."""
+    name = name or kernel()
+    if name not in available_kernels():
+        raise RuntimeError(f"native bf16 prefill attention {name!r} is unavailable here: "
+                           f"{load_error() or f'this CPU runs {list(available_kernels()) or None}'}")
     out = torch.empty(query.shape, dtype=query.dtype)
-    torch.ops.kvfleet_cpu.prefill_attention(out, query, key, value, scale, sliding_window or 0)
+    op = torch.ops.kvfleet_cpu.prefill_attention_brgemm if name == "brgemm" else torch.ops.kvfleet_cpu.prefill_attention
+    op(out, query, key, value, scale, sliding_window or 0)
     return out
