@@ -16,6 +16,7 @@
 #include <torch/library.h>
 
 #include "cpu_vec.h"
+#include "prefill_attention.h"
 
 #include <algorithm>
 #include <cmath>
@@ -233,16 +234,9 @@ void prefill_kernel(at::BFloat16* out, const at::BFloat16* query, const at::BFlo
 void prefill_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                        double scale, int64_t sliding_window) {
   TORCH_CHECK(bf16_prefill_available(), "prefill_attention needs avx512_bf16");
-  TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3 && out.sizes() == query.sizes() &&
-                  key.sizes() == value.sizes(), "query and out must be [Q, Hq, D], key and value [C, Hkv, D]");
-  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && key.scalar_type() == at::kBFloat16 &&
-                  value.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16, "bf16 tensors only");
-  TORCH_CHECK(query.stride(2) == 1 && key.stride(2) == 1 && value.stride(2) == 1 && out.stride(2) == 1,
-              "head_dim must be dense");
+  kvfleet_cpu::check_prefill_attention(out, query, key, value);
   TORCH_CHECK(query.size(2) == key.size(2) && (query.size(2) == 64 || query.size(2) == 128),
               "head_dim must be 64 or 128 and shared by query and key");
-  TORCH_CHECK(query.size(1) % key.size(1) == 0, "num_heads must be a multiple of num_kv_heads");
-  TORCH_CHECK(key.size(0) >= query.size(0) && query.size(0) >= 1, "the context must hold the queries");
 #if defined(__AVX512BF16__)
   const int64_t context_len = key.size(0);
   const Shape s{query.size(0), context_len, (context_len + kKeyTile - 1) / kKeyTile * kKeyTile, query.size(1),
