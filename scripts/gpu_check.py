@@ -49,7 +49,7 @@ DRY_RUN_TIME_SCALE = 2
 NUM_TOKENS = 16
 
 
-def run_kernels(out: Path, dry_run: bool) -> dict:
+def run_kernels(dry_run: bool) -> dict:
     junit = Path(tempfile.mkdtemp(prefix="kvfleet-kernels-")) / "kernels.xml"  # not in out: only 8 files come back
     # test_cpu_*: the native CPU kernels, which make test covers; test_cuda_compile: nvcc's build check.
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kvfleet_kernels",
@@ -91,7 +91,7 @@ def unexpressible(config) -> str | None:
     return f"transformers {transformers.__version__} hard-codes {missing}" if missing else None
 
 
-def run_parity(out: Path, dry_run: bool) -> dict:
+def run_parity(dry_run: bool) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -119,10 +119,11 @@ def run_parity(out: Path, dry_run: bool) -> dict:
 
     greedy = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=5)
     for arch, make_config in TINY_CONFIGS.items():
-        if reason := unexpressible(make_config()):
+        config = make_config()
+        if reason := unexpressible(config):
             report[arch] = {"skipped": reason}
             continue
-        model_dir = write_checkpoint(make_config(), folder / arch, seed=1, tokenizer=tokenizer)
+        model_dir = write_checkpoint(config, folder / arch, seed=1, tokenizer=tokenizer)
         expected, expected_tops = reference(model_dir, torch.float32)
         got = LLM(str(model_dir), dtype="float32", device=device, attention_backend=backend, num_kv_blocks=512)
         fp32 = got.generate(prompts, greedy, use_tqdm=False)
@@ -213,7 +214,7 @@ def lora_parity(model_dir: Path, prompts: list[list[int]], device: str, backend:
             "lora_loads": llm.engine.stats().num_lora_loads}
 
 
-def run_benchmark(module: str, out: Path, dry_run: bool, *extra: str) -> dict:
+def run_benchmark(module: str, dry_run: bool, *extra: str) -> dict:
     result_file = Path(tempfile.mkdtemp(prefix="kvfleet-bench-")) / "result.json"  # not in out: 8 files come back
     command = [sys.executable, "-m", module, "--json", str(result_file), *(["--dry-run"] if dry_run else []), *extra]
     subprocess.run(command, cwd=ROOT, check=True)
@@ -222,14 +223,14 @@ def run_benchmark(module: str, out: Path, dry_run: bool, *extra: str) -> dict:
     return report
 
 
-def run_part(name: str, out: Path, dry_run: bool) -> dict:
+def run_part(name: str, dry_run: bool) -> dict:
     if name == "kernels":
-        return run_kernels(out, dry_run)
+        return run_kernels(dry_run)
     if name == "parity":
-        return run_parity(out, dry_run)
+        return run_parity(dry_run)
     if name == "engine_bench":  # the goal's peer only: transformers' continuous batching took 77 s alone
-        return run_benchmark("benchmarks.engine_gpu", out, dry_run, "--peers", "static")
-    return run_benchmark({"kernel_bench": "benchmarks.kernels_gpu", "moe_bench": "benchmarks.moe"}[name], out, dry_run)
+        return run_benchmark("benchmarks.engine_gpu", dry_run, "--peers", "static")
+    return run_benchmark({"kernel_bench": "benchmarks.kernels_gpu", "moe_bench": "benchmarks.moe"}[name], dry_run)
 
 
 def drive(out: Path, dry_run: bool, parts: list[str]) -> dict:
@@ -284,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.part:
-        result = run_part(args.part, out, args.dry_run)
+        result = run_part(args.part, args.dry_run)
         (out / f"{args.part}.result.json").write_text(json.dumps(result))
         return 0
     if not args.dry_run:
