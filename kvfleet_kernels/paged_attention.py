@@ -25,7 +25,8 @@ from kvfleet_kernels import cdiv
 
 # Tokens a program reads per iteration (whole cache blocks). On an H200 (bf16, Llama-8B heads,
 # 16-token blocks, batch 64 x 4096): 128 reads at 98% of the copy bandwidth, 64 at 74%, 32 at
-# 90%, one block (16) at 15%; the query group reduced on CUDA cores instead of tl.dot, 7-13%.
+# 90%; the query group reduced on CUDA cores instead of tl.dot, 7-13%; the kernel before this
+# one, a block at a time on CUDA cores, 15%.
 TILE_TOKENS = 128
 PARTITION_TOKENS = 512  # context a program reads when the context is split (vLLM's v2 size)
 MIN_ROWS = 16  # tl.dot's smallest M: the query heads of one KV head, padded
