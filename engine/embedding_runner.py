@@ -9,7 +9,7 @@ from torch import nn
 
 from engine.attention import ForwardContext
 from engine.config import EngineConfig
-from engine.devices import host_default_device
+from engine.devices import host_default_device, repeat_interleave
 from engine.loader import load_weights, model_weights
 from engine.model_runner import resolve_device, resolve_dtype
 from engine.models import MODEL_REGISTRY, get_model_class
@@ -114,7 +114,7 @@ class EmbeddingModelRunner:
         meta = PackedAttentionMetadata.build(seq_lens, self.is_causal, self.device, num_rows)
         lens = torch.tensor(seq_lens)
         positions = torch.zeros(num_rows, dtype=torch.long)  # [R]: 0.. within each input, 0 on pad rows
-        positions[:num_tokens] = torch.arange(num_tokens) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+        positions[:num_tokens] = torch.arange(num_tokens) - repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
         ctx = ForwardContext(meta, [(None, None)] * self.num_layers, self.backend)
         hidden = self.model(input_ids.to(self.device), positions.to(self.device), ctx)  # [R, hidden]
         return pool(hidden[:num_tokens], seq_lens, pooling_type)

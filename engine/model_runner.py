@@ -19,7 +19,7 @@ from engine.attention import AttentionMetadata, ForwardContext, PrefillSpan, sel
 from engine.checkpoint import load_hf_config
 from engine.config import EngineConfig
 from engine.cpu_runtime import pin_threads
-from engine.devices import host_default_device
+from engine.devices import host_default_device, repeat_interleave
 from engine.kv_cache import KVGroup, kv_groups, pool_sizes
 from engine.loader import load_weights, model_weights
 from engine.lora.manager import LoRAModelManager, SlotTable, lora_step_inputs
@@ -316,7 +316,7 @@ class ModelRunner:
         reads a device tensor back. One AttentionMetadata per KV pool (a hybrid model's
         two pools have their own block ids, so their own slots and tables)."""
         lens, starts = inputs.lens, inputs.starts
-        seq_of_token = torch.repeat_interleave(torch.arange(len(lens)), lens)  # [T]
+        seq_of_token = repeat_interleave(torch.arange(len(lens)), lens)  # [T]
         offsets = lens.cumsum(0) - lens  # first row of each sequence in the flat batch
         positions = torch.arange(len(inputs.input_ids)) - offsets[seq_of_token] + starts[seq_of_token]  # [T]
         tables = [inputs.block_tables] + ([inputs.sliding_block_tables] if len(self.kv_groups) == 2 else [])

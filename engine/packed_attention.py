@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention import resolve_backend_name
+from engine.devices import repeat_interleave
 from kvfleet_kernels import reference
 
 
@@ -34,7 +35,7 @@ class PackedAttentionMetadata:
         cu_seqlens = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
         torch.cumsum(lens, 0, out=cu_seqlens[1:])
         row_lens = torch.ones(num_rows or int(cu_seqlens[-1]), dtype=torch.int32)
-        row_lens[:int(cu_seqlens[-1])] = torch.repeat_interleave(lens, lens)
+        row_lens[:int(cu_seqlens[-1])] = repeat_interleave(lens, lens)
         return cls(seq_lens, cu_seqlens.to(device), max(seq_lens), causal, row_lens.to(device))
 
 

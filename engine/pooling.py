@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from engine.devices import repeat_interleave
+
 logger = logging.getLogger(__name__)
 
 POOLING_TYPES = ("mean", "cls", "last")
@@ -114,7 +116,7 @@ def pool(hidden: torch.Tensor, seq_lens: list[int], pooling_type: str) -> torch.
         return hidden[ends - lens].float()
     if pooling_type == "last":
         return hidden[ends - 1].float()
-    sequence_of = torch.repeat_interleave(torch.arange(len(seq_lens), device=hidden.device), lens)  # [T]
+    sequence_of = repeat_interleave(range(len(seq_lens)), seq_lens).to(hidden.device)  # [T]
     sums = torch.zeros(len(seq_lens), hidden.shape[1], dtype=torch.float32, device=hidden.device)
     sums.index_add_(0, sequence_of, hidden.float())
     return sums / lens[:, None].to(torch.float32)

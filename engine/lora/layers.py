@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import parallel
+from engine.devices import repeat_interleave
 from engine.lora.peft import LoRAAdapter, TargetModule
 from engine.models.parallel_layers import ColumnParallelLinear, RowParallelLinear
 from kvfleet_kernels import reference
@@ -110,7 +111,7 @@ class LoRAMapping:
         starts = torch.zeros(len(lens) + 1, dtype=torch.int64)
         starts[1:] = lens.cumsum(0)
         self.seg_starts, self.seg_slots = starts.to(self.device), seq_slots.to(self.device)
-        self.token_slots, self._groups = torch.repeat_interleave(seq_slots, lens), None  # [T] host
+        self.token_slots, self._groups = repeat_interleave(seq_slots, lens), None  # [T] host
 
 
 class LinearWithLoRA(nn.Module):

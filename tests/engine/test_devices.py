@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.devices import host_default_device
+from engine.devices import host_default_device, repeat_interleave
 from tests.embedding_models import write_embedding_checkpoint
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13]]
@@ -48,3 +48,31 @@ def test_the_context_is_entered_only_when_the_default_moved():
         assert torch.empty(1).device.type == "meta"
     finally:
         torch.set_default_device(None)
+
+
+@pytest.mark.parametrize("values, repeats", [([3, 1, 4], [2, 0, 3]), ([7], [1]), ([], []), ([0, 1, 2, 3], [1, 1, 1, 1])])
+def test_repeat_interleave_is_torchs_on_the_host(values, repeats):
+    expected = torch.repeat_interleave(torch.tensor(values, dtype=torch.int64), torch.tensor(repeats, dtype=torch.int64))
+    assert torch.equal(repeat_interleave(values, repeats), expected)
+    got = repeat_interleave(torch.tensor(values, dtype=torch.int32), torch.tensor(repeats, dtype=torch.int64))
+    assert got.dtype == torch.int32 and torch.equal(got, expected.int())
+    torch.set_default_device("meta")
+    try:
+        assert repeat_interleave(values, repeats).device.type == "cpu"
+    finally:
+        torch.set_default_device(None)
+
+
+def test_steps_do_not_wake_torchs_thread_pool_to_index_their_tokens(tiny_models, tmp_path, tiny_tokenizer):
+    """torch.repeat_interleave opens an OpenMP region per call (grain 1): on a busy or many-core
+    host that cost ~0.5-4.6 ms a step. Generation and embedding steps build their per-token
+    indices without it (engine/devices.py: repeat_interleave)."""
+    llm = LLM(tiny_models["llama"], dtype="float32", num_kv_blocks=64)
+    embedder = LLM(str(write_embedding_checkpoint("bert", tmp_path / "bert", tiny_tokenizer)))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        embeddings = embedder.embed(PROMPTS, use_tqdm=False)
+    names = {event.name for event in profile.events()}
+    assert [len(o.token_ids) for o in outputs] == [4, 4] and len(embeddings) == 2
+    assert "aten::embedding" in names  # the profile saw the models run
+    assert "aten::repeat_interleave" not in names
