@@ -1,5 +1,6 @@
 """The only engine class that touches tensors: loads the model, owns the paged KV
-cache, turns a ScheduledBatch into input tensors, runs the model, samples.
+cache, turns a ScheduledBatch into input tensors (engine/model_inputs.py), runs the model,
+samples.
 
 With tensor_parallel_size N, rank 0's runner spawns ranks 1..N-1 (engine/shard.py),
 broadcasts each step's inputs to them, and samples from the gathered logits; every
@@ -15,15 +16,16 @@ import random
 import torch
 
 from engine import parallel
-from engine.attention import AttentionMetadata, ForwardContext, PrefillSpan, select_backend
+from engine.attention import ForwardContext, select_backend
 from engine.checkpoint import load_hf_config
 from engine.config import EngineConfig
 from engine.cpu_runtime import pin_threads
-from engine.devices import host_default_device, repeat_interleave
+from engine.devices import host_default_device
 from engine.kv_cache import KVGroup, kv_groups, pool_sizes
 from engine.loader import load_weights, model_weights
-from engine.lora.manager import LoRAModelManager, SlotTable, lora_step_inputs
+from engine.lora.manager import LoRAModelManager, SlotTable
 from engine.lora.request import LoRARequest
+from engine.model_inputs import ModelInputBuilder, step_inputs
 from engine.models import get_model_class
 from engine.models.layers import (
     can_use_onednn_linear,
@@ -131,6 +133,8 @@ class ModelRunner:
         self.num_layers = len(attention_layers)
         self.num_kv_heads, self.head_dim = attention_layers[0].num_kv_heads, attention_layers[0].head_dim
         self._allocate_kv_cache(kv_groups(attention_layers))
+        self.model_inputs = ModelInputBuilder(self.device, self.block_size, len(self.kv_groups),
+                                              self.backend.reads_prefill_spans, self.long_rope_after)
         self.sampler = Sampler(argmax_rows if self.backend.name == "cpu" else first_argmax)
         self.structured = None  # engine.structured_outputs.StructuredOutputs, set with the first constraint
 
@@ -229,7 +233,8 @@ class ModelRunner:
                 for sampled in (seq, *batch.forks.get(seq.seq_id, ())):
                     rows.append(row - 1)
                     sampled_seqs.append(sampled)
-        inputs = self._step_inputs(seqs, num_new, batch.block_copies, rows, batch.running_adapters)
+        inputs = step_inputs(seqs, num_new, batch.block_copies, rows, len(self.kv_groups) == 2, self.lora_slots,
+                             batch.running_adapters)
         logits = self.run(inputs) if self.world_size == 1 else self._run_group(inputs)
         if not rows:
             return [], SamplerOutput([], [])
@@ -263,12 +268,12 @@ class ModelRunner:
             for slot, name, path in inputs.adapters_to_load():
                 self.lora.activate(slot, LoRARequest(name, 0, path))
             self.lora.set_mapping(inputs.lora_slots, inputs.lens)
-        input_ids, positions, metas = self._prepare_inputs(inputs)
+        input_ids, positions, metas = self.model_inputs.build(inputs)
         ctx = ForwardContext(metas[0], self.kv_caches, self.backend, metas, self.layer_groups)
         hidden = self.model(input_ids, positions, ctx)  # [num_tokens, hidden]
         if not len(inputs.rows):
             return None
-        return self.model.compute_logits(hidden[self._to_device(inputs.rows)])  # [num_sampled, vocab]
+        return self.model.compute_logits(hidden[self.model_inputs.to_device(inputs.rows)])  # [num_sampled, vocab]
 
     def shutdown(self) -> None:
         """Rank 0: stop ranks 1..N-1 and leave the group."""
@@ -290,77 +295,6 @@ class ModelRunner:
                 shard.join(timeout=10)
         self.shards = []
 
-    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A host tensor on the model's device: through pinned memory and without waiting on CUDA."""
-        if self.device.type != "cuda":
-            return tensor
-        return tensor.pin_memory().to(self.device, non_blocking=True)
-
-    def _step_inputs(self, seqs: list[Sequence], num_new: list[int], copies: list[tuple[int, int, int]],
-                     rows: list[int], running_adapters: set[str]) -> StepInputs:
-        """What a step needs from the sequences, as host tensors (what rank 0 broadcasts)."""
-        input_ids: list[int] = []
-        for seq, n in zip(seqs, num_new):
-            input_ids.extend(seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + n])
-        hybrid = len(self.kv_groups) == 2
-        sliding_tables = (padded_tables([s.sliding_block_table for s in seqs]) if hybrid
-                          else torch.zeros(len(seqs), 0, dtype=torch.int64))
-        return StepInputs(torch.tensor(input_ids), torch.tensor([s.num_computed_tokens for s in seqs]),
-                          torch.tensor(num_new), padded_tables([s.block_table for s in seqs]),
-                          torch.tensor(copies, dtype=torch.int64).view(-1, 3), torch.tensor(rows, dtype=torch.int64),
-                          torch.tensor([s.num_tokens for s in seqs]), sliding_tables,
-                          *lora_step_inputs(self.lora_slots, seqs, running_adapters))
-
-    def _prepare_inputs(self, inputs: StepInputs):
-        """Every step input is built on the host and copied to the device once; nothing here
-        reads a device tensor back. One AttentionMetadata per KV pool (a hybrid model's
-        two pools have their own block ids, so their own slots and tables)."""
-        lens, starts = inputs.lens, inputs.starts
-        seq_of_token = repeat_interleave(torch.arange(len(lens)), lens)  # [T]
-        offsets = lens.cumsum(0) - lens  # first row of each sequence in the flat batch
-        positions = torch.arange(len(inputs.input_ids)) - offsets[seq_of_token] + starts[seq_of_token]  # [T]
-        tables = [inputs.block_tables] + ([inputs.sliding_block_tables] if len(self.kv_groups) == 2 else [])
-        # Only longrope reads them (engine/models/layers.py); other models skip the gather.
-        seq_lens = self._to_device(inputs.seq_lens[seq_of_token]) if self.long_rope_after is not None else None
-        metas = []
-        for block_tables in tables:
-            meta = self._attention_metadata(block_tables, inputs, seq_of_token, offsets, positions)
-            meta.seq_lens = seq_lens
-            metas.append(meta)
-        return self._to_device(inputs.input_ids), self._to_device(positions), metas
-
-    def _attention_metadata(self, block_tables: torch.Tensor, inputs: StepInputs, seq_of_token: torch.Tensor,
-                            offsets: torch.Tensor, positions: torch.Tensor) -> AttentionMetadata:
-        """The step's slots and tables in one pool; prefills in the form the backend reads."""
-        lens, starts = inputs.lens, inputs.starts
-        num_new = lens.tolist()
-        num_prefills = sum(1 for n in num_new if n > 1)
-        # Real table lengths: a sequence's blocks cover its context (padding is beyond).
-        table_lens = [cdiv(context, self.block_size) for context in (starts + lens).tolist()]
-        slot_mapping = (block_tables[seq_of_token, positions // self.block_size] * self.block_size
-                        + positions % self.block_size)  # [T]
-        context_lens = starts + lens  # [num_seqs]
-        device_tables = self._to_device(block_tables)  # [num_seqs, width]
-        num_decode_blocks = max(table_lens[num_prefills:], default=0)
-        meta = AttentionMetadata(
-            slot_mapping=self._to_device(slot_mapping),
-            num_prefill_tokens=int(lens[:num_prefills].sum()),
-            decode_block_tables=device_tables[num_prefills:, :num_decode_blocks],
-            decode_context_lens=self._to_device(context_lens[num_prefills:]),
-        )
-        if num_prefills and self.backend.reads_prefill_spans:
-            meta.prefills = [PrefillSpan(int(offsets[i]), num_new[i], int(context_lens[i]),
-                                         device_tables[i, : table_lens[i]])
-                             for i in range(num_prefills)]
-        elif num_prefills:
-            query_starts = torch.zeros(num_prefills + 1, dtype=torch.int64)
-            query_starts[1:] = lens[:num_prefills].cumsum(0)
-            meta.prefill_query_starts = self._to_device(query_starts)
-            meta.prefill_context_lens = self._to_device(context_lens[:num_prefills])
-            meta.prefill_block_tables = device_tables[:num_prefills, :max(table_lens[:num_prefills])]
-            meta.max_prefill_queries = max(num_new[:num_prefills])
-        return meta
-
     def _sampler_row(self, seq: Sequence) -> SamplerRow:
         params = seq.params
         suppressed: list[int] = []
@@ -373,14 +307,6 @@ class ModelRunner:
             seed = token_seed(seq.sampling_seed, seq.sample_index, seq.num_output_tokens)
             generator = torch.Generator(device=self.device).manual_seed(seed)
         return SamplerRow(seq, generator, suppressed)
-
-
-def padded_tables(tables: list[list[int]]) -> torch.Tensor:
-    """[S, width] block ids, padded with 0; NULL_BLOCK entries (blocks a sliding window
-    has passed) read block 0 too: the kernels mask those positions, and every block
-    holds finite values."""
-    width = max(len(table) for table in tables)
-    return torch.tensor([table + [0] * (width - len(table)) for table in tables], dtype=torch.int64).clamp_(min=0)
 
 
 def run_shard(config_json: str, rank: int, init_method: str) -> None:
