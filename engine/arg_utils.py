@@ -39,6 +39,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--attention-backend", default=_DEFAULTS["attention_backend"],
                        choices=["auto", "cpu", "torch", "triton"],
                        help="auto: triton on CUDA; on the CPU the native kernel, else torch")
+    group.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=_DEFAULTS["enforce_eager"],
+                       help="--no-enforce-eager: on CUDA, decode steps replay CUDA graphs (not yet run on a GPU)")
     group.add_argument("--task", default=_DEFAULTS["task"], choices=["auto", "generate", "embed"],
                        help="auto: embed for encoders (BertModel, XLMRobertaModel) and sentence-transformers "
                             "folders, generate otherwise")

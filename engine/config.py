@@ -52,6 +52,10 @@ class EngineConfig:
     can build it, else torch (the reference, gather + SDPA)."""
     onednn_linear: bool = True
     """On the CPU in fp32, reorder linear weights once for oneDNN (faster small-batch matmuls)."""
+    enforce_eager: bool = True
+    """False: on CUDA, replay decode steps from CUDA graphs (engine/cuda_graphs.py), as vLLM does
+    by default. True for now: the graphs are tested on the CPU only, until make gpu-check has
+    run them on a GPU."""
     seed: int = 0
     """Seeds unseeded requests' samplers, in arrival order."""
     tokenizer: str | None = None

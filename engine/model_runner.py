@@ -20,6 +20,7 @@ from engine.attention import ForwardContext, select_backend
 from engine.checkpoint import load_hf_config
 from engine.config import EngineConfig
 from engine.cpu_runtime import pin_threads
+from engine.cuda_graphs import DecodeGraphs, ineligible_reason
 from engine.devices import host_default_device
 from engine.kv_cache import KVGroup, kv_groups, pool_sizes
 from engine.loader import load_weights, model_weights
@@ -135,8 +136,24 @@ class ModelRunner:
         self._allocate_kv_cache(kv_groups(attention_layers))
         self.model_inputs = ModelInputBuilder(self.device, self.block_size, len(self.kv_groups),
                                               self.backend.reads_prefill_spans, self.long_rope_after)
+        self.decode_graphs: DecodeGraphs | None = None
+        if not config.enforce_eager:
+            reason = ineligible_reason(self.model, self.device, self.backend.name, self.world_size, self.lora is not None)
+            if reason is None:
+                self.decode_graphs = self.capture_decode_graphs()
+            else:
+                logger.info("decode steps run eagerly: %s", reason)
         self.sampler = Sampler(argmax_rows if self.backend.name == "cpu" else first_argmax)
         self.structured = None  # engine.structured_outputs.StructuredOutputs, set with the first constraint
+
+    def capture_decode_graphs(self, graph_factory=None) -> DecodeGraphs:
+        """One graph per padded decode batch size over this runner's model and KV cache;
+        `graph_factory`: torch.cuda's graphs unless given (the tests' stand-in on the CPU)."""
+        graphs = DecodeGraphs(self.model, self.backend, self.kv_caches, self.layer_groups, len(self.kv_groups),
+                              self.block_size, self.max_model_len, self.config.max_num_seqs,
+                              self.long_rope_after is not None, self.device, graph_factory)
+        graphs.capture()
+        return graphs
 
     def _load_model(self, hf_config) -> torch.nn.Module:
         model_cls = get_model_class(hf_config)
@@ -269,8 +286,12 @@ class ModelRunner:
                 self.lora.activate(slot, LoRARequest(name, 0, path))
             self.lora.set_mapping(inputs.lora_slots, inputs.lens)
         input_ids, positions, metas = self.model_inputs.build(inputs)
-        ctx = ForwardContext(metas[0], self.kv_caches, self.backend, metas, self.layer_groups)
-        hidden = self.model(input_ids, positions, ctx)  # [num_tokens, hidden]
+        size = self.decode_graphs.padded_size(metas, len(input_ids)) if self.decode_graphs else None
+        if size is not None:  # a decode-only step a captured graph covers
+            hidden = self.decode_graphs.run(size, input_ids, positions, metas)  # [num_tokens, hidden]
+        else:
+            ctx = ForwardContext(metas[0], self.kv_caches, self.backend, metas, self.layer_groups)
+            hidden = self.model(input_ids, positions, ctx)  # [num_tokens, hidden]
         if not len(inputs.rows):
             return None
         return self.model.compute_logits(hidden[self.model_inputs.to_device(inputs.rows)])  # [num_sampled, vocab]

@@ -43,7 +43,9 @@ def test_the_dry_run_runs_every_part_and_writes_the_report(tmp_path):
     assert bench["varlen"]["tokens"] == 31 and bench["varlen"]["triton_s"] > 0
     assert [(row["tile"], row["partition"]) for row in bench["decode_plans"]] == [(16, 0), (16, 32)]
     engine = parts["engine_bench"]["result"]
-    assert set(engine["ratios"]) == {"kvfleet_over_transformers_static"}  # the goal's peer only (gpu_check)
+    # the goal's peer only (gpu_check), for kvfleet eager and with CUDA graphs (eager too on the CPU)
+    assert set(engine["ratios"]) == {"kvfleet_over_transformers_static", "kvfleet_cuda_graphs_over_transformers_static"}
+    assert engine["results"]["kvfleet_cuda_graphs"]["num_decode_steps"] > 0
     assert engine["results"]["kvfleet"]["num_decode_steps"] > 0 and engine["decode_profile"]["median_step_s"] > 0
     assert list(os.listdir(tmp_path)) and len(os.listdir(tmp_path)) <= 8  # what comes back from a GPU machine
     moe = parts["moe_bench"]["result"]
