@@ -89,11 +89,12 @@ class DecodeGraphs:
     kv_caches:    per layer, (K, V) as the backend reads them; layer_groups: each layer's pool
     num_pools:    KV pools (2 for a model with local and global layers)
     with_seq_lens: longrope models read each token's sequence length
+    graph_factory: makes one graph (capture(forward) -> output, replay()); CudaGraph's by default
     """
 
     def __init__(self, model: nn.Module, backend, kv_caches: list, layer_groups: list[int], num_pools: int,
                  block_size: int, max_model_len: int, max_num_seqs: int, with_seq_lens: bool, device: torch.device,
-                 graph_factory: Callable[[], Callable[[], object]] | None = None) -> None:
+                 graph_factory: Callable[[], object] | None = None) -> None:
         self.model, self.backend, self.kv_caches, self.layer_groups = model, backend, kv_caches, layer_groups
         self.sizes = capture_sizes(max_num_seqs)
         self.max_blocks = cdiv(min(max_model_len, MAX_SEQ_LEN_TO_CAPTURE), block_size)
