@@ -43,7 +43,7 @@ def requests(count: int):
     rng = random.Random(count)
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(1, 70))] for _ in range(count)]
     # Outputs of different lengths: the batch shrinks as requests end, over padded sizes.
-    params = [SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(count)]
+    params = [SamplingParams(temperature=0, max_tokens=4 + 2 * i, ignore_eos=True) for i in range(count)]
     return prompts, params
 
 
@@ -70,7 +70,7 @@ def test_capture_sizes_are_vllms():
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "phi3"])  # one pool; local + global pools; longrope
 def test_graph_steps_give_the_eager_tokens_and_cache(tiny_models, arch, monkeypatch):
-    prompts, params = requests(7)
+    prompts, params = requests(5)  # batches of 5, 4, ... 1 rows: graphs of 8, 4, 4, 2, 1
     eager = LLM(tiny_models[arch], attention_backend="triton", num_kv_blocks=96, max_num_seqs=8)
     expected = [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
     replayed = graph_llm(tiny_models[arch], num_kv_blocks=96, max_num_seqs=8)
@@ -86,7 +86,7 @@ def test_graph_steps_give_the_eager_tokens_and_cache(tiny_models, arch, monkeypa
     # (phi3 recomputes a sequence as it crosses to longrope's long factors) eagerly.
     assert all(size == (None if prefill else next(s for s in (1, 2, 4, 8) if s >= rows))
                for prefill, rows, size in steps)
-    assert sum(size is not None for _, _, size in steps) >= 15
+    assert sum(size is not None for _, _, size in steps) >= 8
 
 
 def test_long_sequences_and_prefills_run_eagerly(tiny_models, monkeypatch):
