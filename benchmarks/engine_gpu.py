@@ -135,19 +135,25 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = ensure_model(folder, config)
     bandwidth = copy_bandwidth(device, 1 << (30 if device == "cuda" else 24))
     dtype_name = str(dtype).removeprefix("torch.")
-    results = {"kvfleet": run_kvfleet(model_dir, workload, 64, dtype_name, device)}
-    try:  # decode steps from CUDA graphs (eager on the CPU, where there are none): not yet run on a GPU
-        results["kvfleet_cuda_graphs"] = run_kvfleet(model_dir, workload, 64, dtype_name, device, enforce_eager=False)
-    except Exception as error:  # noqa: BLE001
-        print(f"kvfleet_cuda_graphs failed: {type(error).__name__}: {error}")
-        results["kvfleet_cuda_graphs"] = {"error": f"{type(error).__name__}: {error}"}
+    print(f"{len(workload.prompts)} requests, {workload.num_output_tokens} output tokens, {dtype_name} on {device}")
     peers = {"static": ("transformers_static", run_hf_static),
              "continuous": ("transformers_continuous", run_hf_continuous)}
-    for name, run_peer in (peers[peer] for peer in args.peers.split(",") if peer):
-        try:  # a peer's own failure (another transformers version, say) costs only its row
-            results[name] = run_peer(model_dir, workload, 64, dtype=dtype, device=device)
+    runs = {"kvfleet": lambda: run_kvfleet(model_dir, workload, 64, dtype_name, device),
+            # decode steps from CUDA graphs (eager on the CPU, where there are none): not yet run on a GPU
+            "kvfleet_cuda_graphs": lambda: run_kvfleet(model_dir, workload, 64, dtype_name, device, enforce_eager=False),
+            **{name: lambda run_peer=run_peer: run_peer(model_dir, workload, 64, dtype=dtype, device=device)
+               for name, run_peer in (peers[peer] for peer in args.peers.split(",") if peer)}}
+    results = {}
+    for name, run in runs.items():
+        try:  # a run's own failure (another transformers version, a graph capture) costs only its row
+            results[name] = run()
+            # Printed as it lands: a part timeout in gpu_check keeps the rows before it in the log.
+            print(f"{name:28s} {results[name]['output_tokens_per_s']:9.1f} output tok/s  ({results[name]['seconds']:.1f} s)",
+                  flush=True)
         except Exception as error:  # noqa: BLE001
-            print(f"{name} failed: {type(error).__name__}: {error}")
+            if name == "kvfleet":
+                raise
+            print(f"{name} failed: {type(error).__name__}: {error}", flush=True)
             results[name] = {"error": f"{type(error).__name__}: {error}"}
     ours = [name for name, result in results.items() if name.startswith("kvfleet") and "error" not in result]
     ratios = {f"{mine}_over_{name}": results[mine]["output_tokens_per_s"] / result["output_tokens_per_s"]
@@ -156,10 +162,6 @@ def main(argv: list[str] | None = None) -> int:
     kvfleet = max((results[name] for name in ours), key=lambda result: result["output_tokens_per_s"])
     roofline_s = kvfleet["weight_bytes"] / bandwidth
     fraction = roofline_s / kvfleet["median_decode_step_s"] if kvfleet["median_decode_step_s"] else None
-    print(f"{len(workload.prompts)} requests, {workload.num_output_tokens} output tokens, {dtype_name} on {device}")
-    for name, result in results.items():
-        if "error" not in result:
-            print(f"{name:28s} {result['output_tokens_per_s']:9.1f} output tok/s  ({result['seconds']:.1f} s)")
     for name, ratio in ratios.items():
         print(f"{name:40s} {ratio:6.2f}x")
     if fraction is not None:
