@@ -70,7 +70,9 @@ def copy_bandwidth(device: str, num_bytes: int) -> float:
     return 2 * num_bytes / timed(lambda: b.copy_(a), device)
 
 
-def decode_case(batch: int, context: int, heads: int, kv_heads: int, dim: int, dtype, device, block_size: int = 16):
+def decode_case(batch: int, context: int, heads: int, kv_heads: int, dim: int, dtype, device, block_size: int = 16,
+                with_dense: bool = True):
+    """(the kernel's inputs, SDPA's inputs or None without `with_dense`, bytes a call moves)"""
     blocks_per_seq = context // block_size
     num_blocks = batch * blocks_per_seq
     key_cache = torch.randn(num_blocks, block_size, kv_heads, dim, device=device, dtype=dtype)  # [N, B, Hkv, D]
@@ -79,6 +81,8 @@ def decode_case(batch: int, context: int, heads: int, kv_heads: int, dim: int, d
     lens = torch.full((batch,), context, device=device, dtype=torch.int64)
     query = torch.randn(batch, heads, dim, device=device, dtype=dtype)  # [batch, Hq, D]
     moved = (2 * key_cache.numel() + 2 * query.numel()) * key_cache.element_size()
+    if not with_dense:
+        return (query, key_cache, value_cache, block_tables, lens), None, moved
     # The peer's K/V: the same values, contiguous per sequence: [batch, Hkv, context, D]
     dense_k = key_cache[block_tables].reshape(batch, context, kv_heads, dim).transpose(1, 2).contiguous()
     dense_v = value_cache[block_tables].reshape(batch, context, kv_heads, dim).transpose(1, 2).contiguous()
@@ -110,7 +114,7 @@ def bench_decode_plans(device, dtype, sizes, shapes, plans, bandwidth) -> list[d
     heads, kv_heads, dim = sizes
     rows = []
     for batch, context in shapes:
-        kernel_inputs, _, moved = decode_case(batch, context, heads, kv_heads, dim, dtype, device)
+        kernel_inputs, _, moved = decode_case(batch, context, heads, kv_heads, dim, dtype, device, with_dense=False)
         chosen = decode_plan(batch, kv_heads, 16, context // 16, _num_multiprocessors(torch.device(device)))
         for tile, partition, warps in plans:
             seconds = timed(partial(paged_decode_attention, *kernel_inputs, dim**-0.5, partition_tokens=partition,
