@@ -139,10 +139,13 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         if not config.enforce_eager:
             reason = ineligible_reason(self.model, self.device, self.backend.name, self.world_size, self.lora is not None)
-            if reason is None:
-                self.decode_graphs = self.capture_decode_graphs()
-            else:
+            if reason is not None:
                 logger.info("decode steps run eagerly: %s", reason)
+            else:
+                try:
+                    self.decode_graphs = self.capture_decode_graphs()
+                except RuntimeError as error:  # a capture the driver refuses: the engine still serves
+                    logger.warning("decode steps run eagerly: capturing CUDA graphs failed: %s", error)
         self.sampler = Sampler(argmax_rows if self.backend.name == "cpu" else first_argmax)
         self.structured = None  # engine.structured_outputs.StructuredOutputs, set with the first constraint
 

@@ -120,3 +120,22 @@ def test_what_cannot_be_captured_says_why(tiny_models):
     moe = LLM(tiny_models["qwen3_moe"], attention_backend="torch").engine.model_runner
     assert "mixture of experts" in ineligible_reason(moe.model, cuda, "triton", 1, False)
     assert llama.decode_graphs is None  # enforce_eager is the default until a GPU has run them
+
+
+def test_a_failed_capture_leaves_the_engine_eager(tiny_models, monkeypatch, caplog):
+    """A capture the driver refuses logs why and the engine serves eagerly, same tokens."""
+    import engine.model_runner as model_runner  # noqa: PLC0415
+
+    def refuse(self):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(model_runner, "ineligible_reason", lambda *args: None)  # as on a CUDA device
+    monkeypatch.setattr(cuda_graphs, "cuda_graph_factory", lambda: ReplayByCalling)
+    monkeypatch.setattr(cuda_graphs.DecodeGraphs, "capture", refuse)
+    prompts, params = requests(2)
+    expected = [o.token_ids for o in LLM(tiny_models["llama"], attention_backend="triton").generate(
+        prompts, params, use_tqdm=False)]
+    llm = LLM(tiny_models["llama"], attention_backend="triton", enforce_eager=False)
+    assert llm.engine.model_runner.decode_graphs is None
+    assert "capturing CUDA graphs failed: operation not permitted" in caplog.text
+    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
