@@ -136,18 +136,22 @@ class ModelRunner:
         self._allocate_kv_cache(kv_groups(attention_layers))
         self.model_inputs = ModelInputBuilder(self.device, self.block_size, len(self.kv_groups),
                                               self.backend.reads_prefill_spans, self.long_rope_after)
-        self.decode_graphs: DecodeGraphs | None = None
-        if not config.enforce_eager:
-            reason = ineligible_reason(self.model, self.device, self.backend.name, self.world_size, self.lora is not None)
-            if reason is not None:
-                logger.info("decode steps run eagerly: %s", reason)
-            else:
-                try:
-                    self.decode_graphs = self.capture_decode_graphs()
-                except RuntimeError as error:  # a capture the driver refuses: the engine still serves
-                    logger.warning("decode steps run eagerly: capturing CUDA graphs failed: %s", error)
+        self.decode_graphs = None if config.enforce_eager else self._try_decode_graphs()
         self.sampler = Sampler(argmax_rows if self.backend.name == "cpu" else first_argmax)
         self.structured = None  # engine.structured_outputs.StructuredOutputs, set with the first constraint
+
+    def _try_decode_graphs(self) -> DecodeGraphs | None:
+        """CUDA graphs of decode steps where this runner allows them; None, with the reason
+        logged, elsewhere or when the capture fails (the engine then serves eagerly)."""
+        reason = ineligible_reason(self.model, self.device, self.backend.name, self.world_size, self.lora is not None)
+        if reason is not None:
+            logger.info("decode steps run eagerly: %s", reason)
+            return None
+        try:
+            return self.capture_decode_graphs()
+        except RuntimeError as error:  # a capture the driver refuses
+            logger.warning("decode steps run eagerly: capturing CUDA graphs failed: %s", error)
+            return None
 
     def capture_decode_graphs(self, graph_factory=None) -> DecodeGraphs:
         """One graph per padded decode batch size over this runner's model and KV cache;
