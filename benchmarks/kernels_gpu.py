@@ -42,6 +42,12 @@ CALLS_PER_EVENT = 10
 DECODE_PLANS = [(tile, partition, warps) for tile, partition in ((32, 0), (64, 0), (128, 0), (256, 0), (128, 512))
                 for warps in (4, 8)] + [(128, 256, 4), (128, 1024, 4)]
 
+# Prefill plans swept at 4 x 1,024 causal (kvfleet_kernels/prefill_attention.py): (queries a
+# program, keys a tile, num_warps, num_stages or None for Triton's default). (64, 16, 4) is the
+# kernel as it was (one 16-token block a step), (64, 64, 4) its default since.
+PREFILL_PLANS = [(64, 16, 4, None), (64, 64, 4, None), (64, 128, 4, None), (128, 64, 8, None),
+                 (128, 128, 8, None), (64, 64, 8, 2)]
+
 
 def timed(fn, device: str) -> float:
     """Median seconds of fn() on the device: on CUDA, CALLS_PER_EVENT calls back to back between
@@ -126,7 +132,9 @@ def bench_decode_plans(device, dtype, sizes, shapes, plans, bandwidth) -> list[d
     return rows
 
 
-def bench_prefill(device, dtype, sizes, num_seqs: int, seq_len: int) -> dict:
+def bench_prefill(device, dtype, sizes, num_seqs: int, seq_len: int, plans: list[tuple] = ()) -> dict:
+    """kvfleet's prefill kernel (its default plan, then each of `plans`: (block_m, tile keys,
+    warps, stages or None)) against SDPA on the same causal prompts, in TFLOP/s."""
     from kvfleet_kernels.prefill_attention import prefill_attention
     from kvfleet_kernels.store_kv import store_kv
 
@@ -147,8 +155,16 @@ def bench_prefill(device, dtype, sizes, num_seqs: int, seq_len: int) -> dict:
     sdpa_s = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True),
                    device)
     flops = 4 * num_seqs * heads * dim * seq_len * (seq_len + 1) / 2  # QK^T and PV over the causal half
+    swept = []
+    for block_m, tile, warps, stages in plans:
+        seconds = timed(partial(prefill_attention, query, caches[0], caches[1], tables, starts, lens, seq_len, scale,
+                                block_m=block_m, tile_keys=tile, num_warps=warps, num_stages=stages), device)
+        swept.append({"block_m": block_m, "tile": tile, "warps": warps, "stages": stages, "seconds": seconds,
+                      "tflops": flops / seconds / 1e12})
+        print(f"  prefill plan block_m {block_m:>3} tile {tile:>3} warps {warps} stages {stages}: "
+              f"{swept[-1]['tflops']:.1f} TFLOP/s", flush=True)
     return {"num_seqs": num_seqs, "seq_len": seq_len, "triton_s": triton_s, "sdpa_s": sdpa_s,
-            "triton_tflops": flops / triton_s / 1e12, "sdpa_tflops": flops / sdpa_s / 1e12}
+            "triton_tflops": flops / triton_s / 1e12, "sdpa_tflops": flops / sdpa_s / 1e12, "plans": swept}
 
 
 def bench_varlen(device, dtype, sizes, seq_lens: list[int]) -> dict:
@@ -231,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     for row in plan_rows:
         print(f"{row['batch']:>5} {row['context']:>7} {row['tile']:>4} {row['partition']:>5} {row['warps']:>5} "
               f"{row['seconds'] * 1e3:>7.3f} {row['fraction_of_copy']:>7.0%}{'  (default)' if row['default'] else ''}")
-    prefill_row = bench_prefill(device, dtype, sizes, *prefill)
+    prefill_row = bench_prefill(device, dtype, sizes, *prefill,
+                                plans=[(16, 16, 4, None), (32, 32, 4, 2)] if args.dry_run else PREFILL_PLANS)
     print(f"prefill {prefill[0]} x {prefill[1]} causal: triton {prefill_row['triton_tflops']:.1f} TFLOP/s, "
           f"sdpa {prefill_row['sdpa_tflops']:.1f} TFLOP/s")
     varlen = bench_varlen(device, dtype, sizes, [5, 17, 9] if args.dry_run else embedding_lengths(256))

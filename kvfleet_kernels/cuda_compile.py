@@ -48,10 +48,10 @@ KERNELS = {
         "out_ptr": "*T", "query_ptr": "*T", "key_cache_ptr": "*T", "value_cache_ptr": "*T",
         "block_tables_ptr": "*i64", "query_starts_ptr": "*i64", "context_lens_ptr": "*i64", "sinks_ptr": "*T",
         "scale": "fp32"},
-        [{"NUM_QUERIES_PER_KV": 4, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "BLOCK_M": 64, "DOT_PRECISION": "tf32",
-          "HAS_SINKS": False},
-         {"NUM_QUERIES_PER_KV": 8, "HEAD_DIM": 64, "BLOCK_SIZE": 32, "BLOCK_M": 16, "DOT_PRECISION": "tf32",
-          "HAS_SINKS": True}]),
+        [{"NUM_QUERIES_PER_KV": 4, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "BLOCK_M": 64, "TILE": 64,
+          "DOT_PRECISION": "tf32", "HAS_SINKS": False},
+         {"NUM_QUERIES_PER_KV": 8, "HEAD_DIM": 64, "BLOCK_SIZE": 32, "BLOCK_M": 16, "TILE": 64,
+          "DOT_PRECISION": "tf32", "HAS_SINKS": True}]),
     # Packed whole inputs of embedding models: an encoder's bidirectional attention at head size 32
     # (all-MiniLM), a decoder's causal one at 128 (Qwen3-Embedding), and a padded head size (48).
     "varlen_attention": ("kvfleet_kernels.varlen_attention", "_varlen_attention_kernel", {

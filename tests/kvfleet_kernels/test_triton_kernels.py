@@ -102,8 +102,8 @@ def test_prefill_attention_sinks(num_heads, num_kv_heads, sliding_window):
     assert (got - expected).abs().max() <= TOLERANCE
 
 
-def prefill_case(spans, num_heads, num_kv_heads, head_dim, block_size, sliding_window=None, sinks=None):
-    """spans: (cached, new) tokens per sequence. Returns (got, expected)."""
+def prefill_case(spans, num_heads, num_kv_heads, head_dim, block_size, sliding_window=None, sinks=None, **plan):
+    """spans: (cached, new) tokens per sequence; plan: prefill_attention's overrides. Returns (got, expected)."""
     context_lens = [cached + new for cached, new in spans]
     key_cache, value_cache, tables, block_tables = paged_setup(context_lens, block_size, num_kv_heads, head_dim)
     num_tokens = sum(new for _, new in spans)
@@ -117,8 +117,21 @@ def prefill_case(spans, num_heads, num_kv_heads, head_dim, block_size, sliding_w
         rows = slice(int(starts[i]), int(starts[i + 1]))
         expected[rows] = reference.prefill_attention(query[rows], keys, values, scale, sliding_window, sinks=sinks)
     got = prefill_attention(query, key_cache, value_cache, block_tables, starts, torch.tensor(context_lens),
-                            max(n for _, n in spans), scale, sliding_window, sinks=sinks)
+                            max(n for _, n in spans), scale, sliding_window, sinks=sinks, **plan)
     return got, expected
+
+
+@pytest.mark.parametrize("block_m, tile_keys", [(16, 16), (32, 128), (128, 32)])
+@pytest.mark.parametrize("block_size", [8, 16, 64])
+@pytest.mark.parametrize("sliding_window, with_sinks", [(None, False), (24, True)])
+def test_prefill_attention_plans(block_m, tile_keys, block_size, sliding_window, with_sinks):
+    """Query blocks and key tiles of the sizes gpu_check's sweep tries, over cache blocks smaller
+    than, as large as and larger than a tile (tiles across several blocks, or within one), spans
+    ending mid-tile and mid-block after cached prefixes, a window and sinks: the reference's output."""
+    got, expected = prefill_case([(0, 50), (20, 30), (70, 3), (3, 1)], 4, 2, 64, block_size, sliding_window,
+                                 sinks=attention_sinks(4) if with_sinks else None, block_m=block_m,
+                                 tile_keys=tile_keys)
+    assert (got - expected).abs().max() <= TOLERANCE
 
 
 @pytest.mark.parametrize("num_heads, num_kv_heads", GQA)

@@ -42,6 +42,8 @@ def test_the_dry_run_runs_every_part_and_writes_the_report(tmp_path):
     assert bench["copy_bytes_per_s"] > 0 and len(bench["decode"]) == 2 and bench["prefill"]["triton_s"] > 0
     assert bench["varlen"]["tokens"] == 31 and bench["varlen"]["triton_s"] > 0
     assert [(row["tile"], row["partition"]) for row in bench["decode_plans"]] == [(16, 0), (16, 32)]
+    assert [(row["block_m"], row["tile"], row["stages"]) for row in bench["prefill"]["plans"]] == [(16, 16, None),
+                                                                                                  (32, 32, 2)]
     engine = parts["engine_bench"]["result"]
     # the goal's peer only (gpu_check), for kvfleet eager and with CUDA graphs (eager too on the CPU)
     assert set(engine["ratios"]) == {"kvfleet_over_transformers_static", "kvfleet_cuda_graphs_over_transformers_static"}
