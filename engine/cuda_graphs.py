@@ -15,8 +15,8 @@ a step whose sequences are longer, a prefill, or a batch above the largest size 
 
 Graphs need every op of the forward pass to run on the device without reading back to the
 host: the Triton backend on one device, no LoRA adapters (their slots are host state) and no
-mixture of experts (the fused-MoE launcher sizes its grid from the routing). `eligible` says
-which case holds. Tests run all of this on the CPU through the Triton interpreter, with
+mixture of experts (the fused-MoE launcher sizes its grid from the routing).
+`ineligible_reason` says which case holds. Tests run all of this on the CPU through the Triton interpreter, with
 `graph_factory` replaced by a stand-in that replays a step by calling it again.
 """
 
@@ -97,7 +97,8 @@ class DecodeGraphs:
                  graph_factory: Callable[[], object] | None = None) -> None:
         self.model, self.backend, self.kv_caches, self.layer_groups = model, backend, kv_caches, layer_groups
         self.sizes = capture_sizes(max_num_seqs)
-        self.max_blocks = cdiv(min(max_model_len, MAX_SEQ_LEN_TO_CAPTURE), block_size)
+        self.max_seq_len = min(max_model_len, MAX_SEQ_LEN_TO_CAPTURE)  # the widest step a graph takes
+        self.max_blocks = cdiv(self.max_seq_len, block_size)
         rows = self.sizes[-1]
 
         def buffer(*shape: int, fill: int = 0) -> torch.Tensor:
@@ -132,7 +133,7 @@ class DecodeGraphs:
             self.outputs[size] = graph.capture(lambda size=size: self._forward(size))
             self.graphs[size] = graph
         logger.info("captured CUDA graphs of decode steps for %d batch sizes (up to %d sequences of %d tokens)",
-                    len(self.sizes), self.sizes[-1], self.max_blocks * (self.kv_caches[0][0].shape[1]))
+                    len(self.sizes), self.sizes[-1], self.max_seq_len)
 
     def padded_size(self, metas: list[AttentionMetadata], num_tokens: int) -> int | None:
         """The graph a step runs on: a decode-only step of at most the largest size whose
