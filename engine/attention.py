@@ -81,6 +81,10 @@ class TorchAttentionBackend:
         """One sequence's first context_len keys in token order: [context_len, Hkv, D]."""
         return reference.gather_kv(key_cache, block_table, context_len)
 
+    def gather_values(self, value_cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
+        """gather_keys for the value cache."""
+        return reference.gather_kv(value_cache, block_table, context_len)
+
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float, sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -96,7 +100,7 @@ class TorchAttentionBackend:
                 keys, values = key[rows], value[rows]
             else:
                 keys = self.gather_keys(key_cache, span.block_table, span.context_len)
-                values = reference.gather_kv(value_cache, span.block_table, span.context_len)
+                values = self.gather_values(value_cache, span.block_table, span.context_len)
             out[rows] = self.prefill(query[rows], keys, values, span, scale, sliding_window, sinks)
         if meta.num_prefill_tokens < query.shape[0]:
             decodes = slice(meta.num_prefill_tokens, None)
@@ -146,9 +150,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
             logger.info("bf16 prefill attention: kvfleet's native %s kernel", cpu_prefill_attention.kernel())
 
     def cache_views(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys in the decode kernel's layout, [num_blocks, Hkv, D / x, block_size, x]
-        (kvfleet_kernels/csrc/decode_keys.h says why); values as allocated."""
-        return self._kernels.key_cache_view(key_cache), value_cache
+        """The caches in the decode kernel's layouts: keys [num_blocks, Hkv, D / x, block_size, x],
+        values [num_blocks, block_size / y, Hkv, D, y] (kvfleet_kernels/csrc/decode_keys.h and
+        decode_values.h say why)."""
+        return self._kernels.key_cache_view(key_cache), self._kernels.value_cache_view(value_cache)
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -156,6 +161,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def gather_keys(self, key_cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
         return self._kernels.gather_keys(key_cache, block_table, context_len)
+
+    def gather_values(self, value_cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
+        return self._kernels.gather_values(value_cache, block_table, context_len)
 
     def prefill(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, span: PrefillSpan, scale: float,
                 sliding_window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:

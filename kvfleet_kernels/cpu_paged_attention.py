@@ -20,10 +20,10 @@ import torch
 # One library, kvfleet_cpu: the decode kernel, the packed attention of embedding models
 # (kvfleet_kernels/cpu_varlen_attention.py), bf16 prefill attention (kvfleet_kernels/cpu_prefill_attention.py),
 # the CPU layers and the LoRA delta (kvfleet_kernels/cpu_layers.py), bf16 linears on the brgemm microkernel
-# (kvfleet_kernels/cpu_linear.py), and the key cache's own layout (below: store_kv, gather_keys).
+# (kvfleet_kernels/cpu_linear.py), and the caches' own layouts (below: store_kv, gather_keys, gather_values).
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("paged_decode_cpu.cpp", "varlen_attention_cpu.cpp", "prefill_attention_cpu.cpp", "cpu_layers.cpp",
-                         "lora_cpu.cpp", "brgemm_linear_cpu.cpp", "vnni_linear_cpu.cpp", "key_cache_cpu.cpp",
+                         "lora_cpu.cpp", "brgemm_linear_cpu.cpp", "vnni_linear_cpu.cpp", "kv_cache_cpu.cpp",
                          "prefill_attention_brgemm.cpp")]
 # -fopenmp: at::parallel_for is inlined OpenMP, sharing torch's own libgomp thread pool.
 # The math flags let g++ vectorise the dot-product reductions; not -ffast-math, whose
@@ -114,11 +114,38 @@ def pack_key_cache(key_cache: torch.Tensor) -> torch.Tensor:
     return words.permute(0, 2, 3, 1, 4).contiguous()
 
 
+def value_word_elements(dtype: torch.dtype) -> int:
+    """y of the value cache layout: positions to a 32-bit word (2 for bf16, 1 otherwise);
+    csrc/decode_values.h's value_word_elements is its C++ twin."""
+    return 2 if dtype == torch.bfloat16 else 1
+
+
+def value_cache_view(value_cache: torch.Tensor) -> torch.Tensor:
+    """The decode kernel's value layout over a dense [num_blocks, block_size, Hkv, D] tensor's
+    memory: [num_blocks, block_size // y, Hkv, D, y], the same bytes read in that order (for a
+    cache still empty). Why bf16 pairs positions: csrc/decode_values.h."""
+    num_blocks, block_size, num_kv_heads, head_dim = value_cache.shape
+    y = value_word_elements(value_cache.dtype)
+    if block_size % y:
+        raise ValueError(f"block_size {block_size} must be a multiple of {y} for a {value_cache.dtype} value cache "
+                         "on the CPU (its bf16 layout pairs positions)")
+    return value_cache.view(num_blocks, block_size // y, num_kv_heads, head_dim, y)
+
+
+def pack_value_cache(value_cache: torch.Tensor) -> torch.Tensor:
+    """A copy of a [num_blocks, block_size, Hkv, D] value cache with its contents in the decode
+    kernel's layout, [num_blocks, block_size // y, Hkv, D, y] (tests, and caches filled elsewhere)."""
+    num_blocks, block_size, num_kv_heads, head_dim = value_cache.shape
+    y = value_word_elements(value_cache.dtype)
+    words = value_cache.reshape(num_blocks, block_size // y, y, num_kv_heads, head_dim)
+    return words.permute(0, 1, 3, 4, 2).contiguous()
+
+
 def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """A layer's new K/V into their slots (slot_mapping [num_tokens] int64), reference.store_kv's
-    contract with the keys in this kernel's layout: key [num_tokens, Hkv, D] into the laid-out key
-    cache, value [num_tokens, Hkv, D] into the plain value cache [num_blocks, block_size, Hkv, D].
+    contract with the caches in this kernel's layouts: key [num_tokens, Hkv, D] into the key
+    cache (key_cache_view), value [num_tokens, Hkv, D] into the value cache (value_cache_view).
     Read in place when each token's [Hkv, D] is dense (a slice of the fused qkv output is): no
     copy per layer."""
     require_built()
@@ -136,16 +163,32 @@ def gather_keys(key_cache: torch.Tensor, block_table: torch.Tensor, context_len:
     return torch.ops.kvfleet_cpu.gather_keys(key_cache, block_table, context_len)
 
 
+def gather_values(value_cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
+    """gather_keys for a value cache in the kernel's layout (value_cache_view): [context_len, Hkv, D]."""
+    require_built()
+    return torch.ops.kvfleet_cpu.gather_values(value_cache, block_table, context_len)
+
+
+def decode_amx_available() -> bool:
+    """Whether bf16 decode attention runs on AMX tiles here (head sizes 64 and 128, GQA groups
+    of up to 16, blocks of a multiple of 16): the library was built for a CPU with amx_bf16 and
+    Linux lends this process the tile state. Elsewhere it runs on avx512_bf16's dot product."""
+    require_built()
+    return bool(torch.ops.kvfleet_cpu.decode_amx_available())
+
+
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            sliding_window: int | None = None, out: torch.Tensor | None = None,
-                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+                           sinks: torch.Tensor | None = None, allow_amx: bool = True) -> torch.Tensor:
     """The contract of kvfleet_kernels.reference.paged_decode_attention, with the keys in this
-    kernel's layout (key_cache_view, pack_key_cache).
+    kernel's layouts (key_cache_view, pack_key_cache, value_cache_view, pack_value_cache). bf16 caches of head size 64 or 128 run on
+    AMX tiles where the CPU has them (csrc/decode_amx.h); allow_amx=False keeps them on
+    avx512_bf16 (tests compare the two).
 
     query:        [num_seqs, num_heads, head_dim]
     key_cache:    [num_blocks, num_kv_heads, head_dim // x, block_size, x], x = key_word_elements(dtype)
-    value_cache:  [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache:  [num_blocks, block_size // y, num_kv_heads, head_dim, y], y = value_word_elements(dtype)
     block_tables: [num_seqs, max_blocks_per_seq] int64
     context_lens: [num_seqs] int64, including the new token
     sinks:        [num_heads] or None (read as fp32)
@@ -156,5 +199,5 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     # Shapes, dtypes and strides are checked in the C++ op (TORCH_CHECK), where they are read.
     torch.ops.kvfleet_cpu.paged_decode_attention(out, query, key_cache, value_cache, block_tables, context_lens,
                                                  scale, sliding_window or 0,
-                                                 None if sinks is None else sinks.float().contiguous())
+                                                 None if sinks is None else sinks.float().contiguous(), allow_amx)
     return out

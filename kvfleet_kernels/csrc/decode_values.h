@@ -2,9 +2,19 @@
 // slots i of weights[t][i] * value_row[i] for the query rows t of a GQA group. Tiled for head
 // sizes 64 and 128 (fp32, with 8-lane vectors where 16-lane sums would not fit the registers,
 // and bf16 on avx512_bf16's dot product), a plain loop for other sizes. Its K pass is
-// csrc/decode_keys.h.
+// csrc/decode_keys.h, its AMX form csrc/decode_amx.h.
+//
+// The CPU value cache layout: [num_blocks, block_size / y, num_kv_heads, head_dim, y], y the
+// positions to a 32-bit word: 2 for bf16, 1 otherwise (the plain [block_size, num_kv_heads,
+// head_dim] rows). Why pairs for bf16: both bf16 products, avx512_bf16's dot product and AMX's
+// tiles, take two positions' values of a dimension side by side in one word, against their two
+// weights. Stored that way, a pair row is read as it lies; stored as rows, the dot product had
+// to interleave every two rows first (two unpacks a 32 dimensions), and AMX to pack 32
+// positions into a buffer before each product, which made its V pass slower than the dot
+// product's (8 sequences x 400 positions in L2, 2-core Xeon with AMX: 33 against 25 us).
 #pragma once
 
+#include <c10/core/ScalarType.h>
 #include <c10/util/BFloat16.h>
 
 #include "cpu_vec.h"
@@ -19,6 +29,12 @@
 
 namespace kvfleet_cpu {
 
+// y of the value layout: positions to a 32-bit word of a value cache of this dtype;
+// kvfleet_kernels/cpu_paged_attention.py's value_word_elements is its Python twin.
+inline int64_t value_word_elements(at::ScalarType dtype) { return dtype == at::kBFloat16 ? 2 : 1; }
+template <typename scalar_t>
+constexpr int64_t kValueWordElements = std::is_same_v<scalar_t, at::BFloat16> ? 2 : 1;
+
 // 8 fp32 lanes, half a vfloat: fp32 loops whose 16-lane sums would spill on AVX2 and NEON.
 using vfloat8 = float __attribute__((vector_size(32)));
 constexpr int kHalfLanes = 8;
@@ -30,41 +46,37 @@ inline vfloat8 load8(const float* p) {
 inline void store8(float* p, vfloat8 v) { std::memcpy(p, &v, sizeof v); }
 
 #if defined(__AVX512BF16__)
-// The V pass of bf16 caches on avx512_bf16: acc[t] += sum over rows i of weights[t][i] * rows[i] as
-// weighted_rows_add_tile does, with avx512_bf16's dot product over pairs of rows: rows i and
-// i + 1 interleaved (unpacklo/hi_epi16: dimension d of each side by side) meet the pair of
-// their bf16 weights in one instruction, half the work of widening each row and multiplying
-// it in fp32. The weights are the softmax numerators rounded to bf16, as torch's bf16
-// attention rounds its probabilities before the product with V; the sums stay fp32. `acc`
-// holds each row's HEAD_DIM sums in the unpack order (unpack_order_index maps them back); an odd
-// last row pairs with itself under a zero weight, so no row outside [0, num_rows) is read.
+// The V pass of bf16 caches on avx512_bf16: acc[t] += sum over positions i in [lo, hi) of
+// weights[t][i] * value_i, for TILE query rows, over one KV head's pair rows (pair row j: the
+// words of positions 2j and 2j + 1, `pairs` + j * pair_stride). A word row meets the word of its
+// two bf16 weights, broadcast, in one instruction. The weights are the softmax numerators rounded
+// to bf16, as torch's bf16 attention rounds its probabilities before the product with V; the sums
+// stay fp32. A pair with one position outside [lo, hi) loads that half as zero: its weight is zero
+// too, but its slot may hold a freed sequence's values, NaN included, and 0 x NaN is NaN.
 template <int HEAD_DIM, int TILE>
-inline void weighted_rows_add_tile_bf16(float* acc, int64_t acc_stride, const uint16_t* weights,
-                                        int64_t weight_stride, const at::BFloat16* first, int64_t row_stride,
-                                        int64_t num_rows) {
-  constexpr int kPairs = HEAD_DIM / 16;  // accumulators per query row: 16 dimensions each
-  __m512 sum[TILE][kPairs];
+inline void weighted_pairs_add_tile_bf16(float* acc, int64_t acc_stride, const uint16_t* weights,
+                                         int64_t weight_stride, const at::BFloat16* pairs, int64_t pair_stride,
+                                         int64_t lo, int64_t hi) {
+  constexpr int kWords = HEAD_DIM / 16;  // 16-word registers per pair row: 16 dimensions each
+  __m512 sum[TILE][kWords];
   for (int t = 0; t < TILE; ++t)
-    for (int k = 0; k < kPairs; ++k) sum[t][k] = _mm512_loadu_ps(acc + t * acc_stride + 16 * k);
-  auto accumulate = [&](const at::BFloat16* a, const at::BFloat16* b, int64_t i, uint32_t keep_second) {
-    __m512i pairs[kPairs];
-    for (int c = 0; c < kPairs / 2; ++c) {
-      const __m512i va = _mm512_loadu_si512(a + 32 * c), vb = _mm512_loadu_si512(b + 32 * c);
-      pairs[2 * c] = _mm512_unpacklo_epi16(va, vb);
-      pairs[2 * c + 1] = _mm512_unpackhi_epi16(va, vb);
-    }
+    for (int k = 0; k < kWords; ++k) sum[t][k] = _mm512_loadu_ps(acc + t * acc_stride + 16 * k);
+  auto accumulate = [&](int64_t j, __mmask32 keep) {
+    __m512i words[kWords];
+    for (int k = 0; k < kWords; ++k) words[k] = _mm512_maskz_loadu_epi16(keep, pairs + j * pair_stride + 32 * k);
     for (int t = 0; t < TILE; ++t) {
       uint32_t w;
-      std::memcpy(&w, weights + t * weight_stride + i, sizeof(w));
-      const __m512bh w2 = (__m512bh)_mm512_set1_epi32(static_cast<int>(w & keep_second));
-      for (int k = 0; k < kPairs; ++k) sum[t][k] = _mm512_dpbf16_ps(sum[t][k], (__m512bh)pairs[k], w2);
+      std::memcpy(&w, weights + t * weight_stride + 2 * j, sizeof(w));
+      const __m512bh w2 = (__m512bh)_mm512_set1_epi32(static_cast<int>(w));
+      for (int k = 0; k < kWords; ++k) sum[t][k] = _mm512_dpbf16_ps(sum[t][k], (__m512bh)words[k], w2);
     }
   };
-  int64_t i = 0;
-  for (; i + 1 < num_rows; i += 2) accumulate(first + i * row_stride, first + (i + 1) * row_stride, i, ~0u);
-  if (i < num_rows) accumulate(first + i * row_stride, first + i * row_stride, i, 0xFFFFu);  // weight pair (w_i, 0)
+  int64_t j = lo / 2;
+  if (lo % 2) accumulate(j++, 0xAAAAAAAAu);  // only position 2j + 1 = lo
+  for (; 2 * j + 1 < hi; ++j) accumulate(j, 0xFFFFFFFFu);
+  if (2 * j < hi) accumulate(j, 0x55555555u);  // only position 2j = hi - 1
   for (int t = 0; t < TILE; ++t)
-    for (int k = 0; k < kPairs; ++k) _mm512_storeu_ps(acc + t * acc_stride + 16 * k, sum[t][k]);
+    for (int k = 0; k < kWords; ++k) _mm512_storeu_ps(acc + t * acc_stride + 16 * k, sum[t][k]);
 }
 
 // 16 softmax numerators rounded to bf16 (nearest even) by avx512_bf16's convert: one
@@ -76,17 +88,10 @@ inline void store_probabilities16(at::BFloat16* p, vfloat v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
 }
 
-// Dimension d of a row of weighted_rows_add_tile_bf16's sums, which sit in the unpack order:
-// per 32 dimensions, 128-bit lane L of the low half holds d = 8L..8L+3, of the high half 8L+4..8L+7.
-inline int64_t unpack_order_index(int64_t d) {
-  const int64_t chunk = d / 32, in_chunk = d % 32, lane = in_chunk / 8, j = in_chunk % 8;
-  return chunk * 32 + (j < 4 ? 0 : 16) + lane * 4 + (j % 4);
-}
 #else
 template <int HEAD_DIM, int TILE>
-inline void weighted_rows_add_tile_bf16(float*, int64_t, const uint16_t*, int64_t, const at::BFloat16*, int64_t,
-                                        int64_t) {}  // never called
-inline int64_t unpack_order_index(int64_t d) { return d; }
+inline void weighted_pairs_add_tile_bf16(float*, int64_t, const uint16_t*, int64_t, const at::BFloat16*, int64_t,
+                                         int64_t, int64_t) {}  // never called
 inline void store_probabilities16(at::BFloat16* p, vfloat v) { store16(p, v); }  // never called
 #endif
 
@@ -176,16 +181,21 @@ inline void weighted_rows_add_group(float* acc, const float* weights, int64_t we
   });
 }
 
-// The rows [lo, hi) of one KV head of a value cache block, widened to fp32 once into `dst`
+// The positions [lo, hi) of one KV head of a value cache block, widened to fp32 once into `dst`
 // ([block_size, head_dim]) so that the GQA group's query rows read them without converting
-// each again (the V pass of head sizes other than 64 and 128); fp32 rows are read in place.
+// each again (the V pass of head sizes other than 64 and 128, and of bf16 without
+// avx512_bf16); fp32 rows are read in place. `rows` is the head's first word row, word rows
+// (y positions each) word_row_stride apart.
 template <typename scalar_t>
-inline void widen_rows(float* dst, const scalar_t* rows, int64_t row_stride, int64_t lo, int64_t hi,
+inline void widen_rows(float* dst, const scalar_t* rows, int64_t word_row_stride, int64_t lo, int64_t hi,
                        int64_t head_dim) {
+  constexpr int64_t y = kValueWordElements<scalar_t>;
   for (int64_t i = lo; i < hi; ++i) {
+    const scalar_t* row = rows + i / y * word_row_stride + i % y;
     int64_t d = 0;
-    for (; d + kLanes <= head_dim; d += kLanes) store16(dst + i * head_dim + d, load16(rows + i * row_stride + d));
-    for (; d < head_dim; ++d) dst[i * head_dim + d] = static_cast<float>(rows[i * row_stride + d]);
+    if constexpr (y == 1)
+      for (; d + kLanes <= head_dim; d += kLanes) store16(dst + i * head_dim + d, load16(row + d));
+    for (; d < head_dim; ++d) dst[i * head_dim + d] = static_cast<float>(row[d * y]);
   }
 }
 
