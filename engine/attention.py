@@ -148,10 +148,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self.native_prefill = cpu_prefill_attention.preferred() if native_prefill is None else native_prefill
         if native_prefill is None and self.native_prefill:
             logger.info("bf16 prefill attention: kvfleet's native %s kernel", cpu_prefill_attention.kernel())
+        if cpu_paged_attention.load_error() is None and cpu_paged_attention.decode_amx_available():
+            logger.info("bf16 decode attention: on AMX tiles (head sizes 64 and 128)")
 
     def cache_views(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The caches in the decode kernel's layouts: keys [num_blocks, Hkv, D / x, block_size, x],
-        values [num_blocks, block_size / y, Hkv, D, y] (kvfleet_kernels/csrc/decode_keys.h and
+        values [num_blocks, Hkv, block_size / y, D, y] (kvfleet_kernels/csrc/decode_keys.h and
         decode_values.h say why)."""
         return self._kernels.key_cache_view(key_cache), self._kernels.value_cache_view(value_cache)
 

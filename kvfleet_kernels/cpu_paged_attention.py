@@ -122,23 +122,23 @@ def value_word_elements(dtype: torch.dtype) -> int:
 
 def value_cache_view(value_cache: torch.Tensor) -> torch.Tensor:
     """The decode kernel's value layout over a dense [num_blocks, block_size, Hkv, D] tensor's
-    memory: [num_blocks, block_size // y, Hkv, D, y], the same bytes read in that order (for a
-    cache still empty). Why bf16 pairs positions: csrc/decode_values.h."""
+    memory: [num_blocks, Hkv, block_size // y, D, y], the same bytes read in that order (for a
+    cache still empty). Why this layout, and why bf16 pairs positions: csrc/decode_values.h."""
     num_blocks, block_size, num_kv_heads, head_dim = value_cache.shape
     y = value_word_elements(value_cache.dtype)
     if block_size % y:
         raise ValueError(f"block_size {block_size} must be a multiple of {y} for a {value_cache.dtype} value cache "
                          "on the CPU (its bf16 layout pairs positions)")
-    return value_cache.view(num_blocks, block_size // y, num_kv_heads, head_dim, y)
+    return value_cache.view(num_blocks, num_kv_heads, block_size // y, head_dim, y)
 
 
 def pack_value_cache(value_cache: torch.Tensor) -> torch.Tensor:
     """A copy of a [num_blocks, block_size, Hkv, D] value cache with its contents in the decode
-    kernel's layout, [num_blocks, block_size // y, Hkv, D, y] (tests, and caches filled elsewhere)."""
+    kernel's layout, [num_blocks, Hkv, block_size // y, D, y] (tests, and caches filled elsewhere)."""
     num_blocks, block_size, num_kv_heads, head_dim = value_cache.shape
     y = value_word_elements(value_cache.dtype)
     words = value_cache.reshape(num_blocks, block_size // y, y, num_kv_heads, head_dim)
-    return words.permute(0, 1, 3, 4, 2).contiguous()
+    return words.permute(0, 3, 1, 4, 2).contiguous()
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -188,7 +188,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
 
     query:        [num_seqs, num_heads, head_dim]
     key_cache:    [num_blocks, num_kv_heads, head_dim // x, block_size, x], x = key_word_elements(dtype)
-    value_cache:  [num_blocks, block_size // y, num_kv_heads, head_dim, y], y = value_word_elements(dtype)
+    value_cache:  [num_blocks, num_kv_heads, block_size // y, head_dim, y], y = value_word_elements(dtype)
     block_tables: [num_seqs, max_blocks_per_seq] int64
     context_lens: [num_seqs] int64, including the new token
     sinks:        [num_heads] or None (read as fp32)

@@ -18,7 +18,7 @@
 
 namespace kvfleet_cpu {
 
-// value_*: the value cache's [num_blocks, block_size / y, num_kv_heads, head_dim, y]
+// value_*: the value cache's [num_blocks, num_kv_heads, block_size / y, head_dim, y]
 // (csrc/decode_values.h), value_row from one word row (y positions) to the next; key_*: the key
 // cache's [num_blocks, num_kv_heads, head_dim / x, block_size, x] (csrc/decode_keys.h).
 struct Strides {
@@ -77,8 +77,15 @@ class ItemDecoder {
         score_stride_((args.max_context + bs_ - 1) / bs_ * bs_),
         scores_(rows_ * score_stride_), queries_(rows_ * head_dim()), acc_(rows_ * head_dim()), row_max_(rows_),
         inv_sum_(rows_), widened_(bs_ * head_dim()), probs_(kDotBf16 ? rows_ * score_stride_ : 0),
-        amx_(kAmx && args.allow_amx && group_ <= 16 && bs_ % kLanes == 0 && args.scale > 0),
+        amx_(uses_amx(args)),
         edge_(amx_ ? amx_value_positions(bs_) * kAmxValueDims : 0) {}
+  // Both passes on AMX tiles: the CPU has them, and the shapes fit (GQA groups of up to 16 query
+  // heads, blocks of whole runs of 16 positions) with a positive scale (the AMX K pass leaves
+  // the scale to the softmax, which takes the max of unscaled scores).
+  static bool uses_amx(const DecodeArgs<scalar_t>& args) {
+    const int64_t group = args.num_heads / args.num_kv_heads;
+    return kAmx && args.allow_amx && group <= 16 && args.block_size % kLanes == 0 && args.scale > 0;
+  }
   ~ItemDecoder() {
     if (amx_) at::native::cpublas::brgemm_release();  // this thread's tiles, as torch's brgemm callers end
   }
@@ -116,12 +123,10 @@ class ItemDecoder {
   KVFLEET_PREFETCH_HELPER void prefetch_keys(int64_t block, int64_t kv_head) const {
     prefetch_block<1>(keys_of(block, kv_head), 1, 0, head_dim() * bs_);
   }
-  // A head's share of the span's value block: word rows [row0, row1) of it, every head of the span.
+  // Head `head` of the span's values in block `block`: its word rows, contiguous.
   template <int kLocality>
-  KVFLEET_PREFETCH_HELPER void prefetch_value_share(int64_t block, int64_t head) const {
-    const int64_t word_rows = bs_ / kY, row0 = head * word_rows / span_, row1 = (head + 1) * word_rows / span_;
-    prefetch_block<kLocality>(values_of(block, 0) + row0 * st_.value_row, row1 - row0, st_.value_row,
-                              span_ * st_.value_head);
+  KVFLEET_PREFETCH_HELPER void prefetch_values(int64_t block, int64_t head) const {
+    prefetch_block<kLocality>(values_of(block, head), 1, 0, bs_ * head_dim());
   }
   // visit(j, start, head, lo, hi) for each block j of the table in [first_block, end_block) (its
   // first position `start`) and each head of the span, slots [lo, hi) of the block in range.
@@ -180,10 +185,10 @@ class ItemDecoder {
   }
 
   // With each head's work the K pass asks for that head's keys kPrefetchBlocks blocks ahead,
-  // and for its share of this block's values into L2: the V pass has too little work per block
+  // and for that head's values of this block into L2: the V pass has too little work per block
   // to hide DRAM latency behind its own prefetch (its loads were a third of the kernel's time),
-  // while the K pass computes long enough per block. Issued a head's share at a time, not the
-  // whole block's at once: the burst waited on the core's few line-fill buffers (perf put ~35%
+  // while the K pass computes long enough per block. Issued a head at a time, not the whole
+  // block's values at once: the burst waited on the core's few line-fill buffers (perf put ~35%
   // of the kernel's samples on its prefetches, 2-core Xeon with AMX), and spread out a bf16
   // layer of 64 sequences x 420 positions from DRAM went from ~1.28 to ~1.15 ms there. The keys
   // ahead go to L2, not L1: with the K pass's compute cut by the key layout, on a 2-core EPYC
@@ -194,7 +199,7 @@ class ItemDecoder {
     for_each_block([&](int64_t j, int64_t start, int64_t head, int64_t lo, int64_t hi) {
       if (start + kPrefetchBlocks * bs_ < item_.len)
         prefetch_keys(table_[j + kPrefetchBlocks], item_.first_kv_head + head);
-      prefetch_value_share<1>(table_[j], head);
+      prefetch_values<1>(table_[j], head);
       key_scores(scores_.data() + head * group_ * score_stride_ + start, head * group_,
                  keys_of(table_[j], item_.first_kv_head + head), lo, hi);
     });
@@ -296,11 +301,11 @@ class ItemDecoder {
   }
 
   // Other head sizes: fp32 rows read in place, bf16 and fp16 ones widened once per KV head into
-  // `widened` for the whole GQA group; each head's share of the block kPrefetchBlocks ahead
+  // `widened` for the whole GQA group; each head's values of the block kPrefetchBlocks ahead
   // asked for first.
   void value_pass_other_sizes() {
     for_each_block([&](int64_t j, int64_t start, int64_t head, int64_t lo, int64_t hi) {
-      if (start + kPrefetchBlocks * bs_ < item_.len) prefetch_value_share<3>(table_[j + kPrefetchBlocks], head);
+      if (start + kPrefetchBlocks * bs_ < item_.len) prefetch_values<3>(table_[j + kPrefetchBlocks], head);
       const scalar_t* rows_of_head = values_of(table_[j], head);
       const float* values = reinterpret_cast<const float*>(rows_of_head);
       int64_t stride = st_.value_row;
@@ -330,9 +335,7 @@ class ItemDecoder {
   std::vector<float> row_max_, inv_sum_;
   std::vector<float> widened_;  // [block_size, head_dim], one KV head's rows in fp32
   std::vector<at::BFloat16> probs_;  // [rows, score_stride], bf16 weights
-  // Both passes on AMX tiles: their shapes fit (groups of up to 16 query heads, blocks of whole
-  // runs of 16 positions) and the scale is positive (the K pass leaves it to the softmax's max).
-  const bool amx_;
+  const bool amx_;  // uses_amx
   std::vector<at::BFloat16> edge_;  // [pairs of a product, 64 dimensions x 2]: an edge's values, masked
   Item item_{};
   const int64_t* table_ = nullptr;  // the item's block table row

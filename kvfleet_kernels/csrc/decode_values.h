@@ -4,9 +4,10 @@
 // and bf16 on avx512_bf16's dot product), a plain loop for other sizes. Its K pass is
 // csrc/decode_keys.h, its AMX form csrc/decode_amx.h.
 //
-// The CPU value cache layout: [num_blocks, block_size / y, num_kv_heads, head_dim, y], y the
-// positions to a 32-bit word: 2 for bf16, 1 otherwise (the plain [block_size, num_kv_heads,
-// head_dim] rows). Why pairs for bf16: both bf16 products, avx512_bf16's dot product and AMX's
+// The CPU value cache layout: [num_blocks, num_kv_heads, block_size / y, head_dim, y], y the
+// positions to a 32-bit word: 2 for bf16, 1 otherwise (plain rows). Per block a KV head's values
+// are contiguous, as its keys are (csrc/decode_keys.h): a head's walk over its blocks reads whole
+// runs of lines. Why pairs for bf16: both bf16 products, avx512_bf16's dot product and AMX's
 // tiles, take two positions' values of a dimension side by side in one word, against their two
 // weights. Stored that way, a pair row is read as it lies; stored as rows, the dot product had
 // to interleave every two rows first (two unpacks a 32 dimensions), and AMX to pack 32

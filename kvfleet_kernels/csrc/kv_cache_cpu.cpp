@@ -1,6 +1,6 @@
 // Writes and reads of the CPU cache layouts (kvfleet_kernels/cpu_paged_attention.py): keys as
 // [num_blocks, num_kv_heads, head_dim / x, block_size, x] (csrc/decode_keys.h), values as
-// [num_blocks, block_size / y, num_kv_heads, head_dim, y] (csrc/decode_values.h), x and y the
+// [num_blocks, num_kv_heads, block_size / y, head_dim, y] (csrc/decode_values.h), x and y the
 // elements to a 32-bit word of each (2 for bf16; the keys also 2 for fp16, 1 otherwise). A decode
 // step's new keys and values into their slots, and a sequence's back in token order for a
 // prefill over a cached prefix. torch's index_put_ on the permuted view did the key store at
@@ -22,66 +22,72 @@
 
 namespace {
 
-// One cache's geometry in bytes. A token's [num_kv_heads, head_dim] elements are `num_words`
+// One cache's geometry. A token's [num_kv_heads, head_dim] elements are, per head, `head_units`
 // units of `word` elements (a key word: x elements; a value: one element) of `element` bytes;
-// unit w of slot s of a block lies at (w * unit_stride + s / group * group_stride + s % group) *
-// element bytes: keys `group` = 1, unit_stride = block_size * x; values group = y, unit_stride = y.
+// unit u of head h of slot s of a block lies (h * head_stride + u * unit_stride + s / group *
+// group_stride + s % group) elements in: keys unit_stride = block_size * x, group 1 and
+// group_stride x; values unit_stride = y, group y and group_stride head_dim * y.
 struct CacheLayout {
   char* cache;
-  int64_t num_blocks, block_size, element, word, num_words, unit_stride, group, group_stride, block_bytes;
+  int64_t num_blocks, block_size, element, word, num_heads, head_units, head_stride, unit_stride, group,
+      group_stride, block_bytes;
 
   CacheLayout(const at::Tensor& cache_tensor, bool keys) {
     TORCH_CHECK(cache_tensor.dim() == 5 && cache_tensor.is_contiguous() && cache_tensor.device().is_cpu(),
                 keys ? "key_cache must be a dense CPU [num_blocks, num_kv_heads, head_dim / x, block_size, x]"
-                     : "value_cache must be a dense CPU [num_blocks, block_size / y, num_kv_heads, head_dim, y]");
+                     : "value_cache must be a dense CPU [num_blocks, num_kv_heads, block_size / y, head_dim, y]");
     element = cache_tensor.element_size();
     const int64_t x = cache_tensor.size(4);
     cache = static_cast<char*>(cache_tensor.data_ptr());
-    num_blocks = cache_tensor.size(0);
+    num_blocks = cache_tensor.size(0), num_heads = cache_tensor.size(1), head_stride = cache_tensor.stride(1);
     if (keys) {
       TORCH_CHECK(x == kvfleet_cpu::key_word_elements(element), "key_cache's x must be 2 for 2-byte dtypes, 1 otherwise");
-      block_size = cache_tensor.size(3), word = x, num_words = cache_tensor.size(1) * cache_tensor.size(2);
+      block_size = cache_tensor.size(3), word = x, head_units = cache_tensor.size(2);
       unit_stride = block_size * x, group = 1, group_stride = x;
     } else {
       TORCH_CHECK(x == kvfleet_cpu::value_word_elements(cache_tensor.scalar_type()),
                   "value_cache's y must be 2 for bf16, 1 otherwise");
-      block_size = cache_tensor.size(1) * x, word = 1, num_words = cache_tensor.size(2) * cache_tensor.size(3);
-      unit_stride = x, group = x, group_stride = num_words * x;
+      block_size = cache_tensor.size(2) * x, word = 1, head_units = cache_tensor.size(3);
+      unit_stride = x, group = x, group_stride = head_units * x;
     }
     block_bytes = cache_tensor.stride(0) * element;
   }
-  int64_t token_bytes() const { return num_words * word * element; }
+  int64_t token_elements() const { return num_heads * head_units * word; }
+  int64_t token_bytes() const { return token_elements() * element; }
 
-  // Copies one token's units (dense in `token`) to or from cache slot `slot`.
+  // Copies one token's elements (dense in `token`) to or from cache slot `slot`.
   template <bool kToCache>
   void copy_token(int64_t slot, char* token) const {
-    const int64_t offset = slot % block_size;
-    char* first = cache + slot / block_size * block_bytes + (offset / group * group_stride + offset % group) * element;
-    const int64_t unit = word * element, stride = unit_stride * element;
-    if (unit == stride) {  // the units sit side by side: one copy
-      if constexpr (kToCache) std::memcpy(first, token, num_words * unit); else std::memcpy(token, first, num_words * unit);
-      return;
-    }
+    const int64_t offset = slot % block_size, unit = word * element, stride = unit_stride * element;
+    char* block = cache + slot / block_size * block_bytes;
+    for (int64_t h = 0; h < num_heads; ++h) {
+      char* first = block + (h * head_stride + offset / group * group_stride + offset % group) * element;
+      char* mine = token + h * head_units * unit;
+      if (unit == stride) {  // the units sit side by side: one copy
+        if constexpr (kToCache) std::memcpy(first, mine, head_units * unit); else std::memcpy(mine, first, head_units * unit);
+        continue;
+      }
 #if defined(__AVX512BW__)
-    if (group == 2 && element == 2 && num_words % 16 == 0) {  // bf16 values: one half of each word
-      copy_half_words<kToCache>(first - offset % 2 * element, token, offset % 2);
-      return;
-    }
+      if (group == 2 && element == 2 && head_units % 16 == 0) {  // bf16 values: one half of each word
+        copy_half_words<kToCache>(first - offset % 2 * element, mine, offset % 2);
+        continue;
+      }
 #endif
-    for (int64_t w = 0; w < num_words; ++w) {
-      if constexpr (kToCache) std::memcpy(first + w * stride, token + w * unit, unit);
-      else std::memcpy(token + w * unit, first + w * stride, unit);
+      for (int64_t u = 0; u < head_units; ++u) {
+        if constexpr (kToCache) std::memcpy(first + u * stride, mine + u * unit, unit);
+        else std::memcpy(mine + u * unit, first + u * stride, unit);
+      }
     }
   }
 
 #if defined(__AVX512BW__)
-  // A bf16 value token's num_words elements to or from half `half` (0: the low, even position) of
-  // the words at `words`, 16 at a time: a 2-byte copy per element ran store_kv ~3x and
+  // One head of a bf16 value token, head_units elements, to or from half `half` (0: the low, even
+  // position) of the words at `words`, 16 at a time: a 2-byte copy per element ran store_kv ~3x and
   // gather_values ~2x slower than the keys' 4-byte words.
   template <bool kToCache>
   void copy_half_words(char* words, char* token, int64_t half) const {
     const __mmask32 mine = half ? 0xAAAAAAAAu : 0x55555555u;
-    for (int64_t i = 0; i < num_words; i += 16) {
+    for (int64_t i = 0; i < head_units; i += 16) {
       void* at = words + i * 4;
       if constexpr (kToCache) {
         __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(token + i * 2)));
@@ -102,7 +108,7 @@ struct CacheLayout {
 // and values arrive as slices of the fused qkv projection, read in place), every slot inside.
 const int64_t* checked_slots(const CacheLayout& layout, const at::Tensor& cache, const at::Tensor& rows,
                              const at::Tensor& slot_mapping, const char* name) {
-  TORCH_CHECK(rows.dim() == 3 && rows.size(1) * rows.size(2) == layout.num_words * layout.word &&
+  TORCH_CHECK(rows.dim() == 3 && rows.size(1) == layout.num_heads && rows.size(2) == layout.head_units * layout.word &&
                   rows.scalar_type() == cache.scalar_type() && rows.stride(2) == 1 && rows.stride(1) == rows.size(2),
               name, " must be [num_tokens, num_kv_heads, head_dim] for its cache, in its dtype, each token's rows dense");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
@@ -145,8 +151,7 @@ at::Tensor gather_tokens(const at::Tensor& cache, const at::Tensor& block_table,
   const int64_t* table = block_table.const_data_ptr<int64_t>();
   for (int64_t b = 0; b * layout.block_size < context_len; ++b)
     TORCH_CHECK(table[b] >= 0 && table[b] < layout.num_blocks, "block ", table[b], " is outside the cache");
-  const int64_t num_kv_heads = keys ? cache.size(1) : cache.size(2);
-  at::Tensor out = at::empty({context_len, num_kv_heads, layout.num_words * layout.word / num_kv_heads}, cache.options());
+  at::Tensor out = at::empty({context_len, layout.num_heads, layout.head_units * layout.word}, cache.options());
   auto* tokens = static_cast<char*>(out.data_ptr());
   at::parallel_for(0, context_len, 64, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {

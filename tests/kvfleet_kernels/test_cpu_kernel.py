@@ -290,13 +290,13 @@ def test_key_layout_stores_and_gathers_what_the_plain_cache_holds(dtype, words, 
 @pytest.mark.parametrize("dtype, words", [(torch.float32, 1), (torch.bfloat16, 2), (torch.float16, 1)])
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_value_layout_stores_and_gathers_what_the_plain_cache_holds(dtype, words, block_size):
-    """The decode kernel's value layout, [blocks, block_size / y, Hkv, D, y] (bf16 pairs positions),
+    """The decode kernel's value layout, [blocks, Hkv, block_size / y, D, y] (bf16 pairs positions),
     written through store_kv and read back through gather_values, holds exactly the plain cache's
     values; the values are a slice of a fused qkv row (tokens apart, read in place)."""
     generator = torch.Generator().manual_seed(6)
     plain = torch.zeros(6, block_size, 3, 64, dtype=dtype)  # [blocks, block_size, Hkv, D]
     laid_out = value_cache_view(torch.zeros_like(plain))
-    assert laid_out.shape == (6, block_size // words, 3, 64, words)
+    assert laid_out.shape == (6, 3, block_size // words, 64, words)
     slots = torch.randperm(6 * block_size, generator=generator)[:2 * block_size + 5]
     qkv = torch.randn(len(slots), (9 + 3 + 3) * 64, generator=generator).to(dtype)  # [T, (Hq + 2 Hkv) D]
     value = qkv[:, 12 * 64:].view(len(slots), 3, 64)
