@@ -148,9 +148,7 @@ void softmax_block(Workspace& w, int64_t r, int64_t k0, int64_t lo, int64_t hi, 
       const vfloat v = load16(s + n);
       best = v > best ? v : best;
     }
-    float block_max = best[0];
-    for (int lane = 1; lane < kLanes; ++lane) block_max = std::max(block_max, best[lane]);
-    const float new_max = std::max(w.row_max[r], block_max * scale);
+    const float new_max = std::max(w.row_max[r], reduce_max(best) * scale);
     const vfloat shift = vfloat{} - new_max;
     vfloat total{};
     for (int64_t n = 0; n < kBlockKeys; n += kLanes) {
