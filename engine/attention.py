@@ -96,16 +96,24 @@ class TorchAttentionBackend:
         out = torch.empty_like(query)
         for span in meta.prefills:
             rows = slice(span.query_start, span.query_start + span.num_queries)
-            if span.context_len == span.num_queries:  # nothing cached: use the fresh K/V directly
-                keys, values = key[rows], value[rows]
-            else:
-                keys = self.gather_keys(key_cache, span.block_table, span.context_len)
-                values = self.gather_values(value_cache, span.block_table, span.context_len)
-            out[rows] = self.prefill(query[rows], keys, values, span, scale, sliding_window, sinks)
+            self.prefill_span(out[rows], query[rows], key[rows], value[rows], key_cache, value_cache, span, scale,
+                              sliding_window, sinks)
         if meta.num_prefill_tokens < query.shape[0]:
             decodes = slice(meta.num_prefill_tokens, None)
             out[decodes] = self.decode(query[decodes], key_cache, value_cache, meta, scale, sliding_window, sinks)
         return out
+
+    def prefill_span(self, out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     key_cache: torch.Tensor, value_cache: torch.Tensor, span: PrefillSpan, scale: float,
+                     sliding_window: int | None, sinks: torch.Tensor | None) -> None:
+        """One sequence's prefill into out [Q, Hq, D]: its query/key/value rows [Q, H, D] over its
+        whole context, whose earlier positions are read from the caches."""
+        if span.context_len == span.num_queries:  # nothing cached: use the fresh K/V directly
+            keys, values = key, value
+        else:
+            keys = self.gather_keys(key_cache, span.block_table, span.context_len)
+            values = self.gather_values(value_cache, span.block_table, span.context_len)
+        out.copy_(self.prefill(query, keys, values, span, scale, sliding_window, sinks))
 
     def prefill(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, span: PrefillSpan, scale: float,
                 sliding_window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
@@ -132,8 +140,9 @@ class TorchAttentionBackend:
 class CpuAttentionBackend(TorchAttentionBackend):
     """The torch backend with decode attention in native code reading the paged cache
     in place (kvfleet_kernels/cpu_paged_attention.py), and bf16 prefill attention in native code
-    (kvfleet_kernels/cpu_prefill_attention.py: on AMX tiles through oneDNN's brgemm, or on
-    avx512_bf16's dot product where there is no AMX); the CPU default where it builds.
+    (kvfleet_kernels/cpu_prefill_attention.py: on AMX tiles reading the paged cache in place, or
+    through oneDNN's brgemm for the head sizes that kernel does not take, or on avx512_bf16's dot
+    product where there is no AMX); the CPU default where it builds.
     native_prefill None: the native prefill wherever one of those kernels runs."""
 
     name = "cpu"
@@ -146,7 +155,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self._decode = cpu_paged_attention.paged_decode_attention
         self._prefill_native = cpu_prefill_attention
         self.native_prefill = cpu_prefill_attention.preferred() if native_prefill is None else native_prefill
-        if native_prefill is None and self.native_prefill:
+        # On AMX the paged kernel reads the caches in place; brgemm keeps the calls it cannot take.
+        self.paged_prefill = self.native_prefill and cpu_prefill_attention.paged_available()
+        if native_prefill is None and self.paged_prefill:
+            logger.info("bf16 prefill attention: kvfleet's native kernel on AMX tiles, reading the paged cache")
+        elif native_prefill is None and self.native_prefill:
             logger.info("bf16 prefill attention: kvfleet's native %s kernel", cpu_prefill_attention.kernel())
         if cpu_paged_attention.load_error() is None and cpu_paged_attention.decode_amx_available():
             logger.info("bf16 decode attention: on AMX tiles (head sizes 64 and 128)")
@@ -166,6 +179,15 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def gather_values(self, value_cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
         return self._kernels.gather_values(value_cache, block_table, context_len)
+
+    def prefill_span(self, out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     key_cache: torch.Tensor, value_cache: torch.Tensor, span: PrefillSpan, scale: float,
+                     sliding_window: int | None, sinks: torch.Tensor | None) -> None:
+        if self.paged_prefill and self._prefill_native.supports_paged(query, key_cache, sinks):
+            self._prefill_native.paged_prefill_attention(query, key_cache, value_cache, span.block_table,
+                                                         span.context_len, scale, sliding_window, out=out)
+            return
+        super().prefill_span(out, query, key, value, key_cache, value_cache, span, scale, sliding_window, sinks)
 
     def prefill(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, span: PrefillSpan, scale: float,
                 sliding_window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:

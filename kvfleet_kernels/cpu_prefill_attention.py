@@ -8,7 +8,13 @@ kvfleet_kernels/cpu_paged_attention.py builds), one kernel per kind of CPU:
 - "bf16_dot" (csrc/prefill_attention_cpu.cpp), on CPUs with avx512_bf16 but no AMX: both products
   on the CPU's bf16 dot product, where torch's flash kernel runs bf16 at its fp32 speed.
 
-`kernel()` names this CPU's; where neither applies the CPU backend keeps torch's flash kernel."""
+`kernel()` names this CPU's; where neither applies the CPU backend keeps torch's flash kernel.
+
+On CPUs with AMX, `paged_prefill_attention` (csrc/paged_prefill_amx.cpp) goes further: it reads
+K/V from the paged cache in place (the decode kernel's layouts, already the B tiles of both
+products), so a prompt after a cached prefix gathers nothing, and it drives the tiles itself with
+one palette and a softmax of about half the instructions; the CPU backend runs it wherever it
+takes the call, and brgemm elsewhere (head sizes 32 or 96, caches of other layouts)."""
 
 from __future__ import annotations
 
@@ -71,4 +77,41 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     out = torch.empty(query.shape, dtype=query.dtype)
     op = torch.ops.kvfleet_cpu.prefill_attention_brgemm if name == "brgemm" else torch.ops.kvfleet_cpu.prefill_attention
     op(out, query, key, value, scale, sliding_window or 0)
+    return out
+
+
+@functools.cache
+def paged_available() -> bool:
+    """Whether paged_prefill_attention runs here: built for a CPU with amx_bf16, and Linux lends
+    this process the tile state."""
+    return load_error() is None and bool(torch.ops.kvfleet_cpu.paged_prefill_amx_available())
+
+
+def supports_paged(query: torch.Tensor, key_cache: torch.Tensor, sinks: torch.Tensor | None) -> bool:
+    """Whether paged_prefill_attention takes this call: bf16 on the CPU, no sinks, a head size of a
+    multiple of 64 up to 256 and blocks of a multiple of 16 positions (key_cache as
+    cpu_paged_attention.key_cache_view gives it)."""
+    head_dim, block_size = query.shape[-1], key_cache.shape[3]
+    return (paged_available() and sinks is None and query.dtype == key_cache.dtype == torch.bfloat16
+            and query.device.type == "cpu" and head_dim % 64 == 0 and head_dim <= 256 and block_size % 16 == 0)
+
+
+def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                            block_table: torch.Tensor, context_len: int, scale: float,
+                            sliding_window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One sequence's causal prefill over its paged context, on AMX tiles: prefill_attention's
+    contract with the keys and values read through the block table, after store_kv has put the
+    new tokens' there.
+
+    query:       [Q, Hq, D] bf16, the context's last Q positions (rows of any stride)
+    key_cache:   [num_blocks, Hkv, D // 2, block_size, 2] (cpu_paged_attention.key_cache_view)
+    value_cache: [num_blocks, Hkv, block_size // 2, D, 2] (cpu_paged_attention.value_cache_view)
+    block_table: [>= ceil(context_len / block_size)] int64, the sequence's blocks
+    returns      out, [Q, Hq, D]
+    """
+    if not paged_available():
+        raise RuntimeError(f"paged bf16 prefill attention needs AMX tiles: {load_error() or 'this CPU has none'}")
+    out = torch.empty(query.shape, dtype=query.dtype) if out is None else out
+    torch.ops.kvfleet_cpu.paged_prefill_attention(out, query, key_cache, value_cache, block_table.contiguous(),
+                                                  context_len, scale, sliding_window or 0)
     return out

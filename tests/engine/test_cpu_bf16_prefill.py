@@ -1,5 +1,5 @@
-"""bf16 end to end on the CPU path, with the native prefill attention and with torch's flash
-kernel (the choice on CPUs with AMX), for head sizes 64 and 128 (the tiny architectures' 16
+"""bf16 end to end on the CPU path, with the native prefill attention (on AMX, the paged kernel) and
+with torch's flash kernel, for head sizes 64 and 128 (the tiny architectures' 16
 and 32 stay on torch's kernel): greedy output keeps vLLM's check_logprobs_close rule against
 transformers bf16 for fresh prompts, prompts after a cached prefix, prompts cut into chunks,
 and a sliding window."""
@@ -38,8 +38,10 @@ def head64_models(tmp_path_factory, tiny_tokenizer) -> dict[str, str]:
 def test_bf16_native_prefill_is_close_to_transformers(head64_models, name, native, monkeypatch):
     calls = []
     monkeypatch.setattr(cpu_prefill_attention, "preferred", lambda: native)
-    kernel = cpu_prefill_attention.prefill_attention
-    monkeypatch.setattr(cpu_prefill_attention, "prefill_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    for name_of_kernel in ("prefill_attention", "paged_prefill_attention"):  # the second on AMX
+        kernel = getattr(cpu_prefill_attention, name_of_kernel)
+        monkeypatch.setattr(cpu_prefill_attention, name_of_kernel,
+                            lambda *a, kernel=kernel, **k: calls.append(1) or kernel(*a, **k))
     rng = random.Random(7)
     shared = [rng.randrange(3, VOCAB) for _ in range(96)]  # a cached prefix for the later prompts
     prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (5, 70, 200)]
