@@ -2,22 +2,30 @@
 // (the caches in the decode kernel's layouts): the CPU peer of the Triton prefill kernel
 // (kvfleet_kernels/prefill_attention.py), one sequence's chunk of queries per call.
 //
-// Why: prefill_attention_brgemm.cpp, the AMX hosts' kernel before this, ran ~420-560 GFLOP/s on a
+// Why: prefill_attention_brgemm.cpp, the AMX hosts' kernel before this, ran ~420-600 GFLOP/s on a
 // 2-core Xeon whose bf16 matmul probe reads ~2,300. Its profile split evenly between oneDNN's
 // brgemm calls (two shapes alternating, so each call reloads the tile palette) with the K/V
 // gathers and packing that fed them, and a softmax of ~20 instructions for 16 scores. Here:
 // - Both caches already lie as the B tiles of the two products load them (csrc/decode_amx.h):
-//   K tiles are read from their blocks; values from a per-call copy in chunks of 32 positions
+//   K tiles are read from their blocks; values from a per-call copy in chunks of 64 positions
 //   (a V product takes 16 pairs, a block of 16 positions holds 8), whose positions past the
 //   context are zeroed (stale slots may hold NaN, and 0 x NaN is NaN). One palette, no gathers.
+// - A work item is one KV head and 16 query positions, its group's row tiles (16 positions of
+//   one query head each) one after another. A row tile walks the keys 64 at a time; the next chunk's
+//   scores are asked of the tiles before this chunk's softmax, so that the tile unit and the
+//   vector units overlap. A head of 64 keeps its output in four C tiles over the whole walk;
+//   larger heads take theirs through memory once a chunk (64 keys, not 32: 16/8 heads of 128,
+//   1,200 x 1,456, went from ~8.1 to ~6.7 ms).
 // - The softmax raises a row's running max only when a chunk's scores pass it by more than
-//   2^kLazyRescale (FlashAttention-4's lazy rescaling): most chunks need one masked compare, not
-//   the row's max, and probabilities of at most 2^8 stay well inside bf16 and fp32. Its exp2 is
-//   a degree-3 polynomial on the fraction (vreduceps) scaled by the integer part (vscalefps),
-//   within 7.5e-5 of 2^x, under the bf16 rounding (3.9e-3) the probabilities then get, as torch's
-//   flash kernel rounds them.
-// Work item: (KV head, 16 query positions); its rows are the group's query heads at those
-// positions, one 16-row tile per head, so K and V chunks serve the whole group.
+//   2^kLazyRescale (FlashAttention-4's lazy rescaling): most chunks need one compare, not the
+//   row's max, and probabilities of at most 2^8 stay well inside bf16 and fp32. Its exp2 is a
+//   degree-3 polynomial on the fraction (vreduceps) scaled by the integer part (vscalefps),
+//   within 7.5e-5 of 2^x, under the bf16 rounding (3.9e-3) the probabilities then get, as
+//   torch's flash kernel rounds them.
+// NOTE: each row tile reads its head's whole K/V; past ~2 MB of them a head (8,192 positions of
+// 64, ~4,000 of 128) they come from L3 for every row tile, and 2,048 new tokens after 6,144
+// cached (16/8 heads of 128) ran ~224 ms against brgemm's ~220. Walking several row tiles per
+// chunk would keep each chunk in L2 for all of them.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/native/CPUBlas.h>
@@ -31,6 +39,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -38,7 +47,7 @@ namespace {
 using namespace kvfleet_cpu;  // NOLINT: the vector helpers and tiles are this kernel's vocabulary
 
 constexpr int64_t kTileRows = 16;    // query positions per work item: the rows of each of its tiles
-constexpr int64_t kChunkKeys = 32;   // keys per step: two K tiles of 16 positions, one V product
+constexpr int64_t kChunkKeys = 64;   // keys per step: four K tiles of 16 positions, two V products
 constexpr float kLazyRescale = 8.f;  // log2 units a row's scores may pass its running max unrescaled
 
 struct PagedPrefill {
@@ -110,8 +119,8 @@ inline void configure_prefill_tiles() {
 
 // Per-thread state of one row tile: query head h * group + g at positions p0 + i, i < 16.
 struct TileState {
-  alignas(64) float scores[2][kTileRows * kChunkKeys];      // [16, 32] raw, this chunk's and the next's
-  alignas(64) at::BFloat16 probs[kTileRows * kChunkKeys];  // [16, 32], zero in rows past the queries
+  alignas(64) float scores[2][kTileRows * kChunkKeys];      // [16, 64] raw, this chunk's and the next's
+  alignas(64) at::BFloat16 probs[kTileRows * kChunkKeys];  // [16, 64], zero in rows past the queries
   alignas(64) float sums[kTileRows * kLanes];              // each row's running sum, lane-wise
   float max_log2[kTileRows], limit[kTileRows], correction[kTileRows];
   bool rescaled = false;  // some row's max rose this chunk: its output takes `correction`
@@ -120,28 +129,31 @@ struct TileState {
   explicit TileState(int64_t d) : q(kTileRows * d), acc(kTileRows * d) {}
 };
 
-// scores[i][n] = q_i . k_(k0 + n), raw, into `scores` ([16, 32]); the second K tile only when
-// `both` (otherwise no row sees its positions, and its lanes are masked later).
-void tile_scores(float* scores, const TileState& w, const PagedPrefill& s, int64_t h, int64_t k0, bool both) {
+// scores[i][n] = q_i . k_(k0 + n), raw, into `scores` ([16, 64]), for the first `quarters` K
+// tiles of 16 positions (no row sees the others: their lanes are masked later); each pair of K
+// tiles shares its A tiles.
+void tile_scores(float* scores, const TileState& w, const PagedPrefill& s, int64_t h, int64_t k0, int64_t quarters) {
   const int64_t word_row = s.block_size * 2, d = s.head_dim;  // elements from one pair of dimensions to the next
-  const at::BFloat16* keys[2];
-  for (int64_t half = 0; half < 2; ++half) {
-    const int64_t position = both ? k0 + half * 16 : k0;
-    keys[half] = s.key_cache + s.block_table[position / s.block_size] * s.k_block + h * s.k_head +
-                 (position % s.block_size) * 2;  // 16 positions of word row 0
+  auto keys_at = [&](int64_t position) {  // 16 positions of word row 0
+    return s.key_cache + s.block_table[position / s.block_size] * s.k_block + h * s.k_head +
+           (position % s.block_size) * 2;
+  };
+  for (int64_t quarter = 0; quarter < quarters; quarter += 2) {
+    const bool both = quarter + 1 < quarters;
+    const at::BFloat16 *keys0 = keys_at(k0 + quarter * 16), *keys1 = both ? keys_at(k0 + quarter * 16 + 16) : keys0;
+    _tile_zero(KVFLEET_TILE_S0);
+    _tile_zero(KVFLEET_TILE_S1);
+    for (int64_t i = 0; i < d; i += 32) {
+      _tile_loadd(KVFLEET_TILE_A, w.q.data() + i, d * 2);
+      _tile_loadd(KVFLEET_TILE_B0, keys0 + (i / 2) * word_row, word_row * 2);
+      _tile_dpbf16ps(KVFLEET_TILE_S0, KVFLEET_TILE_A, KVFLEET_TILE_B0);
+      if (!both) continue;
+      _tile_loadd(KVFLEET_TILE_B0, keys1 + (i / 2) * word_row, word_row * 2);
+      _tile_dpbf16ps(KVFLEET_TILE_S1, KVFLEET_TILE_A, KVFLEET_TILE_B0);
+    }
+    _tile_stored(KVFLEET_TILE_S0, scores + quarter * 16, kChunkKeys * 4);
+    if (both) _tile_stored(KVFLEET_TILE_S1, scores + quarter * 16 + 16, kChunkKeys * 4);
   }
-  _tile_zero(KVFLEET_TILE_S0);
-  _tile_zero(KVFLEET_TILE_S1);
-  for (int64_t i = 0; i < d; i += 32) {  // both halves per A tile: the A tile is reloaded half as often
-    _tile_loadd(KVFLEET_TILE_A, w.q.data() + i, d * 2);
-    _tile_loadd(KVFLEET_TILE_B0, keys[0] + (i / 2) * word_row, word_row * 2);
-    _tile_dpbf16ps(KVFLEET_TILE_S0, KVFLEET_TILE_A, KVFLEET_TILE_B0);
-    if (!both) continue;
-    _tile_loadd(KVFLEET_TILE_B0, keys[1] + (i / 2) * word_row, word_row * 2);
-    _tile_dpbf16ps(KVFLEET_TILE_S1, KVFLEET_TILE_A, KVFLEET_TILE_B0);
-  }
-  _tile_stored(KVFLEET_TILE_S0, scores, kChunkKeys * 4);
-  if (both) _tile_stored(KVFLEET_TILE_S1, scores + 16, kChunkKeys * 4);
 }
 
 // Row i's running max moves up to `new_max_log2`: its sum shrinks by the change now, its output
@@ -156,28 +168,35 @@ void raise_max(TileState& w, int64_t i, float new_max_log2, float scale_log2) {
   _mm512_store_ps(sum, _mm512_mul_ps(_mm512_load_ps(sum), _mm512_set1_ps(correction)));
 }
 
-// Row i's 32 scores -> bf16 probabilities, zero outside the lanes `visible` keeps. kFull: the row
+// Row i's 64 scores -> bf16 probabilities, zero outside the lanes `visible` keeps. kFull: the row
 // sees every key of the chunk (most chunks), and `visible` is not read.
 template <bool kFull>
-void softmax_row(TileState& w, const float* scores, int64_t i, uint32_t visible, float scale_log2) {
+void softmax_row(TileState& w, const float* scores, int64_t i, uint64_t visible, float scale_log2) {
   at::BFloat16* probs = w.probs + i * kChunkKeys;
   if (!kFull && visible == 0) {
     _mm512_store_si512(probs, _mm512_setzero_si512());
+    _mm512_store_si512(probs + 32, _mm512_setzero_si512());
     return;
   }
-  const __mmask16 low = kFull ? 0xFFFF : visible & 0xFFFF, high = kFull ? 0xFFFF : visible >> 16;
-  const __m512 s0 = _mm512_load_ps(scores + i * kChunkKeys), s1 = _mm512_load_ps(scores + i * kChunkKeys + 16);
-  const __m512 limit = _mm512_set1_ps(w.limit[i]);
+  const float* row = scores + i * kChunkKeys;
   const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  const __m512 best = kFull ? _mm512_max_ps(s0, s1)
-                            : _mm512_max_ps(_mm512_mask_mov_ps(lowest, low, s0), _mm512_mask_mov_ps(lowest, high, s1));
-  if (_mm512_cmp_ps_mask(best, limit, _CMP_GT_OQ)) raise_max(w, i, _mm512_reduce_max_ps(best) * scale_log2, scale_log2);
+  __mmask16 keep[4];
+  __m512 s[4], best = lowest;
+  for (int v = 0; v < 4; ++v) {
+    keep[v] = kFull ? 0xFFFF : static_cast<__mmask16>(visible >> (16 * v));
+    s[v] = _mm512_load_ps(row + 16 * v);
+    best = _mm512_max_ps(best, kFull ? s[v] : _mm512_mask_mov_ps(lowest, keep[v], s[v]));
+  }
+  if (_mm512_cmp_ps_mask(best, _mm512_set1_ps(w.limit[i]), _CMP_GT_OQ))
+    raise_max(w, i, _mm512_reduce_max_ps(best) * scale_log2, scale_log2);
   const __m512 scale = _mm512_set1_ps(scale_log2), shift = _mm512_set1_ps(-w.max_log2[i]);
-  const __m512 p0 = exp2_masked(low, _mm512_fmadd_ps(s0, scale, shift));
-  const __m512 p1 = exp2_masked(high, _mm512_fmadd_ps(s1, scale, shift));
+  __m512 p[4];
+  for (int v = 0; v < 4; ++v) p[v] = exp2_masked(keep[v], _mm512_fmadd_ps(s[v], scale, shift));
   float* sum = w.sums + i * kLanes;
-  _mm512_store_ps(sum, _mm512_add_ps(_mm512_load_ps(sum), _mm512_add_ps(p0, p1)));
-  _mm512_store_si512(probs, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p1, p0)));  // p0 in the low half
+  const __m512 total = _mm512_add_ps(_mm512_add_ps(p[0], p[1]), _mm512_add_ps(p[2], p[3]));
+  _mm512_store_ps(sum, _mm512_add_ps(_mm512_load_ps(sum), total));
+  _mm512_store_si512(probs, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p[1], p[0])));  // p[0] in the low half
+  _mm512_store_si512(probs + 32, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p[3], p[2])));
 }
 
 inline void load_output_tiles(const float* acc, int64_t acc_stride) {
@@ -201,20 +220,22 @@ void rescale_output(TileState& w, int64_t d, bool in_tiles) {
   w.rescaled = false;
 }
 
-// Output sums += probs [16, 32] x the chunk's values (pairs: [16][D][2]), 64 dimensions a sweep.
-void tile_values(TileState& w, const at::BFloat16* pairs, int64_t d, bool in_tiles) {
+// Output sums += probs [16, 64] x the chunk's values (pairs: [32][D][2]), 64 dimensions a sweep;
+// `halves`: the 32-key halves any row sees (the second may lie past every row's keys).
+void tile_values(TileState& w, const at::BFloat16* pairs, int64_t d, bool in_tiles, int64_t halves) {
   for (int64_t i = 0; i < d; i += kAmxValueDims) {
     if (!in_tiles) load_output_tiles(w.acc.data() + i, d);
-    amx_weighted_values(w.probs, kChunkKeys, pairs + 2 * i, 2 * d);
+    for (int64_t half = 0; half < halves; ++half)
+      amx_weighted_values(w.probs + half * 32, kChunkKeys, pairs + half * 32 * d + 2 * i, 2 * d);
     if (!in_tiles) store_value_tiles(w.acc.data() + i, d);
   }
 }
 
-// The lanes of a 32-key chunk at k0 that a row seeing keys [first, end) keeps.
-inline uint32_t visible_lanes(int64_t first, int64_t end, int64_t k0) {
+// The lanes of a 64-key chunk at k0 that a row seeing keys [first, end) keeps.
+inline uint64_t visible_lanes(int64_t first, int64_t end, int64_t k0) {
   const int64_t lo = std::clamp<int64_t>(first - k0, 0, kChunkKeys), hi = std::clamp<int64_t>(end - k0, 0, kChunkKeys);
-  const uint64_t below_hi = (uint64_t{1} << hi) - 1, below_lo = (uint64_t{1} << lo) - 1;
-  return static_cast<uint32_t>(below_hi & ~below_lo);
+  auto below = [](int64_t n) { return n >= 64 ? ~uint64_t{0} : (uint64_t{1} << n) - 1; };  // no 1 << 64
+  return below(hi) & ~below(lo);
 }
 
 // Query head h * group + g at positions [p0, p0 + 16) (fewer at the end), over every chunk they see.
@@ -235,10 +256,12 @@ void attend_tile(const PagedPrefill& s, const at::BFloat16* staged, int64_t h, i
   const int64_t first_chunk = s.first_key(p0) / kChunkKeys, end_chunk = (last_end - 1) / kChunkKeys + 1;
   // The next chunk's scores are asked of the tiles before this chunk's softmax: the vector units
   // work while the tile products and stores complete.
-  tile_scores(w.scores[first_chunk & 1], w, s, h, first_chunk * kChunkKeys, first_chunk * kChunkKeys + 16 < last_end);
+  // The K tiles of the chunk at k0 any row sees (the rest lie past every row's last key).
+  auto quarters_seen = [&](int64_t k0) { return std::min<int64_t>(4, (last_end - k0 + 15) / 16); };
+  tile_scores(w.scores[first_chunk & 1], w, s, h, first_chunk * kChunkKeys, quarters_seen(first_chunk * kChunkKeys));
   for (int64_t chunk = first_chunk; chunk < end_chunk; ++chunk) {
     const int64_t k0 = chunk * kChunkKeys, next = k0 + kChunkKeys;
-    if (chunk + 1 < end_chunk) tile_scores(w.scores[(chunk + 1) & 1], w, s, h, next, next + 16 < last_end);
+    if (chunk + 1 < end_chunk) tile_scores(w.scores[(chunk + 1) & 1], w, s, h, next, quarters_seen(next));
     const float* scores = w.scores[chunk & 1];
     if (k0 >= s.first_key(p0 + positions - 1) && next <= s.end_key(p0)) {  // every row sees every key
       for (int64_t i = 0; i < positions; ++i) softmax_row<true>(w, scores, i, 0, s.scale_log2);
@@ -247,7 +270,8 @@ void attend_tile(const PagedPrefill& s, const at::BFloat16* staged, int64_t h, i
         softmax_row<false>(w, scores, i, visible_lanes(s.first_key(p0 + i), s.end_key(p0 + i), k0), s.scale_log2);
     }
     if (w.rescaled) rescale_output(w, d, in_tiles && chunk > first_chunk);
-    tile_values(w, staged + (h * s.num_chunks() + chunk) * s.chunk_elements(), d, in_tiles);
+    tile_values(w, staged + (h * s.num_chunks() + chunk) * s.chunk_elements(), d, in_tiles,
+                k0 + 32 < last_end ? 2 : 1);
   }
   if (in_tiles) store_value_tiles(w.acc.data(), d);
   for (int64_t i = 0; i < positions; ++i) {
@@ -259,9 +283,11 @@ void attend_tile(const PagedPrefill& s, const at::BFloat16* staged, int64_t h, i
 
 void paged_prefill_kernel(const PagedPrefill& s) {
   const int64_t num_chunks = s.num_chunks();
-  std::vector<at::BFloat16> staged(s.num_kv_heads * num_chunks * s.chunk_elements());  // [Hkv, chunks, 16, D, 2]
+  // [Hkv, chunks, 32, D, 2], every element written by stage_values (no zero fill: at a long
+  // context this is tens of MB a call)
+  const std::unique_ptr<at::BFloat16[]> staged(new at::BFloat16[s.num_kv_heads * num_chunks * s.chunk_elements()]);
   at::parallel_for(0, s.num_kv_heads * num_chunks, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) stage_values(staged.data(), s, item / num_chunks, item % num_chunks);
+    for (int64_t item = begin; item < end; ++item) stage_values(staged.get(), s, item / num_chunks, item % num_chunks);
   });
   // Items cost about the chunks their rows see, which grow along the causal triangle.
   const int64_t blocks = (s.num_queries + kTileRows - 1) / kTileRows, num_items = s.num_kv_heads * blocks;
@@ -276,7 +302,7 @@ void paged_prefill_kernel(const PagedPrefill& s) {
     TileState state(s.head_dim);
     for (int64_t item = begin; item < end; ++item)
       for (int64_t g = 0; g < s.group; ++g)
-        attend_tile(s, staged.data(), item / blocks, g, item % blocks * kTileRows, state);
+        attend_tile(s, staged.get(), item / blocks, g, item % blocks * kTileRows, state);
     at::native::cpublas::brgemm_release();  // this thread's tiles, as torch's brgemm callers end
   });
 }

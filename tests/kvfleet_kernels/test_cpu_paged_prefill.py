@@ -82,16 +82,16 @@ def test_long_prompt_after_a_cached_prefix():
 
 @pytest.mark.parametrize("rising", [True, False], ids=["max-rises-along-the-row", "max-first"])
 def test_running_max_raised_mid_row(rising):
-    """Scores that climb by far more than 2^8 from one 32-key chunk to the next make every row raise
-    its running max (and shrink what it summed so far) again and again; the opposite order sets it
-    once. Both must be the softmax of the whole row."""
+    """Scores that climb by far more than 2^8 every 32 keys (so in every chunk the kernel walks) make
+    every row raise its running max (and shrink what it summed so far) again and again; the
+    opposite order sets it once. Both must be the softmax of the whole row."""
     num_queries, context_len, head_dim = 20, 200, 64
     query, key, value = bf16_case(num_queries, context_len, 4, 2, head_dim, seed=5)
     steps = torch.arange(context_len, dtype=torch.float32) / 32  # +1 a chunk
     ramp = steps if rising else steps.flip(0)
     query = (query.float().abs() + 1).bfloat16()
     key = (key.float().abs() * 0.1 + ramp[:, None, None] * 3).bfloat16()  # scores climb ~24 a chunk
-    # The case is what it claims: each chunk's best score (log2 units) passes the one before by > 8.
+    # The case is what it claims: each 32 keys' best score (log2 units) passes the one before by > 8.
     log2_scores = query[0, 0].float() @ key[:160, 0].float().T * head_dim ** -0.5 * 1.4427  # [160] keys
     chunk_best = log2_scores.view(5, 32).max(dim=1).values
     steps = chunk_best.diff() if rising else -chunk_best.diff()
