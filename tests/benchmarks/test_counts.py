@@ -56,3 +56,19 @@ def test_the_cpu_linear_benchmark_passes_over_every_decoder_weight(config_and_pa
 
     config, linear_weights, _ = config_and_params
     assert config.num_hidden_layers * sum(i * o for i, o in decoder_shapes(config)) == linear_weights
+
+
+def test_the_prefill_attention_benchmark_counts_the_causal_triangle_and_times_like_with_like():
+    """benchmarks/cpu_prefill_attention.py divides by the scores a causal mask keeps (new positions
+    after cached ones), and every system it times computes the same attention as SDPA."""
+    from benchmarks.cpu_prefill_attention import causal_flops, make_systems  # noqa: PLC0415
+
+    num_new, num_cached, num_heads, head_dim = 21, 40, 4, 64
+    kept = torch.ones(num_new, num_cached + num_new).tril(diagonal=num_cached).sum().item()
+    assert causal_flops(num_new, num_cached, num_heads, head_dim) == 4 * head_dim * num_heads * kept
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(num_new, num_heads, head_dim, generator=generator).bfloat16()
+    key, value = (torch.randn(num_cached + num_new, 2, head_dim, generator=generator).bfloat16() for _ in range(2))
+    outputs = {name: call() for name, call in make_systems(query, key, value, head_dim ** -0.5).items()}
+    for name, output in outputs.items():
+        torch.testing.assert_close(output.float(), outputs["sdpa"].float(), atol=2e-2, rtol=2e-2, msg=name)
