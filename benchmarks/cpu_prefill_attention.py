@@ -37,7 +37,7 @@ def causal_flops(num_new: int, num_cached: int, num_heads: int, head_dim: int) -
 def make_systems(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> dict:
     """Each system this CPU runs, as a call on the same values."""
     systems = {}
-    if cpu_prefill_attention.paged_available() and query.shape[-1] % 64 == 0:
+    if cpu_prefill_attention.paged_available():
         context_len, num_kv_heads, head_dim = key.shape
         num_blocks = (context_len + BLOCK_SIZE - 1) // BLOCK_SIZE
         plain = torch.zeros(num_blocks * BLOCK_SIZE, num_kv_heads, head_dim, dtype=key.dtype)
@@ -47,8 +47,9 @@ def make_systems(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sc
         key_cache = cpu_paged_attention.pack_key_cache(plain.view(shape))
         value_cache = cpu_paged_attention.pack_value_cache(plain_values.view(shape))
         block_table = torch.arange(num_blocks)
-        systems["paged"] = lambda: cpu_prefill_attention.paged_prefill_attention(
-            query, key_cache, value_cache, block_table, context_len, scale)
+        if cpu_prefill_attention.supports_paged(query, key_cache, None):
+            systems["paged"] = lambda: cpu_prefill_attention.paged_prefill_attention(
+                query, key_cache, value_cache, block_table, context_len, scale)
     kernel = cpu_prefill_attention.kernel()
     if kernel is not None and cpu_prefill_attention.supports(query, None, kernel):
         systems[kernel] = lambda: cpu_prefill_attention.prefill_attention(query, key, value, scale, name=kernel)

@@ -62,17 +62,18 @@ inline bool amx_permitted() {
 #define KVFLEET_TILE_B1 6
 
 // Loads a palette on this thread: `rows` query rows (1 to 16), A tiles of `a_bytes` a row and B
-// tiles of `b_rows` word rows. The K pass's and the V pass's differ where blocks hold 16
-// positions (a V product then takes 8 pairs), so each pass loads its own. Tile state is per
-// thread, and torch's brgemm keeps its own: the decoder ends with cpublas::brgemm_release().
-inline void configure_tiles(int64_t rows, int64_t a_bytes, int64_t b_rows) {
+// tiles of `b_rows` word rows; tiles past B1, up to `last_tile`, as B tiles. The K pass's and the
+// V pass's differ where blocks hold 16 positions (a V product then takes 8 pairs), so each pass
+// loads its own. Tile state is per thread, and torch's brgemm keeps its own: the decoder ends with
+// cpublas::brgemm_release().
+inline void configure_tiles(int64_t rows, int64_t a_bytes, int64_t b_rows, int last_tile = KVFLEET_TILE_B1) {
   struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
     uint8_t rows[16];
   } config{};
   config.palette = 1;
-  for (int t = KVFLEET_TILE_C0; t <= KVFLEET_TILE_B1; ++t) {
+  for (int t = KVFLEET_TILE_C0; t <= last_tile; ++t) {
     config.colsb[t] = t == KVFLEET_TILE_A ? static_cast<uint16_t>(a_bytes) : 64;
     config.rows[t] = static_cast<uint8_t>(t <= KVFLEET_TILE_A ? rows : b_rows);
   }
@@ -135,6 +136,18 @@ inline void zero_value_tiles() {
   _tile_zero(KVFLEET_TILE_C3);
 }
 
+// Every tile 16 rows of 64 bytes, all eight: the shape of both products of the paged prefill
+// kernel (csrc/paged_prefill_amx.cpp), whose scores take tiles 6 and 7.
+inline void configure_square_tiles() { configure_tiles(16, 64, 16, 7); }
+
+// C tiles 0-3 from 64 sums of each configured row of acc (row stride acc_stride floats).
+inline void load_value_tiles(const float* acc, int64_t acc_stride) {
+  _tile_loadd(KVFLEET_TILE_C0, acc, acc_stride * 4);
+  _tile_loadd(KVFLEET_TILE_C1, acc + 16, acc_stride * 4);
+  _tile_loadd(KVFLEET_TILE_C2, acc + 32, acc_stride * 4);
+  _tile_loadd(KVFLEET_TILE_C3, acc + 48, acc_stride * 4);
+}
+
 // The V pass's 64 sums of each configured row into acc (row stride acc_stride floats).
 inline void store_value_tiles(float* acc, int64_t acc_stride) {
   _tile_stored(KVFLEET_TILE_C0, acc, acc_stride * 4);
@@ -146,6 +159,8 @@ inline void store_value_tiles(float* acc, int64_t acc_stride) {
 constexpr bool kHasAmxBf16 = false;
 inline bool amx_permitted() { return false; }
 inline void configure_key_tiles(int64_t) {}
+inline void configure_square_tiles() {}
+inline void load_value_tiles(const float*, int64_t) {}
 inline void configure_value_tiles(int64_t, int64_t) {}
 template <int HEAD_DIM>
 inline void amx_key_scores16(float*, int64_t, const at::BFloat16*, int64_t, const at::BFloat16*, int64_t) {}

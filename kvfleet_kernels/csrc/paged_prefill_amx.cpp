@@ -33,6 +33,7 @@
 
 #include "cpu_vec.h"
 #include "decode_amx.h"
+#include "prefill_attention.h"
 
 #include <algorithm>
 #include <cmath>
@@ -50,19 +51,14 @@ constexpr int64_t kTileRows = 16;    // query positions per work item: the rows 
 constexpr int64_t kChunkKeys = 64;   // keys per step: four K tiles of 16 positions, two V products
 constexpr float kLazyRescale = 8.f;  // log2 units a row's scores may pass its running max unrescaled
 
-struct PagedPrefill {
+struct PagedPrefill : CausalSpan {  // the queries, the context and the window: which keys each query sees
   at::BFloat16* out;
   const at::BFloat16 *query, *key_cache, *value_cache;
   const int64_t* block_table;
-  int64_t num_queries, context_len, num_kv_heads, head_dim, group, block_size, window;
+  int64_t num_kv_heads, head_dim, group, block_size;
   int64_t q_row, q_head, out_row, out_head, k_block, k_head, v_block, v_head;
   float scale_log2;  // the softmax scale times log2(e): scores become log2 units in one multiply
 
-  int64_t first_key(int64_t position) const {  // the window's first key for a query position
-    const int64_t context_pos = context_len - num_queries + position;
-    return window > 0 ? std::max<int64_t>(0, context_pos - window + 1) : 0;
-  }
-  int64_t end_key(int64_t position) const { return context_len - num_queries + position + 1; }
   int64_t num_chunks() const { return (context_len + kChunkKeys - 1) / kChunkKeys; }
   int64_t chunk_elements() const { return kChunkKeys * head_dim; }
 };
@@ -102,20 +98,6 @@ void stage_values(at::BFloat16* staged, const PagedPrefill& s, int64_t h, int64_
 // chunk's 32 scores.
 #define KVFLEET_TILE_S0 6
 #define KVFLEET_TILE_S1 7
-
-inline void configure_prefill_tiles() {
-  struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-  } config{};
-  config.palette = 1;
-  for (int t = 0; t < 8; ++t) {
-    config.colsb[t] = 64;
-    config.rows[t] = kTileRows;
-  }
-  _tile_loadconfig(&config);
-}
 
 // Per-thread state of one row tile: query head h * group + g at positions p0 + i, i < 16.
 struct TileState {
@@ -199,13 +181,6 @@ void softmax_row(TileState& w, const float* scores, int64_t i, uint64_t visible,
   _mm512_store_si512(probs + 32, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p[3], p[2])));
 }
 
-inline void load_output_tiles(const float* acc, int64_t acc_stride) {
-  _tile_loadd(KVFLEET_TILE_C0, acc, acc_stride * 4);
-  _tile_loadd(KVFLEET_TILE_C1, acc + 16, acc_stride * 4);
-  _tile_loadd(KVFLEET_TILE_C2, acc + 32, acc_stride * 4);
-  _tile_loadd(KVFLEET_TILE_C3, acc + 48, acc_stride * 4);
-}
-
 // The rows whose max rose this chunk: their output sums so far times their correction.
 void rescale_output(TileState& w, int64_t d, bool in_tiles) {
   if (in_tiles) store_value_tiles(w.acc.data(), d);
@@ -216,7 +191,7 @@ void rescale_output(TileState& w, int64_t d, bool in_tiles) {
     for (int64_t n = 0; n < d; n += kLanes) _mm512_storeu_ps(acc + n, _mm512_mul_ps(_mm512_loadu_ps(acc + n), c));
     w.correction[i] = 1.f;
   }
-  if (in_tiles) load_output_tiles(w.acc.data(), d);
+  if (in_tiles) load_value_tiles(w.acc.data(), d);
   w.rescaled = false;
 }
 
@@ -224,7 +199,7 @@ void rescale_output(TileState& w, int64_t d, bool in_tiles) {
 // `halves`: the 32-key halves any row sees (the second may lie past every row's keys).
 void tile_values(TileState& w, const at::BFloat16* pairs, int64_t d, bool in_tiles, int64_t halves) {
   for (int64_t i = 0; i < d; i += kAmxValueDims) {
-    if (!in_tiles) load_output_tiles(w.acc.data() + i, d);
+    if (!in_tiles) load_value_tiles(w.acc.data() + i, d);
     for (int64_t half = 0; half < halves; ++half)
       amx_weighted_values(w.probs + half * 32, kChunkKeys, pairs + half * 32 * d + 2 * i, 2 * d);
     if (!in_tiles) store_value_tiles(w.acc.data() + i, d);
@@ -298,7 +273,7 @@ void paged_prefill_kernel(const PagedPrefill& s) {
   }
   parallel_for_by_cost(cost_before, [&](int64_t begin, int64_t end) {
     if (begin >= end) return;
-    configure_prefill_tiles();
+    configure_square_tiles();  // every tile 16 rows of 64 bytes (csrc/decode_amx.h)
     TileState state(s.head_dim);
     for (int64_t item = begin; item < end; ++item)
       for (int64_t g = 0; g < s.group; ++g)
@@ -343,11 +318,11 @@ void paged_prefill_attention(const at::Tensor& out, const at::Tensor& query, con
               "block_table must be [max_blocks] int64, dense, covering context_len");
   TORCH_CHECK(scale > 0, "scale must be positive");
 #if defined(KVFLEET_DECODE_AMX)
-  const PagedPrefill s{out.data_ptr<at::BFloat16>(), query.const_data_ptr<at::BFloat16>(),
+  const PagedPrefill s{{query.size(0), context_len, sliding_window > 0 ? sliding_window : 0},
+                       out.data_ptr<at::BFloat16>(), query.const_data_ptr<at::BFloat16>(),
                        key_cache.const_data_ptr<at::BFloat16>(), value_cache.const_data_ptr<at::BFloat16>(),
-                       block_table.const_data_ptr<int64_t>(), query.size(0), context_len, key_cache.size(1),
-                       head_dim, query.size(1) / key_cache.size(1), block_size,
-                       sliding_window > 0 ? sliding_window : 0, query.stride(0), query.stride(1), out.stride(0),
+                       block_table.const_data_ptr<int64_t>(), key_cache.size(1), head_dim,
+                       query.size(1) / key_cache.size(1), block_size, query.stride(0), query.stride(1), out.stride(0),
                        out.stride(1), key_cache.stride(0), key_cache.stride(1), value_cache.stride(0),
                        value_cache.stride(1), static_cast<float>(scale * M_LOG2E)};
   paged_prefill_kernel(s);

@@ -40,15 +40,10 @@ using namespace kvfleet_cpu;  // NOLINT: the vector helpers are this kernel's vo
 constexpr int64_t kBlockKeys = 128;      // keys per block: the first product's N, the second's K
 constexpr int64_t kBlockPositions = 32;  // query positions per work item (times the GQA group: its rows)
 
-struct Shape {
-  int64_t num_queries, context_len, num_blocks, num_heads, num_kv_heads, head_dim, group, window;
+struct Shape : CausalSpan {  // the queries, the context and the window: which keys each query sees
+  int64_t num_blocks, num_heads, num_kv_heads, head_dim, group;
   int64_t q_row, q_head, k_row, k_head, v_row, v_head, out_row, out_head;
   float scale;
-  int64_t first_key(int64_t position) const {  // the window's first key for a query position
-    const int64_t context_pos = context_len - num_queries + position;
-    return window > 0 ? std::max<int64_t>(0, context_pos - window + 1) : 0;
-  }
-  int64_t end_key(int64_t position) const { return context_len - num_queries + position + 1; }
 };
 
 // e^x for x <= 0 (scores minus the row max; a masked key's -inf gives ~2^-126, which the caller
@@ -250,10 +245,10 @@ void prefill_attention_brgemm(const at::Tensor& out, const at::Tensor& query, co
   TORCH_CHECK(query.size(2) == key.size(2) && query.size(2) % 32 == 0 && query.size(2) <= 256,
               "head_dim must be a multiple of 32 up to 256, shared by query and key");
   const int64_t context_len = key.size(0);
-  const Shape s{query.size(0), context_len, (context_len + kBlockKeys - 1) / kBlockKeys, query.size(1),
-                key.size(1), query.size(2), query.size(1) / key.size(1), sliding_window > 0 ? sliding_window : 0,
-                query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-                out.stride(0), out.stride(1), static_cast<float>(scale)};
+  const Shape s{{query.size(0), context_len, sliding_window > 0 ? sliding_window : 0},
+                (context_len + kBlockKeys - 1) / kBlockKeys, query.size(1), key.size(1), query.size(2),
+                query.size(1) / key.size(1), query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+                value.stride(0), value.stride(1), out.stride(0), out.stride(1), static_cast<float>(scale)};
   prefill_kernel(out.data_ptr<at::BFloat16>(), query.const_data_ptr<at::BFloat16>(),
                  key.const_data_ptr<at::BFloat16>(), value.const_data_ptr<at::BFloat16>(), s);
 }
