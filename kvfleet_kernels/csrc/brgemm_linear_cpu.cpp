@@ -64,39 +64,66 @@ void store_block(at::BFloat16* out, int64_t out_stride, const float* acc, const 
   }
 }
 
-// out [M, N] = x [M, K] @ weight^T + bias, weight as pack_brgemm_weight left it. Work items are
-// (row block, column block) pairs, row-block major, split evenly over the threads: at decode
-// sizes (one row block) each thread streams its share of the weight once.
-void brgemm_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
-                   const std::optional<at::Tensor>& bias) {
-  kvfleet_cpu::check_packed_linear(out, x, packed, bias, "pack_brgemm_weight");
-  const int64_t rows = x.size(0), k = x.size(1), n = out.size(1), col_blocks = packed.size(0);
-  const int64_t row_blocks = (rows + kBlockM - 1) / kBlockM;
-  const at::BFloat16* a = x.const_data_ptr<at::BFloat16>();
-  const at::BFloat16* b = packed.const_data_ptr<at::BFloat16>();
-  const float* bias_data = bias ? bias->const_data_ptr<float>() : nullptr;
-  at::BFloat16* c = out.data_ptr<at::BFloat16>();
-  at::parallel_for(0, row_blocks * col_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(std::min(rows, kBlockM) * kBlockN);  // [rows of a block, kBlockN] fp32 sums
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t row0 = item / col_blocks * kBlockM, col0 = item % col_blocks * kBlockN;
-      const int64_t num_rows = std::min(kBlockM, rows - row0);
-      cpublas::brgemm(num_rows, kBlockN, k, x.stride(0), kBlockN, kBlockN, false, a + row0 * x.stride(0),
-                      b + col0 * k, acc.data());
-      store_block(c + row0 * out.stride(0) + col0, out.stride(0), acc.data(), bias_data ? bias_data + col0 : nullptr,
-                  num_rows, std::min(kBlockN, n - col0));
+// One call's share of a linear: rows [row0, row0 + num_rows) against output columns
+// [col0, col0 + width), all within panel col0 / 64.
+struct Piece {
+  int64_t row0, num_rows, col0, width;
+  int64_t panel_offset() const { return col0 % kBlockN; }  // the piece's first column within its panel
+};
+
+// Calls body(piece) for each piece of `rows` x `col_blocks` panels, on torch's threads. Shares
+// are cut at 16-column slices, not at panels, so that every thread gets the same work when the
+// panels do not divide among the threads: SmolLM2's 576 outputs are 9 panels, 5 and 4 of them
+// on two threads, and at 64 rows such a layer ran as slow as one of 10 panels (65 against 57 us
+// for 8, 2-core Xeon with AMX). A thread's share is then its whole panels and at most a slice
+// run at each end. A column's sum runs in the same order whichever call computes it.
+template <typename Body>
+void for_each_piece(int64_t rows, int64_t col_blocks, Body&& body) {
+  constexpr int64_t kSlice = 16, kSlices = kBlockN / kSlice;  // columns a slice, slices a panel
+  const int64_t row_blocks = (rows + kBlockM - 1) / kBlockM, units = row_blocks * col_blocks * kSlices;
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t unit = begin; unit < end;) {
+      const int64_t block = unit / kSlices;  // (row block, panel), row-block major
+      const int64_t stop = std::min(end, (block + 1) * kSlices), row0 = block / col_blocks * kBlockM;
+      body(Piece{row0, std::min(kBlockM, rows - row0), block % col_blocks * kBlockN + unit % kSlices * kSlice,
+                 (stop - unit) * kSlice});
+      unit = stop;
     }
     cpublas::brgemm_release();  // the AMX tile state, per thread
   });
 }
 
-// out[rows, 64] (row stride out_stride) = SiLU(gate) * up, where gate and up are the fp32 sums
+// out [M, N] = x [M, K] @ weight^T + bias, weight as pack_brgemm_weight left it: at decode sizes
+// (one row block) each thread streams its share of the weight once.
+void brgemm_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+                   const std::optional<at::Tensor>& bias) {
+  kvfleet_cpu::check_packed_linear(out, x, packed, bias, "pack_brgemm_weight");
+  const int64_t rows = x.size(0), k = x.size(1), n = out.size(1);
+  const at::BFloat16* a = x.const_data_ptr<at::BFloat16>();
+  const at::BFloat16* b = packed.const_data_ptr<at::BFloat16>();
+  const float* bias_data = bias ? bias->const_data_ptr<float>() : nullptr;
+  at::BFloat16* c = out.data_ptr<at::BFloat16>();
+  thread_local std::vector<float> acc;  // [rows of a block, kBlockN] fp32 sums
+  for_each_piece(rows, packed.size(0), [&](const Piece& p) {
+    const int64_t cols = std::min(p.width, n - p.col0);
+    if (cols <= 0) return;  // wholly in the last panel's padding
+    acc.resize(p.num_rows * kBlockN);
+    const int64_t panel = p.col0 - p.panel_offset();
+    cpublas::brgemm(p.num_rows, p.width, k, x.stride(0), kBlockN, kBlockN, false, a + p.row0 * x.stride(0),
+                    b + panel * k + 2 * p.panel_offset(), acc.data());
+    store_block(c + p.row0 * out.stride(0) + p.col0, out.stride(0), acc.data(), bias_data ? bias_data + p.col0 : nullptr,
+                p.num_rows, cols);
+  });
+}
+
+// out[rows, cols] (row stride out_stride) = SiLU(gate) * up, where gate and up are the fp32 sums
 // gate_acc and up_acc [rows, 64] plus their biases, each rounded to bf16 first: bit for bit
-// what store_block's two bf16 panels and then silu_and_mul (csrc/cpu_layers.cpp) give.
+// what store_block's two bf16 panels and then silu_and_mul (csrc/cpu_layers.cpp) give; cols a
+// multiple of 16.
 void store_silu_block(at::BFloat16* out, int64_t out_stride, const float* gate_acc, const float* up_acc,
-                      const float* gate_bias, const float* up_bias, int64_t rows) {
+                      const float* gate_bias, const float* up_bias, int64_t rows, int64_t cols) {
   for (int64_t m = 0; m < rows; ++m)
-    for (int64_t c = 0; c < kBlockN; c += kLanes) {
+    for (int64_t c = 0; c < cols; c += kLanes) {
       const vfloat gate = load16(gate_acc + m * kBlockN + c) + (gate_bias ? load16(gate_bias + c) : vfloat{});
       const vfloat up = load16(up_acc + m * kBlockN + c) + (up_bias ? load16(up_bias + c) : vfloat{});
       store16(out + m * out_stride + c, silu_mul16<at::BFloat16>(round16<at::BFloat16>(gate), round16<at::BFloat16>(up)));
@@ -106,30 +133,27 @@ void store_silu_block(at::BFloat16* out, int64_t out_stride, const float* gate_a
 // out [M, I] = SiLU(gate) * up for [gate, up] = x [M, K] @ weight^T + bias: a gated MLP's gate_up
 // projection and vLLM's silu_and_mul in one pass, so that the [M, 2I] product never goes to
 // memory and back (at 8,192 rows of SmolLM2, 50 MB a layer). weight [2I, K] as
-// pack_brgemm_weight left it, I a multiple of 64: work item c pairs gate panel c with up panel
-// c + I / 64.
+// pack_brgemm_weight left it, I a multiple of 64: gate panel c pairs with up panel c + I / 64.
 void brgemm_gate_up_silu(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                          const std::optional<at::Tensor>& bias) {
   kvfleet_cpu::check_gate_up_silu(out, x, packed, bias, "pack_brgemm_weight");
-  const int64_t rows = x.size(0), k = x.size(1), width = out.size(1), gate_blocks = width / kBlockN;
-  const int64_t row_blocks = (rows + kBlockM - 1) / kBlockM, buffer_rows = std::min(rows, kBlockM);
+  const int64_t rows = x.size(0), k = x.size(1), width = out.size(1);
   const at::BFloat16* a = x.const_data_ptr<at::BFloat16>();
   const at::BFloat16* b = packed.const_data_ptr<at::BFloat16>();
   const float* bias_data = bias ? bias->const_data_ptr<float>() : nullptr;
   at::BFloat16* c = out.data_ptr<at::BFloat16>();
-  at::parallel_for(0, row_blocks * gate_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> gate(buffer_rows * kBlockN), up(buffer_rows * kBlockN);  // [rows, kBlockN] fp32 sums
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t row0 = item / gate_blocks * kBlockM, col0 = item % gate_blocks * kBlockN;
-      const int64_t num_rows = std::min(kBlockM, rows - row0);
-      const at::BFloat16* rows_of_x = a + row0 * x.stride(0);
-      cpublas::brgemm(num_rows, kBlockN, k, x.stride(0), kBlockN, kBlockN, false, rows_of_x, b + col0 * k, gate.data());
-      cpublas::brgemm(num_rows, kBlockN, k, x.stride(0), kBlockN, kBlockN, false, rows_of_x, b + (width + col0) * k,
-                      up.data());
-      store_silu_block(c + row0 * width + col0, width, gate.data(), up.data(), bias_data ? bias_data + col0 : nullptr,
-                       bias_data ? bias_data + width + col0 : nullptr, num_rows);
-    }
-    cpublas::brgemm_release();  // the AMX tile state, per thread
+  thread_local std::vector<float> gate, up;  // [rows of a block, kBlockN] fp32 sums each
+  for_each_piece(rows, width / kBlockN, [&](const Piece& p) {
+    gate.resize(p.num_rows * kBlockN);
+    up.resize(p.num_rows * kBlockN);
+    const at::BFloat16* rows_of_x = a + p.row0 * x.stride(0);
+    const int64_t panel = p.col0 - p.panel_offset();
+    cpublas::brgemm(p.num_rows, p.width, k, x.stride(0), kBlockN, kBlockN, false, rows_of_x,
+                    b + panel * k + 2 * p.panel_offset(), gate.data());
+    cpublas::brgemm(p.num_rows, p.width, k, x.stride(0), kBlockN, kBlockN, false, rows_of_x,
+                    b + (width + panel) * k + 2 * p.panel_offset(), up.data());
+    store_silu_block(c + p.row0 * width + p.col0, width, gate.data(), up.data(), bias_data ? bias_data + p.col0 : nullptr,
+                     bias_data ? bias_data + width + p.col0 : nullptr, p.num_rows, p.width);
   });
 }
 

@@ -198,6 +198,38 @@ def test_gate_up_silu_splits_narrow_layers_over_many_threads_with_the_same_bits(
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("rows, out_features, in_features", [(64, 576, 96), (3, 130, 64), (300, 960, 32)])
+def test_brgemm_results_do_not_depend_on_the_thread_count(rows, out_features, in_features):
+    """brgemm cuts each thread's share at 16-column slices, so that panels that do not divide
+    among the threads (SmolLM2's 576 outputs: 9 panels) still split evenly: a thread then runs
+    part of a panel. Every column's sum runs in the same order whichever call computes it: the
+    linear and the fused gate_up are bit for bit their one-thread outputs, slices wholly in a
+    panel's padding and several row blocks included."""
+    if "brgemm" not in bf16_kernels():
+        pytest.skip("no brgemm bf16 linears on this CPU")
+    from kvfleet_kernels import cpu_linear  # noqa: PLC0415
+
+    generator = torch.Generator().manual_seed(rows + out_features)
+    weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
+    bias = torch.randn(out_features, generator=generator)
+    x = torch.randn(rows, in_features, generator=generator).bfloat16()
+    packed = cpu_linear.pack_weight(weight, "brgemm")
+    gate_up = cpu_linear.pack_weight(torch.randn(2 * 192, in_features, generator=generator).bfloat16(), "brgemm")
+    threads = torch.get_num_threads()
+    try:
+        outputs, fused = [], []
+        for count in (1, 2, 3, 8):  # shares of whole panels, and of 1 to 3 slices at their ends
+            torch.set_num_threads(count)
+            outputs.append(cpu_linear.linear(x, packed, out_features, bias, "brgemm"))
+            fused.append(cpu_linear.gate_up_silu(x, gate_up, 2 * 192, None, "brgemm"))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(out, outputs[0]) for out in outputs[1:])
+    assert all(torch.equal(out, fused[0]) for out in fused[1:])
+    expected = (x.float() @ weight.float().t() + bias).bfloat16()
+    torch.testing.assert_close(outputs[0], expected, rtol=2**-7, atol=1e-3)
+
+
 @each_bf16_kernel
 def test_gate_up_silu_refuses_widths_off_the_panels(kernel):
     from kvfleet_kernels import cpu_linear  # noqa: PLC0415
