@@ -104,6 +104,24 @@ def matmul_probe_flops(size: int = 2048, repeats: int = 10, device: str = "cpu",
     return 2 * size**3 * repeats / (time.perf_counter() - start)
 
 
+# A short probe reading under this share of the best one counts as the slow mode (below).
+SLOW_PROBE_SHARE = 0.6
+
+
+def short_probe_samples(dtype: torch.dtype, count: int = 5, size: int = 1024, repeats: int = 3) -> list[float]:
+    """`count` matmul probes of ~5-15 ms each, FLOP/s. Why short ones: on 2-core Xeon hosts with
+    AMX the matrix unit is shared with something outside the VM, and its speed flips within
+    seconds between two modes (bf16 1,024^3 matmuls ~1,100 against ~450 GFLOP/s; one tile product
+    with its tile loaded from L1 ~7 against ~28 ns) while AVX-512 FMAs stay at one speed. A long
+    probe averages the two; short ones say which mode a run met (docs/performance.md)."""
+    return [matmul_probe_flops(size=size, repeats=repeats, dtype=dtype) for _ in range(count)]
+
+
+def slow_share(samples: list[float], best: float) -> float:
+    """The share of `samples` under SLOW_PROBE_SHARE of `best`: how often the host was slow."""
+    return sum(sample < SLOW_PROBE_SHARE * best for sample in samples) / len(samples)
+
+
 def stream_read_probe_bytes_per_s(num_bytes: int = 1 << 30, repeats: int = 3) -> float:
     """Bytes/s of one pass summing a fp32 buffer larger than this host's L3: the memory
     bandwidth a decode step's K/V reads can reach, right now. The best of `repeats`."""

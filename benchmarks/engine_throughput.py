@@ -21,7 +21,10 @@ and keeps its fastest run: a shared host's speed drifts by 2-4x within minutes. 
 bf16, per system, under glibc and each of tcmalloc and jemalloc preloaded (LD_PRELOAD), as
 vLLM's CPU guide does. For kvfleet it also prints the FLOP/s of steps that carry prefill
 tokens against a matmul probe in the same dtype, and of decode-only steps against their
-roofline (benchmarks/common.py), with the probes taken in this run. Ends with a JSON summary.
+roofline (benchmarks/common.py), with the probes taken in this run. Around each run, ten short
+matmul probes in its dtype (five before, five after): "slow" is the share of them under 60% of
+the workload's fastest, as on Xeon hosts whose AMX unit is shared and flips between two speeds
+within seconds (benchmarks/common.py: short_probe_samples). Ends with a JSON summary.
 """
 
 from __future__ import annotations
@@ -38,12 +41,15 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import (
+    SLOW_PROBE_SHARE,
     WORKLOADS,
     Workload,
     decode_step_roofline_seconds,
     matmul_probe_flops,
     peer_checkpoint,
     print_summary,
+    short_probe_samples,
+    slow_share,
     step_flops,
     stream_read_probe_bytes_per_s,
 )
@@ -66,6 +72,7 @@ def run_process(command: list[str], run: dict, allocator: str = "glibc") -> dict
         env["LD_PRELOAD"] = find_allocator(allocator)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
         json.dump(run, handle)
+    probes = short_probe_samples(getattr(torch, run["dtype"]))
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     try:
         done = subprocess.run([*command, handle.name], capture_output=True, text=True, env=env, timeout=3600)
@@ -80,6 +87,7 @@ def run_process(command: list[str], run: dict, allocator: str = "glibc") -> dict
     assert result["output_tokens"] == expected, (command, result["output_tokens"], expected)
     result["output_tokens_per_s"] = result["output_tokens"] / result["seconds"]
     result["user_s"], result["sys_s"] = after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime
+    result["short_probe_flops"] = probes + short_probe_samples(getattr(torch, run["dtype"]))
     return result
 
 
@@ -144,9 +152,15 @@ def kvfleet_step_figures(result: dict, config, probe: float, bandwidth: float, d
 
 
 def print_workload(name: str, results: dict, ratios: dict) -> None:
-    print(f"\n{name}: output tokens/s (user + system CPU seconds, load included)")
+    print(f"\n{name}: output tokens/s (user + system CPU seconds, load included; the share of short "
+          f"probes around the run under {SLOW_PROBE_SHARE:.0%} of the workload's best: the host's slow mode)")
+    best_probe: dict[str, float] = {}  # dtype -> the workload's fastest short probe
+    for by_dtype in results.values():
+        for dtype, r in by_dtype.items():
+            best_probe[dtype] = max(best_probe.get(dtype, 0.0), *r["short_probe_flops"])
     for system, by_dtype in results.items():
-        cells = "  ".join(f"{dtype} {r['output_tokens_per_s']:7.1f} ({r['user_s']:.0f}+{r['sys_s']:.0f} s)"
+        cells = "  ".join(f"{dtype} {r['output_tokens_per_s']:7.1f} ({r['user_s']:.0f}+{r['sys_s']:.0f} s, "
+                          f"slow {slow_share(r['short_probe_flops'], best_probe[dtype]):.0%})"
                           for dtype, r in by_dtype.items())
         print(f"  {system:26s} {cells}")
     for peer, ratio in ratios.items():

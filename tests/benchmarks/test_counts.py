@@ -12,6 +12,8 @@ from benchmarks.common import (
     decode_step_roofline_seconds,
     flops_per_token,
     llama_50m_config,
+    short_probe_samples,
+    slow_share,
 )
 
 
@@ -72,3 +74,11 @@ def test_the_prefill_attention_benchmark_counts_the_causal_triangle_and_times_li
     outputs = {name: call() for name, call in make_systems(query, key, value, head_dim ** -0.5).items()}
     for name, output in outputs.items():
         torch.testing.assert_close(output.float(), outputs["sdpa"].float(), atol=2e-2, rtol=2e-2, msg=name)
+
+
+def test_the_slow_share_counts_short_probes_under_the_threshold():
+    # 60% of 1,100 is 660: 450 and 600 are slow, 700 and 1,100 are not.
+    assert slow_share([1100e9, 450e9, 700e9, 600e9], best=1100e9) == 0.5
+    samples = short_probe_samples(torch.float32, count=3, size=64, repeats=1)
+    assert len(samples) == 3 and all(sample > 0 for sample in samples)
+    assert slow_share(samples, best=max(samples)) < 1.0  # the best is never under 60% of itself
