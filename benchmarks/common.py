@@ -4,9 +4,14 @@ FLOP counts."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
+import subprocess
+import sys
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,22 +109,36 @@ def matmul_probe_flops(size: int = 2048, repeats: int = 10, device: str = "cpu",
     return 2 * size**3 * repeats / (time.perf_counter() - start)
 
 
-# A short probe reading under this share of the best one counts as the slow mode (below).
+# A sample reading under this share of the best one counts as the slow mode (below).
 SLOW_PROBE_SHARE = 0.6
 
 
-def short_probe_samples(dtype: torch.dtype, count: int = 5, size: int = 1024, repeats: int = 3) -> list[float]:
-    """`count` matmul probes of ~5-15 ms each, FLOP/s. Why short ones: on 2-core Xeon hosts with
-    AMX the matrix unit is shared with something outside the VM, and its speed flips within
-    seconds between two modes (bf16 1,024^3 matmuls ~1,100 against ~450 GFLOP/s; one tile product
-    with its tile loaded from L1 ~7 against ~28 ns) while AVX-512 FMAs stay at one speed. A long
-    probe averages the two; short ones say which mode a run met (docs/performance.md)."""
-    return [matmul_probe_flops(size=size, repeats=repeats, dtype=dtype) for _ in range(count)]
+@contextlib.contextmanager
+def sampled_matmul_speed(dtype: torch.dtype, interval: float = 0.5, size: int = 512) -> Iterator[list[float]]:
+    """Runs benchmarks/matmul_sampler.py beside the block; the list it yields fills, as they come,
+    with the FLOP/s of a one-thread matmul sampled every `interval` seconds through it. Why: on
+    2-core Xeon hosts with AMX the matrix unit is shared with something outside the VM, and its
+    speed flips within seconds between two modes (a one-thread bf16 512^3 matmul ~900 against ~400
+    GFLOP/s; one tile product with its tile loaded from L1 ~7 against ~28 ns) while AVX-512 FMAs
+    stay at one speed. Probes before and after a run can miss the mode it met (docs/performance.md)."""
+    command = [sys.executable, "-m", "benchmarks.matmul_sampler", str(dtype).removeprefix("torch."),
+               str(interval), str(size)]
+    sampler = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    samples: list[float] = []
+    reader = threading.Thread(target=lambda: samples.extend(float(line) for line in sampler.stdout), daemon=True)
+    reader.start()
+    try:
+        yield samples
+    finally:
+        sampler.terminate()
+        sampler.wait(timeout=60)
+        reader.join(timeout=60)  # every figure was flushed as it was taken: the pipe's last ones too
 
 
 def slow_share(samples: list[float], best: float) -> float:
-    """The share of `samples` under SLOW_PROBE_SHARE of `best`: how often the host was slow."""
-    return sum(sample < SLOW_PROBE_SHARE * best for sample in samples) / len(samples)
+    """The share of `samples` under SLOW_PROBE_SHARE of `best`: how often the host was slow
+    (0 when there are none)."""
+    return sum(sample < SLOW_PROBE_SHARE * best for sample in samples) / max(len(samples), 1)
 
 
 def stream_read_probe_bytes_per_s(num_bytes: int = 1 << 30, repeats: int = 3) -> float:

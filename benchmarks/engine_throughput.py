@@ -21,10 +21,10 @@ and keeps its fastest run: a shared host's speed drifts by 2-4x within minutes. 
 bf16, per system, under glibc and each of tcmalloc and jemalloc preloaded (LD_PRELOAD), as
 vLLM's CPU guide does. For kvfleet it also prints the FLOP/s of steps that carry prefill
 tokens against a matmul probe in the same dtype, and of decode-only steps against their
-roofline (benchmarks/common.py), with the probes taken in this run. Around each run, ten short
-matmul probes in its dtype (five before, five after): "slow" is the share of them under 60% of
-the workload's fastest, as on Xeon hosts whose AMX unit is shared and flips between two speeds
-within seconds (benchmarks/common.py: short_probe_samples). Ends with a JSON summary.
+roofline (benchmarks/common.py), with the probes taken in this run. Through each run a
+one-thread matmul in its dtype is sampled every half second: "slow" is the share of samples
+under 60% of the workload's fastest, as on Xeon hosts whose AMX unit is shared and flips between
+two speeds within seconds (benchmarks/common.py: sampled_matmul_speed). Ends with a JSON summary.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from benchmarks.common import (
     matmul_probe_flops,
     peer_checkpoint,
     print_summary,
-    short_probe_samples,
+    sampled_matmul_speed,
     slow_share,
     step_flops,
     stream_read_probe_bytes_per_s,
@@ -72,13 +72,13 @@ def run_process(command: list[str], run: dict, allocator: str = "glibc") -> dict
         env["LD_PRELOAD"] = find_allocator(allocator)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
         json.dump(run, handle)
-    probes = short_probe_samples(getattr(torch, run["dtype"]))
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     try:
-        done = subprocess.run([*command, handle.name], capture_output=True, text=True, env=env, timeout=3600)
+        with sampled_matmul_speed(getattr(torch, run["dtype"])) as samples:
+            done = subprocess.run([*command, handle.name], capture_output=True, text=True, env=env, timeout=3600)
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)  # before the sampler is reaped: not its seconds
     finally:
         os.unlink(handle.name)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     marked = [line for line in done.stdout.splitlines() if line.startswith("KVFLEET_RESULT ")]
     if done.returncode != 0 or not marked:
         raise RuntimeError(f"{command[-2:]} failed (exit {done.returncode}):\n{(done.stderr or done.stdout)[-3000:]}")
@@ -87,7 +87,7 @@ def run_process(command: list[str], run: dict, allocator: str = "glibc") -> dict
     assert result["output_tokens"] == expected, (command, result["output_tokens"], expected)
     result["output_tokens_per_s"] = result["output_tokens"] / result["seconds"]
     result["user_s"], result["sys_s"] = after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime
-    result["short_probe_flops"] = probes + short_probe_samples(getattr(torch, run["dtype"]))
+    result["sampled_matmul_flops"] = samples
     return result
 
 
@@ -152,15 +152,15 @@ def kvfleet_step_figures(result: dict, config, probe: float, bandwidth: float, d
 
 
 def print_workload(name: str, results: dict, ratios: dict) -> None:
-    print(f"\n{name}: output tokens/s (user + system CPU seconds, load included; the share of short "
-          f"probes around the run under {SLOW_PROBE_SHARE:.0%} of the workload's best: the host's slow mode)")
-    best_probe: dict[str, float] = {}  # dtype -> the workload's fastest short probe
+    print(f"\n{name}: output tokens/s (user + system CPU seconds, load included; the share of matmul "
+          f"samples through the run under {SLOW_PROBE_SHARE:.0%} of the workload's best: the host's slow mode)")
+    best_probe: dict[str, float] = {}  # dtype -> the workload's fastest sample
     for by_dtype in results.values():
         for dtype, r in by_dtype.items():
-            best_probe[dtype] = max(best_probe.get(dtype, 0.0), *r["short_probe_flops"])
+            best_probe[dtype] = max([best_probe.get(dtype, 0.0), *r["sampled_matmul_flops"]])
     for system, by_dtype in results.items():
         cells = "  ".join(f"{dtype} {r['output_tokens_per_s']:7.1f} ({r['user_s']:.0f}+{r['sys_s']:.0f} s, "
-                          f"slow {slow_share(r['short_probe_flops'], best_probe[dtype]):.0%})"
+                          f"slow {slow_share(r['sampled_matmul_flops'], best_probe[dtype]):.0%})"
                           for dtype, r in by_dtype.items())
         print(f"  {system:26s} {cells}")
     for peer, ratio in ratios.items():

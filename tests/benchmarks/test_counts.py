@@ -3,6 +3,8 @@ transformers model's parameter counts, and the decode-step roofline at its two l
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -12,7 +14,7 @@ from benchmarks.common import (
     decode_step_roofline_seconds,
     flops_per_token,
     llama_50m_config,
-    short_probe_samples,
+    sampled_matmul_speed,
     slow_share,
 )
 
@@ -76,9 +78,21 @@ def test_the_prefill_attention_benchmark_counts_the_causal_triangle_and_times_li
         torch.testing.assert_close(output.float(), outputs["sdpa"].float(), atol=2e-2, rtol=2e-2, msg=name)
 
 
-def test_the_slow_share_counts_short_probes_under_the_threshold():
+def test_the_slow_share_counts_samples_under_the_threshold():
     # 60% of 1,100 is 660: 450 and 600 are slow, 700 and 1,100 are not.
     assert slow_share([1100e9, 450e9, 700e9, 600e9], best=1100e9) == 0.5
-    samples = short_probe_samples(torch.float32, count=3, size=64, repeats=1)
-    assert len(samples) == 3 and all(sample > 0 for sample in samples)
-    assert slow_share(samples, best=max(samples)) < 1.0  # the best is never under 60% of itself
+    assert slow_share([], best=1100e9) == 0.0
+
+
+def test_the_matmul_sampler_samples_through_the_block_and_stops_with_it():
+    """benchmarks/matmul_sampler.py in its own process, every 20 ms while the block runs: its
+    figures are a tiny matmul's FLOP/s, and none come once the block has ended."""
+    with sampled_matmul_speed(torch.float32, interval=0.02, size=64) as samples:
+        deadline = time.monotonic() + 120  # the sampler imports torch first
+        while len(samples) < 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(samples) >= 5
+    taken = len(samples)
+    time.sleep(0.2)
+    assert len(samples) == taken
+    assert all(1e6 < sample < 1e13 for sample in samples)  # 64^3 products: MFLOP/s to TFLOP/s
