@@ -62,6 +62,7 @@ RUN_OPTIONS = {"chat": {"max_model_len": 1024, "enable_prefix_caching": False},
                "document": {"max_model_len": 2304, "enable_prefix_caching": True}}
 GOALS = {"vllm_cpu": 2.0, "transformers_static": 3.0}  # kvfleet's best over the peer's best, per workload
 DECODE_ROOFLINE_GOAL, PREFILL_PROBE_GOAL = 0.70, 0.60
+RUN_FIGURES = ("output_tokens_per_s", "sampled_matmul_flops")  # what --repeats keeps of every run
 
 
 def run_process(command: list[str], run: dict, allocator: str = "glibc") -> dict:
@@ -109,14 +110,14 @@ def commands(args, model_dir: str) -> dict[str, list[str]]:
 def interleaved_runs(systems: dict, dtypes: list[str], repeats: int, run) -> dict:
     """{system: {dtype: the fastest of `repeats` runs}}, the rounds interleaved (every system
     and dtype once, then again), so that a shared host's drift in speed falls on every system
-    alike; each kept result lists every run's output tokens/s under "runs"."""
+    alike; each kept result lists every run's output tokens/s and matmul samples under "runs"."""
     results: dict[str, dict] = {system: {} for system in systems}
     for _ in range(repeats):
         for system, command in systems.items():
             for dtype in dtypes:
                 result = run(command, dtype)
                 best = results[system].get(dtype)
-                runs = (best["runs"] if best else []) + [result["output_tokens_per_s"]]
+                runs = (best["runs"] if best else []) + [{key: result[key] for key in RUN_FIGURES}]
                 if best is None or result["output_tokens_per_s"] > best["output_tokens_per_s"]:
                     best = result
                 results[system][dtype] = {**best, "runs": runs}
@@ -157,12 +158,18 @@ def print_workload(name: str, results: dict, ratios: dict) -> None:
     best_probe: dict[str, float] = {}  # dtype -> the workload's fastest sample
     for by_dtype in results.values():
         for dtype, r in by_dtype.items():
-            best_probe[dtype] = max([best_probe.get(dtype, 0.0), *r["sampled_matmul_flops"]])
+            for run in r.get("runs", [r]):
+                best_probe[dtype] = max([best_probe.get(dtype, 0.0), *run["sampled_matmul_flops"]])
     for system, by_dtype in results.items():
         cells = "  ".join(f"{dtype} {r['output_tokens_per_s']:7.1f} ({r['user_s']:.0f}+{r['sys_s']:.0f} s, "
                           f"slow {slow_share(r['sampled_matmul_flops'], best_probe[dtype]):.0%})"
                           for dtype, r in by_dtype.items())
         print(f"  {system:26s} {cells}")
+        for dtype, r in by_dtype.items():
+            if len(r.get("runs", [])) > 1:
+                print(f"  {'':26s} {dtype} every run: " + ", ".join(
+                    f"{run['output_tokens_per_s']:.1f} (slow {slow_share(run['sampled_matmul_flops'], best_probe[dtype]):.0%})"
+                    for run in r["runs"]))
     for peer, ratio in ratios.items():
         goal = GOALS.get(peer)
         verdict = "" if goal is None or (name != "chat" and peer == "transformers_static") \

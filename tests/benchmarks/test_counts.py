@@ -96,3 +96,29 @@ def test_the_matmul_sampler_samples_through_the_block_and_stops_with_it():
     time.sleep(0.2)
     assert len(samples) == taken
     assert all(1e6 < sample < 1e13 for sample in samples)  # 64^3 products: MFLOP/s to TFLOP/s
+
+
+def test_repeats_keep_each_systems_fastest_run_and_print_every_runs_slow_share(capsys):
+    """engine_throughput --repeats: rounds interleaved, the fastest run kept, and every run's
+    output tokens/s with the share of its samples in the slow mode printed beside it."""
+    from benchmarks.engine_throughput import interleaved_runs, print_workload  # noqa: PLC0415
+
+    speeds = iter([400.0, 300.0, 700.0, 280.0])  # round 1: kvfleet, peer; round 2: kvfleet, peer
+    samples = iter([[400e9, 1000e9], [1000e9, 1000e9], [1000e9, 1000e9], [400e9, 400e9]])
+    order = []
+
+    def run(command, dtype):
+        order.append(command)
+        return {"output_tokens_per_s": next(speeds), "sampled_matmul_flops": next(samples),
+                "user_s": 1.0, "sys_s": 0.0}
+
+    results = interleaved_runs({"kvfleet": "k", "peer": "p"}, ["bfloat16"], 2, run)
+    assert order == ["k", "p", "k", "p"]
+    assert results["kvfleet"]["bfloat16"]["output_tokens_per_s"] == 700.0
+    assert results["peer"]["bfloat16"]["output_tokens_per_s"] == 300.0
+    assert [r["output_tokens_per_s"] for r in results["peer"]["bfloat16"]["runs"]] == [300.0, 280.0]
+    print_workload("chat", results, {"peer": 700.0 / 300.0})
+    printed = capsys.readouterr().out
+    assert "bfloat16 every run: 400.0 (slow 50%), 700.0 (slow 0%)" in printed
+    assert "bfloat16 every run: 300.0 (slow 0%), 280.0 (slow 100%)" in printed
+    assert "kvfleet best / peer best: 2.33x" in printed
