@@ -158,7 +158,7 @@ def print_workload(name: str, results: dict, ratios: dict) -> None:
     best_probe: dict[str, float] = {}  # dtype -> the workload's fastest sample
     for by_dtype in results.values():
         for dtype, r in by_dtype.items():
-            for run in r.get("runs", [r]):
+            for run in r["runs"]:
                 best_probe[dtype] = max([best_probe.get(dtype, 0.0), *run["sampled_matmul_flops"]])
     for system, by_dtype in results.items():
         cells = "  ".join(f"{dtype} {r['output_tokens_per_s']:7.1f} ({r['user_s']:.0f}+{r['sys_s']:.0f} s, "
@@ -166,7 +166,7 @@ def print_workload(name: str, results: dict, ratios: dict) -> None:
                           for dtype, r in by_dtype.items())
         print(f"  {system:26s} {cells}")
         for dtype, r in by_dtype.items():
-            if len(r.get("runs", [])) > 1:
+            if len(r["runs"]) > 1:
                 print(f"  {'':26s} {dtype} every run: " + ", ".join(
                     f"{run['output_tokens_per_s']:.1f} (slow {slow_share(run['sampled_matmul_flops'], best_probe[dtype]):.0%})"
                     for run in r["runs"]))
