@@ -122,3 +122,21 @@ def test_repeats_keep_each_systems_fastest_run_and_print_every_runs_slow_share(c
     assert "bfloat16 every run: 400.0 (slow 50%), 700.0 (slow 0%)" in printed
     assert "bfloat16 every run: 300.0 (slow 0%), 280.0 (slow 100%)" in printed
     assert "kvfleet best / peer best: 2.33x" in printed
+
+
+def test_decode_step_figures_divide_by_the_roofline_at_the_given_read_probe(capsys):
+    """engine_throughput's decode-only figure: the steps' roofline at the read probe it is given
+    (the best reading up to that workload's end) over their seconds, with that probe printed."""
+    from benchmarks.engine_throughput import kvfleet_step_figures, print_steps  # noqa: PLC0415
+
+    config = llama_50m_config()
+    rows = [[1, 99], [1, 699]]  # two decodes over 100 and 700 positions
+    result = {"steps": [{"rows": [[64, 0]], "seconds": 0.5}, {"rows": rows, "seconds": 0.02}]}
+    figures = kvfleet_step_figures(result, config, probe=1e11, bandwidth=25e9, dtype="bfloat16")
+    roofline = decode_step_roofline_seconds(config, [100, 700], 1e11, 25e9, dtype_bytes=2)
+    assert "steps" not in result and figures["read_probe_bytes_per_s"] == 25e9
+    assert figures["decode_steps"]["fraction_of_roofline"] == pytest.approx(roofline / 0.02, rel=1e-12)
+    assert figures["prefill_steps"]["steps"] == 1 and figures["decode_steps"]["mean_batch"] == 2
+    print_steps("chat", "bfloat16", figures)
+    assert f"decode-only steps (mean batch 2.0) {roofline / 0.02:.0%} of their roofline (read probe 25.0 GB/s" \
+        in capsys.readouterr().out
