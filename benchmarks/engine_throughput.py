@@ -22,8 +22,8 @@ bf16, per system, under glibc and each of tcmalloc and jemalloc preloaded (LD_PR
 vLLM's CPU guide does. For kvfleet it also prints the FLOP/s of steps that carry prefill
 tokens against a matmul probe in the same dtype, and of decode-only steps against their
 roofline (benchmarks/common.py), with the probes taken in this run (the read probe's best
-reading up to the workload's end: one taken while memory ran slow would flatter the steps). Through each run a
-one-thread matmul in its dtype is sampled every half second: "slow" is the share of samples
+reading up to the workload's end: one taken while memory ran slow would flatter the steps).
+Through each run a one-thread matmul in its dtype is sampled every half second: "slow" is the share of samples
 under 60% of the workload's fastest, as on Xeon hosts whose AMX unit is shared and flips between
 two speeds within seconds (benchmarks/common.py: sampled_matmul_speed). Ends with a JSON summary.
 """
