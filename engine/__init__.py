@@ -2,6 +2,7 @@
 
 from engine.config import EngineConfig
 from engine.embedding_engine import EmbeddingEngine, ProcessedEmbeddingRequest
+from engine.isolation import StepFailed
 from engine.llm import LLM
 from engine.llm_engine import ContextLengthExceeded, EngineStats, LLMEngine, ProcessedRequest
 from engine.lora import LoRARequest
@@ -14,6 +15,6 @@ from engine.tasks import create_engine, resolve_task
 
 __all__ = ["LLM", "LLMEngine", "ContextLengthExceeded", "EngineConfig", "EngineStats", "SamplingParams", "RequestOutputKind",
            "ProcessedRequest", "SampleProgress",
-           "RequestOutput", "CompletionOutput", "ParallelGroupError",
+           "RequestOutput", "CompletionOutput", "ParallelGroupError", "StepFailed",
            "StructuredOutputsParams", "EmbeddingEngine", "ProcessedEmbeddingRequest", "EmbeddingOutput",
            "EmbeddingRequestOutput", "PoolingParams", "create_engine", "resolve_task", "LoRARequest"]

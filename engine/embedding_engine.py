@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from engine.checkpoint import load_tokenizer, resolve_checkpoint
 from engine.config import EngineConfig
 from engine.embedding_runner import EmbeddingModelRunner
+from engine.isolation import isolate_failures
 from engine.llm_engine import ContextLengthExceeded, EngineStats
 from engine.outputs import EmbeddingOutput, EmbeddingRequestOutput
 from engine.pooling import PoolingParams, finish_embedding, load_pooler_config
@@ -208,15 +209,32 @@ class EmbeddingEngine:
         self.pending = [p for p in self.pending if id(p) not in chosen_ids]
         for waiting in self.pending:
             waiting.steps_waited += 1
+        failed = []
+        try:
+            self._embed(chosen)
+        except Exception as error:  # noqa: BLE001 (one request's input must not fail its neighbours)
+            at_fault = isolate_failures(list(dict.fromkeys(p.request_id for p in chosen)),
+                                        lambda ids: self._embed([p for p in chosen if p.request_id in ids]), error)
+            failed = [self._failed_output(request_id, cause) for request_id, cause in at_fault.items()]
+        finished = [request_id for request_id in dict.fromkeys(p.request_id for p in chosen)
+                    if request_id in self.requests and all(e is not None for e in self.requests[request_id].embeddings)]
+        return failed + [self._output(self.requests.pop(request_id)) for request_id in finished]
+
+    def _embed(self, chosen: list[_PendingInput]) -> None:
+        """Embed these inputs in one packed pass; each keeps its vector only if all of them ran."""
         pooled = self.model_runner.embed([p.token_ids for p in chosen], self.pooler_config.pooling_type)
-        finished = []
-        for pending, row in zip(chosen, pooled):
-            request = self.requests[pending.request_id]
-            embedding = finish_embedding(row, request.processed.params.dimensions, self.pooler_config.normalize)
-            request.embeddings[pending.index] = embedding.tolist()
-            if all(e is not None for e in request.embeddings):
-                finished.append(pending.request_id)
-        return [self._output(self.requests.pop(request_id)) for request_id in finished]
+        embeddings = [finish_embedding(row, self.requests[p.request_id].processed.params.dimensions,
+                                       self.pooler_config.normalize).tolist() for p, row in zip(chosen, pooled)]
+        for pending, embedding in zip(chosen, embeddings):
+            self.requests[pending.request_id].embeddings[pending.index] = embedding
+
+    def _failed_output(self, request_id: str, cause: Exception) -> EmbeddingRequestOutput:
+        """A request a failed step was traced to: it ends alone, with an error."""
+        processed = self.requests[request_id].processed
+        self.abort(request_id)
+        return EmbeddingRequestOutput(request_id, processed.prompt_token_ids, [], error=(
+            f"the request failed in the engine and was stopped alone: {type(cause).__name__}: {cause}"),
+            error_code="engine_error")
 
     @staticmethod
     def _output(request: _Request) -> EmbeddingRequestOutput:

@@ -16,13 +16,16 @@ from engine.checkpoint import (
     load_tokenizer,
 )
 from engine.config import EngineConfig
+from engine.isolation import isolate_failures
 from engine.lora.request import LoRARequest
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput
+from engine.parallel import ParallelGroupError
 from engine.postprocess import DeltaTracker, StopChecker, make_request_output, request_metrics
 from engine.resume import SampleProgress, check_progress, progress_of, resumed_sequence
+from engine.sampler import SamplerOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
 from engine.structured_outputs import StructuredOutputs
 
@@ -236,20 +239,49 @@ class LLMEngine:
         """Run one iteration; return the requests that finished in it and, for DELTA
         requests, what each sampled this step (finished=False until the last)."""
         batch = self.scheduler.schedule()
-        failed = [self._failed_output(seq) for seq in self.scheduler.take_failed()]
+        failed = [self._failed_output(seq.request_id, seq.grammar.error(), "structured_outputs_error")
+                  for seq in self.scheduler.take_failed()]
         if not batch:
             return failed
-        sampled_seqs, sampled = self.model_runner.execute(batch)
+        batch, sampled_seqs, sampled, failed_in_step = self._execute(batch)
         for children in batch.forks.values():  # n > 1: samples forked this step join their request
             self.requests[children[0].request_id].seqs.extend(children)
         finished_seqs = self.scheduler.postprocess(batch, sampled_seqs, sampled, self.stop_checker.check)
-        return failed + self._collect_outputs(sampled_seqs, finished_seqs)
+        return failed + failed_in_step + self._collect_outputs(sampled_seqs, finished_seqs)
 
-    def _failed_output(self, seq: Sequence) -> RequestOutput:
-        """The output of a request that failed before it ran (its grammar did not compile)."""
-        request = self.requests.pop(seq.request_id)
-        return RequestOutput(seq.request_id, request.prompt, seq.prompt_token_ids,
-                             [CompletionOutput(0, "", [], "error")], error=seq.grammar.error())
+    def _execute(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, list[Sequence], SamplerOutput,
+                                                        list[RequestOutput]]:
+        """Run the batch. If it raises, find the requests at fault (engine/isolation.py): they end
+        with an error output, the rest of the step is returned as if it ran alone. Raises
+        StepFailed if no request explains the failure."""
+        try:
+            return batch, *self.model_runner.execute(batch), []
+        except ParallelGroupError:
+            raise
+        except Exception as error:  # noqa: BLE001 (one request's values must not fail its neighbours)
+            parts: list[tuple[list[str], list[Sequence], SamplerOutput]] = []  # each part that ran
+
+            def run(request_ids: list[str]) -> None:
+                parts.append((request_ids, *self.model_runner.execute(batch.only(set(request_ids)))))
+
+            at_fault = isolate_failures(batch.request_ids(), run, error, fatal=(ParallelGroupError,))
+        outputs = [self._failed_output(request_id, f"the request failed in the engine and was stopped alone: "
+                                                   f"{type(cause).__name__}: {cause}", "engine_error")
+                   for request_id, cause in at_fault.items()]
+        # postprocess reads the step's progress and its samples apart: the parts' samples, in any order.
+        sampled = SamplerOutput([t for *_, out in parts for t in out.token_ids],
+                                [lp for *_, out in parts for lp in out.logprobs])
+        ran = batch.only({request_id for request_ids, *_ in parts for request_id in request_ids})
+        return ran, [seq for _, seqs, _ in parts for seq in seqs], sampled, outputs
+
+    def _failed_output(self, request_id: str, error: str, code: str) -> RequestOutput:
+        """The output of a request that failed: its grammar did not compile, or a step failed
+        because of it. Whatever it generated is dropped with it."""
+        request = self.requests.get(request_id)
+        self.abort(request_id)
+        seq = request.seqs[0]
+        return RequestOutput(request_id, request.prompt, seq.prompt_token_ids,
+                             [CompletionOutput(0, "", [], "error")], error=error, error_code=code)
 
     def _collect_outputs(self, sampled_seqs: list[Sequence], finished_seqs: list[Sequence]) -> list[RequestOutput]:
         """A request is done once all n of its samples are. Finished samples were sampled this

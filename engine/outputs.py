@@ -33,7 +33,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     finished: bool = True
     metrics: RequestMetrics | None = field(default=None, repr=False)
-    error: str | None = None  # why the request failed before it ran (finish_reason "error")
+    error: str | None = None  # why the request failed (finish_reason "error")
+    error_code: str | None = None  # structured_outputs_error (its grammar never compiled) or engine_error
 
     # The first completion's fields, for the common n == 1 case.
     @property
@@ -67,6 +68,7 @@ class EmbeddingRequestOutput:
     outputs: list[EmbeddingOutput]
     finished: bool = True
     error: str | None = None
+    error_code: str | None = None  # engine_error: a failed step was traced to it
 
     @property
     def num_prompt_tokens(self) -> int:

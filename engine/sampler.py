@@ -100,7 +100,9 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tenso
 def filter_probs(probs: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:
     """Zero out tokens outside each row's top-k, top-p nucleus and min-p floor."""
     device = probs.device
-    top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else probs.shape[1] for r in rows], device=device)
+    vocab_size = probs.shape[1]
+    top_k = torch.tensor([min(r.params.top_k, vocab_size) if r.params.top_k > 0 else vocab_size for r in rows],
+                         device=device)
     top_p = _column(rows, "top_p", probs.dtype, device)
     min_p = _column(rows, "min_p", probs.dtype, device)
     sorted_probs, order = probs.sort(dim=-1, descending=True)

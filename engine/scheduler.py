@@ -50,6 +50,18 @@ class ScheduledBatch:
     def __len__(self) -> int:
         return len(self.seqs)
 
+    def request_ids(self) -> list[str]:
+        return list(dict.fromkeys(seq.request_id for seq in self.seqs))
+
+    def only(self, request_ids: set[str]) -> ScheduledBatch:
+        """The part of this step that runs these requests' sequences (engine/isolation.py). Block
+        copies all stay: a copy's source is never written in the step, so copying again is harmless."""
+        picked = [i for i, seq in enumerate(self.seqs) if seq.request_id in request_ids]
+        return ScheduledBatch([self.seqs[i] for i in picked], [self.num_new_tokens[i] for i in picked],
+                              self.block_copies, {seq_id: children for seq_id, children in self.forks.items()
+                                                  if children[0].request_id in request_ids},
+                              self.running_adapters)
+
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_kv_blocks: int,

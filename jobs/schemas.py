@@ -29,8 +29,13 @@ MAX_STOP = 16
 MAX_ID_CHARS = 512
 MAX_REPORTED_ERRORS = 100  # invalid lines named one by one; past that, only counted
 MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1  # online priorities; batch work runs below them all
+# Every integer a request carries fits the engine's 32-bit tensors (token ids, top_k) or, for a
+# seed, a JSON double exactly: a bigger one would pass pydantic and break a step on the worker.
+MAX_INT32 = 2**31 - 1
+MAX_SEED = 2**53
 
 ShortStr = Annotated[str, Field(max_length=256)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
 StopString = Annotated[str, Field(min_length=1, max_length=256)]  # in the types, so the OpenAPI schema says it
 
 
@@ -42,6 +47,11 @@ class LineError(ValueError):
         self.line_number, self.field, self.message = line_number, field, message
 
 
+# The body fields that are engine.SamplingParams' own, under the same names.
+SAMPLING_PARAMS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "stop", "presence_penalty",
+                   "frequency_penalty", "repetition_penalty", "ignore_eos")
+
+
 class SamplingFields(ConstraintFields):
     """Sampling fields shared by both endpoints and the short form (vLLM names)."""
 
@@ -50,9 +60,9 @@ class SamplingFields(ConstraintFields):
     min_tokens: int | None = Field(None, ge=0, le=MAX_OUTPUT_TOKENS)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT32, description="-1 or 0: off; past the vocabulary: off")
     min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = Field(None, ge=0, le=2**53)  # exact in a JSON number (a double)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)  # exact in a JSON number (a double)
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
 
     n: int | None = Field(None, ge=1, le=16)
@@ -76,11 +86,9 @@ class SamplingFields(ConstraintFields):
         return stop
 
     def sampling_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for engine.SamplingParams (vLLM names), unset fields left out."""
-        fields = self.model_dump(exclude_none=True, exclude={"model", "prompt", "messages", "user", "stream",
-                                                              "response_format", "structured_outputs",
-                                                              "max_completion_tokens", "logprobs",
-                                                              "top_logprobs", "custom_id"})
+        """Keyword arguments for engine.SamplingParams (vLLM names), unset fields left out. Named
+        one by one: a body field the engine does not take (echo, user, ...) never reaches it."""
+        fields = {name: value for name in SAMPLING_PARAMS if (value := getattr(self, name)) is not None}
         max_tokens = self.max_completion_tokens or self.max_tokens
         if max_tokens is not None:
             fields["max_tokens"] = max_tokens
@@ -98,7 +106,7 @@ class SamplingFields(ConstraintFields):
 class CompletionBody(SamplingFields):
     model: ShortStr | None = None
     prompt: Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS)] | Annotated[
-        list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]
+        list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: Literal[False] | None = None
 
@@ -134,7 +142,7 @@ class ChatBody(SamplingFields):
 
 
 NonEmptyText = Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS)]
-TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]
 
 
 class EmbeddingBody(_Strict):

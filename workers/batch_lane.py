@@ -25,7 +25,7 @@ from jobs import batches, keys
 from jobs.entries import BatchEntry, MalformedEntry
 from jobs.queues import Queue
 from jobs.results import error_line
-from jobs.schemas import MAX_PRIORITY, LineError, Request, parse_line
+from jobs.schemas import MAX_PRIORITY, Request, parse_line
 from jobs.tenants import DEFAULT_TENANT
 from workers import stream_ops
 from workers.adapters import AdapterPreference
@@ -34,7 +34,7 @@ from workers.fair_share import Candidate, FairShare
 from workers.flush import PendingResult, ResultFlusher
 from workers.lanes import Lane, LaneConfig, Work, engine_request_id
 from workers.served_streams import ServedStreams
-from workers.translate import EngineRequest, RequestRejected, error_code, to_engine_request, to_result_line
+from workers.translate import EngineRequest, error_code, error_message, to_engine_request, to_result_line
 
 MAX_CACHED_BATCHES = 1024
 CHECKPOINT_GRACE_SECONDS = 3600  # a checkpoint outlives its batch's window by this, then expires
@@ -229,8 +229,8 @@ class BatchLane(Lane):
             self.finished_checkpoints.append(work.checkpoint_key)
         self.count(work, sum(len(c.token_ids) for c in output.outputs))
         self.config.metrics.observe_finished(output, work.enqueued_at)
-        if output.error is not None:  # it never ran (its grammar did not compile)
-            line = error_line(work.custom_id, "structured_outputs_error", output.error)
+        if output.error is not None:  # its grammar did not compile, or a step failed because of it
+            line = error_line(work.custom_id, output.error_code or "request_failed", output.error)
             self.add_result(PendingResult(work.stream, work.entry_id, work.batch_id, line))
             return
         model = (self.batch(work.batch_id) or {}).get("model") or self.served.model_of(work.stream)
@@ -300,8 +300,10 @@ class BatchLane(Lane):
         try:
             request, processed = self.prepare(engine_request_id(stream, entry_id),
                                               parse_line(entry.line, entry.line_number), stream)
-        except (LineError, RequestRejected, ValueError) as error:
-            line = error_line(entry.custom_id, error_code(error), str(error))
+        except (*stream_ops.OUTAGE_ERRORS, redis.ResponseError):
+            raise  # Redis itself: the loop backs off
+        except Exception as error:  # noqa: BLE001 (whatever breaks on one line is that line's error)
+            line = error_line(entry.custom_id, error_code(error), error_message(error))
             self.add_result(PendingResult(stream, entry_id, entry.batch_id, line))
             return None
         return BatchWork(stream, entry_id, fields, request, processed, entry.enqueued_at,

@@ -13,8 +13,8 @@ attempts and cancel keys of online requests) is the generation lanes' own code.
 from __future__ import annotations
 
 from engine import EmbeddingRequestOutput, ProcessedEmbeddingRequest
-from jobs.online import Done, OnlineEntry
-from jobs.results import success_line
+from jobs.online import Done, Error, OnlineEntry
+from jobs.results import error_line, success_line
 from jobs.schemas import Request
 from workers.batch_lane import BATCH_PRIORITY, BatchLane
 from workers.flush import PendingResult
@@ -51,6 +51,9 @@ class EmbeddingOnlineLane(OnlineLane):
     def on_output(self, output: EmbeddingRequestOutput) -> None:
         """The whole answer in one event, then the ack."""
         work = self.in_flight.pop(output.request_id)
+        if output.error is not None:  # a failed step was traced to it
+            self.fail_work(work, Error(400, output.error_code or "request_failed", output.error))
+            return
         self.config.metrics.observe_embedded(output, work.enqueued_at, "online")
         body, usage = to_embedding_response(work.request, output, work.entry.body.get("model", ""))
         self.emit(work.entry.request_id, Done(usage.as_openai(), body=body), work)
@@ -72,8 +75,12 @@ class EmbeddingBatchLane(BatchLane):
 
     def on_output(self, output: EmbeddingRequestOutput) -> None:
         work = self.in_flight.pop(output.request_id)
-        self.config.metrics.observe_embedded(output, work.enqueued_at, "batch")
         self.config.metrics.num_batch_work_tokens += self.cost(work)
+        if output.error is not None:  # a failed step was traced to it
+            line = error_line(work.custom_id, output.error_code or "request_failed", output.error)
+            self.add_result(PendingResult(work.stream, work.entry_id, work.batch_id, line))
+            return
+        self.config.metrics.observe_embedded(output, work.enqueued_at, "batch")
         model = (self.batch(work.batch_id) or {}).get("model") or self.served.model_of(work.stream)
         body, usage = to_embedding_response(work.request, output, model)
         self.add_result(PendingResult(work.stream, work.entry_id, work.batch_id, success_line(work.custom_id, body),

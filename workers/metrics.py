@@ -78,7 +78,7 @@ class WorkerMetrics:
         self._token_samples: deque[tuple[float, int]] = deque()
 
     def _add_fleet_counters(self, counter) -> None:
-        """Resumes, recomputation and prefix affinity: the work of the fleet, not of one request."""
+        """Resumes, recomputation, failed steps and prefix affinity: the work of the fleet, not of one request."""
         # Batch work finished, in fair-share tokens (prompt + max output): the heartbeat's
         # batch_tokens_per_s, the rate a batch's ETA is reckoned at (jobs/outlook.py).
         self.num_batch_work_tokens = 0
@@ -89,6 +89,10 @@ class WorkerMetrics:
         self.recomputed_tokens = counter("recomputed_tokens", "Tokens prefilled again, beyond prefix-cache hits: "
                                          "their K/V was computed before a preemption, or by a worker that lost "
                                          "the request")
+        self.failed_steps = counter("failed_steps", "Engine steps that failed for no one request: their requests "
+                                                    "were handed back")
+        self.failed_requests = counter("engine_failed_requests", "Requests a failed engine step was traced to: "
+                                                                 "each ended alone with engine_error")
         self.affinity_forwarded = counter("affinity_forwarded", "Pulled entries forwarded to the worker that owns "
                                           "their prompt prefix (workers/affinity.py)")
         self.affinity_received = counter("affinity_received", "Entries other workers forwarded here, taken")

@@ -39,7 +39,7 @@ from jobs.results import Usage
 from jobs.schemas import LineError, Request
 from workers import stream_ops
 from workers.lanes import Lane, LaneConfig, Work, engine_request_id, suppress_outages
-from workers.translate import EngineRequest, RequestRejected, error_code, openai_logprobs, to_engine_request
+from workers.translate import EngineRequest, error_code, error_message, openai_logprobs, to_engine_request
 
 
 @dataclass
@@ -81,9 +81,9 @@ class OnlineLane(Lane):
     def on_output(self, output: RequestOutput) -> None:
         """Queue the events of one step's output."""
         work = self.in_flight[output.request_id]
-        if output.error is not None:  # it never ran (its grammar did not compile)
+        if output.error is not None:  # its grammar did not compile, or a step failed because of it
             self.forget(work)
-            self.fail_work(work, Error(400, "structured_outputs_error", output.error))
+            self.fail_work(work, Error(400, output.error_code or "request_failed", output.error))
             return
         had_output = work.has_output
         choices = [self._choice_delta(work, delta) for delta in output.outputs]
@@ -184,8 +184,10 @@ class OnlineLane(Lane):
             return None
         try:
             request, processed = self.prepare(engine_request_id(stream, entry_id), entry, stream)
-        except (LineError, RequestRejected, ValueError) as error:
-            message = error.message if isinstance(error, LineError) else str(error)
+        except (*stream_ops.OUTAGE_ERRORS, redis.ResponseError):
+            raise  # Redis itself: the loop backs off
+        except Exception as error:  # noqa: BLE001 (whatever breaks on one request is that request's error)
+            message = error.message if isinstance(error, LineError) else error_message(error)
             self.fail(stream, entry_id, entry.request_id, Error(400, error_code(error), message, attempt.number))
             return None
         work = OnlineWork(stream, entry_id, fields, request, processed, entry.enqueued_at, entry=entry,

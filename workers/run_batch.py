@@ -31,7 +31,7 @@ from contextlib import nullcontext  # noqa: E402
 
 from tqdm import tqdm  # noqa: E402
 
-from engine import EmbeddingEngine, LLMEngine, ParallelGroupError, create_engine  # noqa: E402
+from engine import EmbeddingEngine, LLMEngine, ParallelGroupError, StepFailed, create_engine  # noqa: E402
 from engine.arg_utils import add_engine_args, engine_config_from_args  # noqa: E402
 from engine.cpu_runtime import pin_threads  # noqa: E402
 from jobs.results import error_line, success_line  # noqa: E402
@@ -41,6 +41,7 @@ from workers.translate import (  # noqa: E402
     EmbeddingRequest,
     EngineRequest,
     error_code,
+    error_message,
     to_embedding_request,
     to_embedding_response,
     to_engine_request,
@@ -144,8 +145,8 @@ class Runner:
                 work = to_engine_request(request, self.engine.tokenizer, self.engine.default_sampling_params)
                 lora = self.adapters.request_for(work.body.model) if self.adapters and work.body.model else None
                 self.engine.add_request(str(line_number), work.prompt_token_ids, work.params, lora_request=lora)
-        except ValueError as error:  # RequestRejected, or can never fit here
-            self.write(error_line(request.custom_id, error_code(error), str(error)))
+        except Exception as error:  # noqa: BLE001 (RequestRejected, can never fit here, or broke on its data)
+            self.write(error_line(request.custom_id, error_code(error), error_message(error)))
             return
         self.pending[str(line_number)] = (request.custom_id, work)
 
@@ -162,7 +163,9 @@ class Runner:
         for output in self.engine.step():
             custom_id, work = self.pending.pop(output.request_id)
             model = work.body.model or self.model
-            if self.is_embedding:
+            if output.error is not None:  # its grammar did not compile, or a failed step was traced to it
+                self.write(error_line(custom_id, output.error_code or "request_failed", output.error))
+            elif self.is_embedding:
                 self.write(success_line(custom_id, to_embedding_response(work, output, model)[0]))
             else:
                 self.write(to_result_line(custom_id, work, output, model, self.engine.tokenizer)[0])
@@ -219,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"interrupted: {runner.num_written} results written to {args.output_file}; "
                   "--resume runs the rest", file=sys.stderr)
             return 130
-        except ParallelGroupError as error:
+        except (ParallelGroupError, StepFailed) as error:
             print(f"error: {error}; {runner.num_written} results written to {args.output_file}; "
                   "--resume runs the rest", file=sys.stderr)
             return 1

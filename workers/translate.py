@@ -27,10 +27,19 @@ class RequestRejected(ValueError):
 
 
 def error_code(error: Exception) -> str:
-    """The error line's code for a request refused before it ran."""
+    """The error line's code for a request refused before it ran: a code the error names, else
+    invalid_request for a value or type the request got wrong, else request_failed."""
     if isinstance(error, ContextLengthExceeded):
         return "context_length_exceeded"
-    return getattr(error, "code", "invalid_request")
+    default = "invalid_request" if isinstance(error, (ValueError, TypeError)) else "request_failed"
+    return getattr(error, "code", default)
+
+
+def error_message(error: Exception) -> str:
+    """What the error line says: a validation's own words; for anything else, what broke."""
+    if isinstance(error, ValueError):
+        return str(error)
+    return f"the worker could not prepare this request: {type(error).__name__}: {error}"
 
 
 @dataclass
@@ -78,9 +87,10 @@ def to_engine_request(request: Request, tokenizer, defaults: dict | None = None)
     body = request.parsed_body()
     try:
         constraint = body.constraint()
-        params = SamplingParams(**{**(defaults or {}), **body.sampling_kwargs()}, structured_outputs=StructuredOutputsParams(**constraint)
+        params = SamplingParams(**{**(defaults or {}), **body.sampling_kwargs()},
+                                structured_outputs=StructuredOutputsParams(**constraint)
                                 if constraint is not None else None)
-    except ValueError as error:
+    except (ValueError, TypeError) as error:
         raise RequestRejected("invalid_request", str(error)) from None
     if tokenizer is None and (request.url == CHAT_COMPLETIONS or isinstance(body.prompt, str)):
         field = "messages" if request.url == CHAT_COMPLETIONS else "prompt"

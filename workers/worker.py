@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import redis
 
-from engine import LLMEngine, ParallelGroupError
+from engine import LLMEngine, ParallelGroupError, StepFailed
 from jobs import heartbeats
 from workers import stream_ops
 from workers.adapters import AdapterPreference, Adapters
@@ -59,6 +59,11 @@ log = logging.getLogger("kvfleet.worker")
 OUTAGE_ERRORS = stream_ops.OUTAGE_ERRORS  # storage errors are workers/flush.py's
 TRIM_SECONDS = 30.0
 DRAIN_MODES = ("finish", "migrate")
+MAX_FAILED_STEPS = 3  # steps in a row that no request explains: the engine is broken; exit for a restart
+
+
+class EngineBroken(RuntimeError):
+    """Steps keep failing for every request alike: this process cannot serve any more."""
 
 
 class ColdShutdown(BaseException):
@@ -126,6 +131,7 @@ class Worker:
         self.started_at = time.time()
         self.is_group_ready = False
         self.is_reclaim_due = True  # look for entries of dead workers: once per maintain interval
+        self.num_failed_steps = 0  # in a row (_on_failed_step)
 
     @property
     def num_in_flight(self) -> int:
@@ -174,7 +180,7 @@ class Worker:
         except ColdShutdown as signal_name:
             log.warning("%s: second %s; cold shutdown", self.options.name, signal_name)
             exit_code = 1
-        except ParallelGroupError as error:  # a rank died: this engine cannot run another step
+        except (ParallelGroupError, EngineBroken) as error:  # this engine cannot run another step
             log.error("%s: %s; handing the work back and exiting", self.options.name, error)
             exit_code = 1
         finally:
@@ -305,23 +311,38 @@ class Worker:
     # -- results -----------------------------------------------------------------
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
+            outputs = self.engine.step()  # a request that breaks a step fails alone (engine/isolation.py)
         except ParallelGroupError:
             raise
-        except Exception:  # noqa: BLE001 (one bad request must not take the worker down)
-            # Which request broke the step is unknown: drop them all unacked. They return
-            # after the lease, each delivery counted, and a poison one ends in the dead letters.
-            log.exception("%s: engine step failed; releasing %d requests", self.options.name, self.num_in_flight)
-            for lane in self.lanes:
-                lane.release()
+        except Exception as error:  # noqa: BLE001 (StepFailed, or a bug outside the model's run)
+            self._on_failed_step(error)
             return
+        self.num_failed_steps = 0
         for output in outputs:
+            if getattr(output, "error_code", None) == "engine_error":
+                self.metrics.failed_requests.inc()
             lane = next((lane for lane in self.lanes if lane.owns(output.request_id)), None)
             if lane is not None:
                 lane.on_output(output)
         if self.task == "generate":
             for lane in self.lanes:
                 lane.count_tokens()
+
+    def _on_failed_step(self, error: Exception) -> None:
+        """No request explains the failure: every request goes back to its stream uncounted (no
+        request is at fault, so none may end in the dead letters for it), and the worker waits
+        before it pulls again. Failing MAX_FAILED_STEPS times in a row, it exits for a restart."""
+        self.num_failed_steps += 1
+        log.error("%s: engine step failed (%d in a row), no request at fault: %s: %s; handing back %d requests",
+                  self.options.name, self.num_failed_steps, type(error).__name__, error, self.num_in_flight,
+                  exc_info=not isinstance(error, StepFailed))
+        self.metrics.failed_steps.inc()
+        for lane in self.lanes:
+            lane.hand_back()
+        self._hold_leases()
+        if self.num_failed_steps >= MAX_FAILED_STEPS:
+            raise EngineBroken(f"{self.num_failed_steps} engine steps in a row failed for every request") from error
+        self._back_off(f"engine step failed: {error}")
 
     def _migrate(self) -> None:
         """Hand every running request back now, checkpointed; finished work still settles."""

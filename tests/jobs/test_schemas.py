@@ -92,3 +92,69 @@ def test_invalid_lines_name_line_and_field(text, field, message):
     assert caught.value.line_number == 17
     assert caught.value.field == field
     assert message in caught.value.message
+
+
+# -- every number a request carries is bounded ------------------------------------------------
+
+def numeric_fields_without_bounds(schema: dict, definitions: dict, path: str = "", seen=None) -> list[str]:
+    """Paths of integer and number nodes of a JSON schema that lack a lower or an upper bound."""
+    seen = set() if seen is None else seen
+    if "$ref" in schema:
+        name = schema["$ref"].rsplit("/", 1)[-1]
+        if name in seen:
+            return []
+        return numeric_fields_without_bounds(definitions[name], definitions, path, seen | {name})
+    found = []
+    if schema.get("type") in ("integer", "number"):
+        has_low = "minimum" in schema or "exclusiveMinimum" in schema
+        has_high = "maximum" in schema or "exclusiveMaximum" in schema
+        if not (has_low and has_high):
+            found.append(path or "body")
+    for key, child in schema.get("properties", {}).items():
+        found += numeric_fields_without_bounds(child, definitions, f"{path}.{key}".lstrip("."), seen)
+    for union in ("anyOf", "oneOf", "allOf"):
+        for child in schema.get(union, []):
+            found += numeric_fields_without_bounds(child, definitions, path, seen)
+    for key in ("items", "additionalProperties"):
+        if isinstance(schema.get(key), dict):
+            found += numeric_fields_without_bounds(schema[key], definitions, f"{path}[]", seen)
+    return found
+
+
+def request_models():
+    from jobs import schemas  # noqa: PLC0415
+    from producers.routes.batches import CreateBatch  # noqa: PLC0415
+
+    return [schemas.CompletionBody, schemas.ChatBody, schemas.EmbeddingBody, schemas.ShortLine,
+            schemas.OnlineCompletionBody, schemas.OnlineChatBody, schemas.OnlineEmbeddingBody, CreateBatch]
+
+
+@pytest.mark.parametrize("model", request_models(), ids=lambda m: m.__name__)
+def test_every_number_of_every_request_schema_has_both_bounds(model):
+    schema = model.model_json_schema()
+    assert numeric_fields_without_bounds(schema, schema.get("$defs", {})) == []
+
+
+HUGE = 2**64
+
+
+@pytest.mark.parametrize("url, body, field", [
+    ("/v1/completions", {"prompt": "a", "top_k": HUGE}, "body.top_k"),
+    ("/v1/completions", {"prompt": "a", "seed": HUGE}, "body.seed"),
+    ("/v1/completions", {"prompt": "a", "n": HUGE}, "body.n"),
+    ("/v1/completions", {"prompt": "a", "logprobs": HUGE}, "body.logprobs"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": HUGE}, "body.max_tokens"),
+    ("/v1/completions", {"prompt": "a", "min_tokens": HUGE}, "body.min_tokens"),
+    ("/v1/completions", {"prompt": [1, HUGE]}, "body.prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": HUGE},
+     "body.top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_k": -HUGE}, "body.top_k"),
+    ("/v1/embeddings", {"input": [1, HUGE]}, "body.input"),
+    ("/v1/embeddings", {"input": "a", "dimensions": HUGE}, "body.dimensions"),
+    ("/v1/embeddings", {"input": "a", "truncate_prompt_tokens": HUGE}, "body.truncate_prompt_tokens"),
+])
+def test_a_number_past_what_the_engine_runs_is_refused_naming_its_field(url, body, field):
+    line = json.dumps({"custom_id": "x", "method": "POST", "url": url, "body": body})
+    with pytest.raises(LineError) as raised:
+        parse_line(line, 7)
+    assert raised.value.line_number == 7 and raised.value.field == field

@@ -216,3 +216,40 @@ def test_lines_name_lora_adapters_by_their_model(tiny_llama, tmp_path):
     assert {line["custom_id"]: line["response"]["body"]["choices"][0]["text"] for line in lines} == expected
     assert {line["response"]["body"]["model"] for line in lines} == {"sql", "base"}
     assert expected["sql-0"] != expected["base-0"] or expected["sql-1"] != expected["base-1"]
+
+
+HUGE = 18446744073709551616  # 2**64: past every integer a tensor takes
+
+
+def test_a_value_no_engine_can_take_is_named_and_never_breaks_the_run(tiny_llama, tmp_path, capsys, monkeypatch):
+    """The top_k that once overflowed inside the sampler is refused at validation; and a request
+    that breaks a step anyway (here a sampler failing on its seed) gets its own error line."""
+    from tests.engine.test_isolation import POISON_SEED, PoisonedSampler  # noqa: PLC0415
+
+    source = write_jsonl(tmp_path / "in.jsonl", [
+        {"custom_id": "fine", "prompt": "hello", "max_tokens": 3, "temperature": 0},
+        {"custom_id": "huge", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "hello", "max_tokens": 3, "top_k": HUGE}},
+    ])
+    out = tmp_path / "out.jsonl"
+    assert main([str(source), "-o", str(out), "--model", tiny_llama]) == 1
+    assert f"{source}:2: body.top_k: Input should be less than or equal to 2147483647" in capsys.readouterr().err
+    assert main([str(source), "-o", str(out), "--model", tiny_llama, "--skip-invalid"]) == 0
+    lines = {line["custom_id"]: line for line in read_jsonl(out)}
+    assert lines["huge"]["error"]["code"] == "invalid_request" and lines["fine"]["error"] is None
+
+    original = LLMEngine.step
+
+    def poisoned_step(engine):
+        if not isinstance(engine.model_runner.sampler, PoisonedSampler):
+            engine.model_runner.sampler = PoisonedSampler(engine.model_runner.sampler,
+                                                          lambda row: row.params.seed == POISON_SEED)
+        return original(engine)
+
+    monkeypatch.setattr(LLMEngine, "step", poisoned_step)
+    write_jsonl(source, [{"custom_id": "fine", "prompt": "hello", "max_tokens": 3, "temperature": 0},
+                         {"custom_id": "poisoned", "prompt": "hello", "max_tokens": 3, "seed": POISON_SEED}])
+    assert main([str(source), "-o", str(out), "--model", tiny_llama]) == 0
+    lines = {line["custom_id"]: line for line in read_jsonl(out)}
+    assert lines["poisoned"]["error"]["code"] == "engine_error"
+    assert lines["fine"]["response"]["body"]["usage"]["completion_tokens"] == 3
