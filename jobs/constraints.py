@@ -38,9 +38,10 @@ class StrictModel(BaseModel):
 
 
 def check_schema_size(schema: Any) -> Any:
-    """Bounds that keep every later check (and the grammar compiler) from recursing without end:
-    measured without recursion, before anything walks the schema."""
-    stack, num_nodes = [(schema, 1)], 0
+    """Bounds that keep every later check (and the grammar compiler) from recursing without end,
+    or from compiling megabytes of text: measured without recursion, before anything walks the
+    schema. Its text (keys and strings) has the bound of a regex or a grammar."""
+    stack, num_nodes, num_chars = [(schema, 1)], 0, 0
     while stack:
         node, depth = stack.pop()
         num_nodes += 1
@@ -48,6 +49,9 @@ def check_schema_size(schema: Any) -> Any:
             raise ValueError(f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
         if num_nodes > MAX_SCHEMA_NODES:
             raise ValueError(f"the schema has more than {MAX_SCHEMA_NODES} nodes")
+        num_chars += len(node) if isinstance(node, str) else sum(map(len, node)) if isinstance(node, dict) else 0
+        if num_chars > MAX_CONSTRAINT_CHARS:
+            raise ValueError(f"the schema holds more than {MAX_CONSTRAINT_CHARS} characters of text")
         children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
         stack.extend((child, depth + 1) for child in children)
     return schema

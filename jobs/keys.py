@@ -204,6 +204,18 @@ def tenant_inflight(tenant: str) -> str:
     return f"{PREFIX}:tenant:{{{tenant}}}:inflight"
 
 
+def tokens_freed(tenant: str) -> str:
+    """The pub/sub channel a release of the tenant's in-flight tokens is announced on."""
+    return f"{PREFIX}:tokens-freed:{tenant}"
+
+
+TOKENS_FREED_PATTERN = f"{PREFIX}:tokens-freed:*"
+
+
+def tenant_of_tokens_freed(channel: str) -> str:
+    return channel.removeprefix(f"{PREFIX}:tokens-freed:")
+
+
 def file(file_id: str) -> str:
     return f"{PREFIX}:file:{{{file_id}}}"
 

@@ -25,6 +25,7 @@ MAX_PROMPT_CHARS = 1_000_000
 MAX_PROMPT_TOKENS = 1_000_000
 MAX_OUTPUT_TOKENS = 1_000_000
 MAX_MESSAGES = 1024
+MAX_EMBEDDING_CHARS = 4_000_000  # all of an embeddings request's text inputs together
 MAX_STOP = 16
 MAX_ID_CHARS = 512
 MAX_REPORTED_ERRORS = 100  # invalid lines named one by one; past that, only counted
@@ -134,6 +135,15 @@ class ChatBody(SamplingFields):
     logprobs: StrictBool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
+    @field_validator("messages")
+    @classmethod
+    def _check_total_text(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
+        """The messages are one prompt: together they keep a prompt's bound."""
+        total = sum(len(message.text()) for message in messages)
+        if total > MAX_PROMPT_CHARS:
+            raise ValueError(f"the messages hold {total} characters together; at most {MAX_PROMPT_CHARS}")
+        return messages
+
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
@@ -167,10 +177,17 @@ class EmbeddingBody(_Strict):
                 isinstance(x, int) for x in value):
             raise ValueError(f"at most {MAX_EMBEDDING_INPUTS} inputs per request")
         try:
-            return handler(value)
+            value = handler(value)
         except ValidationError:
             raise ValueError("must be a non-empty string, a list of non-empty strings, a list of token ids "
                              "(integers >= 0), or a list of such lists") from None
+        items = [value] if isinstance(value, str) or value and isinstance(value[0], int) else value
+        num_chars = sum(len(item) for item in items if isinstance(item, str))
+        num_tokens = sum(len(item) for item in items if isinstance(item, list))
+        if num_chars > MAX_EMBEDDING_CHARS or num_tokens > MAX_PROMPT_TOKENS:
+            raise ValueError(f"the inputs hold {num_chars} characters and {num_tokens} token ids together; at most "
+                             f"{MAX_EMBEDDING_CHARS} characters and {MAX_PROMPT_TOKENS} token ids")
+        return value
 
     def inputs(self) -> list[str | list[int]]:
         """One entry per input: a string or a list of token ids."""

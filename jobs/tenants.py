@@ -212,7 +212,10 @@ def inflight_tokens(r: redis.Redis, tenant: str) -> int:
 
 
 def release_tokens(r: redis.Redis, tenant: str, request_id: str, tokens: int) -> None:
-    r.zrem(keys.tenant_inflight(tenant), f"{request_id} {tokens}")
+    """Free an online request's tokens, and wake the tenant's requests waiting for them
+    (producers/token_waits.py)."""
+    if r.zrem(keys.tenant_inflight(tenant), f"{request_id} {tokens}"):
+        r.publish(keys.tokens_freed(tenant), tokens)
 
 
 def publish_weights(r: redis.Redis, ring: KeyRing) -> dict[str, float]:

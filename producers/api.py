@@ -13,8 +13,9 @@ Routes, one router module each under producers/routes/:
   console.py   the operator console under /ui
 With keys set (KVFLEET_API_KEYS, KVFLEET_API_KEY, KVFLEET_ADMIN_KEY: jobs/tenants.py), every
 /v1 route needs `Authorization: Bearer <key>`, and a key's tenant sees only its own files and
-batches (another's are 404). Errors use OpenAI's {"error": {...}} shape (producers/errors.py). Uploads
-stream to storage in 1 MiB chunks and stop at KVFLEET_MAX_UPLOAD_BYTES (413; a
+batches (another's are 404); the key is checked before the body is read. Errors use OpenAI's
+{"error": {...}} shape (producers/errors.py). Uploads stream to storage in 1 MiB chunks and stop at
+KVFLEET_MAX_UPLOAD_BYTES; every other body stops at KVFLEET_MAX_REQUEST_BYTES (413; a
 Content-Length over it is refused before the body is read). CORS is off unless
 KVFLEET_CORS_ORIGINS lists the allowed origins.
 """
@@ -32,6 +33,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.datastructures import Headers
 from starlette.middleware.body_limit import RequestBodyLimitMiddleware
+from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jobs import keys, tenants
@@ -39,7 +41,14 @@ from jobs.connection import REDIS_URL_HELP, connect, connect_async
 from jobs.preflight import StartupError, check_startup
 from jobs.retention import default_retention
 from jobs.tenants import key_ring_from_env
-from producers.dependencies import ServedModels, Services, Settings
+from producers.dependencies import (
+    ServedModels,
+    Services,
+    Settings,
+    bearer_token,
+    request_too_large,
+    unauthorized,
+)
 from producers.errors import error_response, install_error_handlers, openai_style_schema
 from producers.routes import batches, console, embeddings, files, health, models, online
 from producers.routes.files import file_too_large
@@ -65,7 +74,8 @@ def create_app(redis_url: str | None = None) -> FastAPI:
     if cors_origins:  # off by default: browsers on other origins may not call the API
         app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
-    app.add_middleware(UploadLimit)
+    app.add_middleware(BodyLimit)
+    app.add_middleware(KeyFirst)  # outside the body limit: no key, no body read at all
     app.add_middleware(CountRequests)
     app.openapi = lambda: openai_style_schema(app)
     return app
@@ -80,25 +90,48 @@ def _publish_weights(r) -> None:
         log.warning("could not publish the tenants' weights: %s", error)
 
 
-class UploadLimit:
-    """POST /v1/files stops at KVFLEET_MAX_UPLOAD_BYTES while the body streams in (a chunked
-    upload too), before the multipart parser spools it to disk, and a declared Content-Length
-    over it is refused before the body is read: Starlette's body limit, at a size read per
-    request. The 413 is answered in OpenAI's shape (producers/errors.py)."""
+class BodyLimit:
+    """Every request body stops at a size read per request: POST /v1/files at
+    KVFLEET_MAX_UPLOAD_BYTES (an upload streams to storage), every other route at
+    KVFLEET_MAX_REQUEST_BYTES. A declared Content-Length over it is refused before the body is
+    read; a chunked body is cut off while it streams in, before any parser holds it (Starlette's
+    body limit). The 413 is answered in OpenAI's shape (producers/errors.py)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != "/v1/files":
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit = Settings.from_env().max_upload_bytes
+        settings = Settings.from_env()
+        if scope["method"] == "POST" and scope["path"] == "/v1/files":
+            limit, too_large = settings.max_upload_bytes + MULTIPART_OVERHEAD_BYTES, file_too_large(
+                settings.max_upload_bytes)
+        else:
+            limit, too_large = settings.max_request_bytes, request_too_large(settings.max_request_bytes)
         declared = Headers(scope=scope).get("content-length", "")
-        if declared.isdigit() and int(declared) > limit + MULTIPART_OVERHEAD_BYTES:  # Starlette's own answer is plain text
-            await error_response(file_too_large(limit))(scope, receive, send)
+        if declared.isdigit() and int(declared) > limit:  # Starlette's own answer is plain text
+            await error_response(too_large)(scope, receive, send)
             return
-        await RequestBodyLimitMiddleware(self.app, limit + MULTIPART_OVERHEAD_BYTES)(scope, receive, send)
+        await RequestBodyLimitMiddleware(self.app, limit)(scope, receive, send)
+
+
+class KeyFirst:
+    """Every /v1 route checks the caller's key before a byte of its body is read: FastAPI reads
+    and parses a body before it runs a route's dependencies, so without this a caller with no
+    key could make the API parse (or spool to disk) whatever it sends before its 401."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            token = bearer_token(Headers(scope=scope).get("authorization", ""))
+            if key_ring_from_env().caller(token) is None:
+                await error_response(unauthorized())(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class CountRequests:
@@ -124,9 +157,18 @@ class CountRequests:
         try:
             await self.app(scope, receive, send_and_see)
         finally:
-            route = getattr(scope.get("route"), "path", "unmatched")
+            route = scope["route"].path if "route" in scope else route_template(scope)
             tenant = scope.get("state", {}).get("tenant", "none")  # a configured one: bounded
             scope["app"].state.services.http_requests.labels(route, str(status[0]), tenant).inc()
+
+
+def route_template(scope: Scope) -> str:
+    """The path template of a request answered before routing (a 401 or a 413 of the middleware),
+    from the API's documented paths: a bounded label, whatever path a caller sends."""
+    app = scope["app"]
+    if not hasattr(app.state, "path_templates"):
+        app.state.path_templates = [(compile_path(path)[0], path) for path in app.openapi()["paths"]]
+    return next((path for regex, path in app.state.path_templates if regex.match(scope["path"])), "unmatched")
 
 
 def build_parser() -> argparse.ArgumentParser:

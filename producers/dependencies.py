@@ -23,8 +23,12 @@ from jobs import heartbeats, online
 from jobs.tenants import Caller, key_ring_from_env
 from producers.errors import APIError
 from producers.live_stats import OnlineStats, RateSampler
+from producers.token_waits import TokenWaits
 
 DEFAULT_MAX_UPLOAD_BYTES = 200 * 1024 * 1024
+# The largest legitimate JSON body: a 1,000,000-token prompt as token ids (~8 MB), or the
+# 1,000,000 characters of a prompt or a chat, escaped (\uXXXX: 6 bytes a character at worst).
+DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
 SERVED_CACHE_SECONDS = 1.0
 DEFAULT_COLD_START_SECONDS = 300.0
 DEFAULT_KNOWN_MODEL_SECONDS = 7 * 86400.0
@@ -35,6 +39,7 @@ class Settings:
     """The API's knobs, from the environment (read per request, so a test may change them)."""
 
     max_upload_bytes: int
+    max_request_bytes: int  # every body but an upload's
     request_timeout: float
     max_online_queue: int
     cold_start_seconds: float  # how long an online request for a scaled-to-zero model waits for a worker
@@ -44,6 +49,7 @@ class Settings:
     def from_env(cls) -> Settings:
         env = os.environ
         return cls(max_upload_bytes=int(env.get("KVFLEET_MAX_UPLOAD_BYTES", DEFAULT_MAX_UPLOAD_BYTES)),
+                   max_request_bytes=int(env.get("KVFLEET_MAX_REQUEST_BYTES", DEFAULT_MAX_REQUEST_BYTES)),
                    request_timeout=float(env.get("KVFLEET_REQUEST_TIMEOUT", online.DEFAULT_REQUEST_TIMEOUT)),
                    max_online_queue=int(env.get("KVFLEET_MAX_ONLINE_QUEUE", online.DEFAULT_MAX_ONLINE_QUEUE)),
                    cold_start_seconds=float(env.get("KVFLEET_COLD_START_SECONDS", DEFAULT_COLD_START_SECONDS)),
@@ -76,8 +82,10 @@ class Services:
     online_stats: OnlineStats = field(default_factory=OnlineStats)
     batch_rates: RateSampler = field(default_factory=RateSampler)  # the console's rates and ETAs
     metrics_registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    token_waits: TokenWaits = field(init=False)  # online requests held back by their tenant's quota
 
     def __post_init__(self) -> None:
+        self.token_waits = TokenWaits(self.async_redis)
         self.http_requests = Counter("kvfleet:api_requests", "API requests by route, status and tenant",
                                      ["route", "status", "tenant"], registry=self.metrics_registry)
 
@@ -97,14 +105,30 @@ BEARER = HTTPBearer(auto_error=False, description="a key of KVFLEET_API_KEYS, KV
                                                   "when the server sets any")
 
 
+def bearer_token(authorization: str) -> str:
+    """The key of an `Authorization: Bearer <key>` header; "" for any other header."""
+    scheme, _, token = authorization.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
+def unauthorized() -> APIError:
+    return APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.", "invalid_api_key",
+                    kind="authentication_error")
+
+
+def request_too_large(limit: int) -> APIError:
+    return APIError(413, f"The request body is larger than {limit} bytes (KVFLEET_MAX_REQUEST_BYTES).",
+                    "request_too_large")
+
+
 def require_caller(request: Request,
                    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)] = None) -> Caller:
     """Every /v1 route: `Authorization: Bearer <key>` when the server sets keys; the caller's
-    tenant (jobs/tenants.py), which decides what it may see."""
+    tenant (jobs/tenants.py), which decides what it may see. (producers/api.py's KeyFirst has
+    refused a wrong key already, before the body was read.)"""
     caller = key_ring_from_env().caller(credentials.credentials if credentials is not None else "")
     if caller is None:
-        raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
-                       "invalid_api_key", kind="authentication_error")
+        raise unauthorized()
     request.state.caller, request.state.tenant = caller, caller.tenant.name  # the latter: the metrics' label
     return caller
 

@@ -72,10 +72,13 @@ async def http_error(request: Request, error: StarletteHTTPException) -> JSONRes
         headers["Allow"] = ", ".join(sorted({method for route in request.app.routes if isinstance(route, APIRoute)
                                              and route.path_regex.match(request.url.path)
                                              for method in route.methods}))
-    code = {404: "not_found", 405: "method_not_allowed", 413: "file_too_large"}.get(error.status_code, "http_error")
+    code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(error.status_code,
+                                                                                      "http_error")
     message, param = str(error.detail), None
-    if error.status_code == 413:  # Starlette's body limit on uploads (producers/api.py)
-        message, param = "The upload is larger than KVFLEET_MAX_UPLOAD_BYTES allows.", "file"
+    if error.status_code == 413 and request.url.path == "/v1/files":  # Starlette's body limit (producers/api.py)
+        message, param, code = "The upload is larger than KVFLEET_MAX_UPLOAD_BYTES allows.", "file", "file_too_large"
+    elif error.status_code == 413:
+        message = "The request body is larger than KVFLEET_MAX_REQUEST_BYTES allows."
     return JSONResponse(error_body(message, "invalid_request_error", code, param), status_code=error.status_code,
                         headers=headers)
 

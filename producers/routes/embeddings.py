@@ -7,23 +7,31 @@ from __future__ import annotations
 import time
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from jobs.online import Done, Error
 from jobs.schemas import EMBEDDINGS, OnlineEmbeddingBody
 from producers.dependencies import ServicesDep, SettingsDep
-from producers.errors import error_body
 from producers.online_replies import EventOrder, event_error
 from producers.routes import v1_router
-from producers.routes.online import Cancelled, enqueue_when_allowed, finish, first_events, next_events
+from producers.routes.online import (
+    Cancelled,
+    client_closed,
+    enqueue_when_allowed,
+    finish,
+    first_events,
+    next_events,
+)
 
 router = v1_router("embeddings")
 
 
 @router.post("/embeddings", summary="Create embeddings (online, through the queue)")
 async def create_embeddings(body: OnlineEmbeddingBody, request: Request, services: ServicesDep, settings: SettingsDep):
-    entry, is_cold = await enqueue_when_allowed(services, settings, EMBEDDINGS, body, request.state.caller.tenant)
+    try:
+        entry, is_cold = await enqueue_when_allowed(services, settings, EMBEDDINGS, body, request)
+    except Cancelled:
+        return client_closed()
     services.online_stats.arrived()
     is_complete = False
     try:
@@ -42,8 +50,7 @@ async def create_embeddings(body: OnlineEmbeddingBody, request: Request, service
                     return event.body
             last_id, events = await next_events(services, entry, last_id, request)
     except Cancelled:
-        return JSONResponse(error_body("The client closed the request.", "invalid_request_error",
-                                       "client_closed_request"), status_code=499)
+        return client_closed()
     finally:
         await run_in_threadpool(finish, services.redis, entry, is_complete)
 

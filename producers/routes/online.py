@@ -40,11 +40,11 @@ from producers.errors import APIError, error_body
 from producers.online_replies import Accumulator, ChunkWriter, event_error, sse
 from producers.routes import v1_router
 from producers.routes.models import model_not_found
+from producers.token_waits import ClientGone
 
 log = logging.getLogger("kvfleet.api")
 router = v1_router("online")
 READ_BLOCK_MS = 500  # between two looks at the client and the clock
-THROTTLE_POLL_SECONDS = 0.05  # between two tries of a request its tenant's max_inflight_tokens holds back
 
 
 class Cancelled(Exception):
@@ -111,9 +111,11 @@ class Throttled(Exception):
 
 
 async def enqueue_when_allowed(services: Services, settings: Settings, url: str, body: OnlineFields,
-                               tenant: Tenant) -> tuple[OnlineEntry, bool]:
-    """`enqueue`, waiting while the tenant is at its max_inflight_tokens: its requests queue
-    up here, in no worker's way, until tokens in flight are freed or the request times out."""
+                               request: Request) -> tuple[OnlineEntry, bool]:
+    """`enqueue`, waiting while the caller's tenant is at its max_inflight_tokens: its requests
+    queue up here, in no worker's way, until tokens in flight are freed (producers/token_waits.py)
+    or the request times out. Raises Cancelled if the client leaves meanwhile."""
+    tenant = request.state.caller.tenant
     give_up_at = time.monotonic() + settings.request_timeout
     while True:
         try:
@@ -121,7 +123,15 @@ async def enqueue_when_allowed(services: Services, settings: Settings, url: str,
         except Throttled as throttled:
             if time.monotonic() >= give_up_at:
                 raise throttled.error from None
-            await asyncio.sleep(THROTTLE_POLL_SECONDS)
+            try:
+                await services.token_waits.wait(tenant.name, give_up_at - time.monotonic(), request.is_disconnected)
+            except ClientGone:
+                raise Cancelled from None
+
+
+def client_closed() -> JSONResponse:
+    return JSONResponse(error_body("The client closed the request.", "invalid_request_error",
+                                   "client_closed_request"), status_code=499)
 
 
 def tokens_of(entry: OnlineEntry) -> int:
@@ -193,7 +203,10 @@ async def first_events(services: Services, settings: Settings, entry: OnlineEntr
 
 
 async def answer(url: str, body: OnlineFields, request: Request, services: Services, settings: Settings):
-    entry, is_cold = await enqueue_when_allowed(services, settings, url, body, request.state.caller.tenant)
+    try:
+        entry, is_cold = await enqueue_when_allowed(services, settings, url, body, request)
+    except Cancelled:
+        return client_closed()
     services.online_stats.arrived()
     is_complete = is_handed_over = False
     try:
@@ -213,8 +226,7 @@ async def answer(url: str, body: OnlineFields, request: Request, services: Servi
         is_complete = True
         return response.body(entry, body.model, url)
     except Cancelled:
-        return JSONResponse(error_body("The client closed the request.", "invalid_request_error",
-                                       "client_closed_request"), status_code=499)
+        return client_closed()
     finally:
         if not is_handed_over:
             await run_in_threadpool(finish, services.redis, entry, is_complete)
