@@ -56,6 +56,7 @@ class ProcessedRequest:
     arrival_time: float | None
     priority: int
     lora_request: LoRARequest | None = None
+    cache_salt: str | None = None  # its prefix-cache namespace (vLLM's cache_salt)
 
 
 @dataclass(frozen=True)
@@ -153,17 +154,18 @@ class LLMEngine:
 
     def process_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                         arrival_time: float | None = None, priority: int = 0,
-                        lora_request: LoRARequest | None = None) -> ProcessedRequest:
+                        lora_request: LoRARequest | None = None, cache_salt: str | None = None) -> ProcessedRequest:
         """Tokenize and validate a request without queueing it (vLLM's input processing):
         raises ValueError, naming the field and the limit, if it can never run here. An
-        adapter is read (or found in the host cache) and checked here, once."""
+        adapter is read (or found in the host cache) and checked here, once. `cache_salt`:
+        cached prompt blocks are shared only among requests of the same salt (vLLM's)."""
         params = params or SamplingParams(**self.default_sampling_params)
         prompt_token_ids = self.tokenize(prompt)
         self.validate(prompt_token_ids, params)
         if lora_request is not None:
             self.load_lora(lora_request)
         return ProcessedRequest(request_id, prompt if isinstance(prompt, str) else None, prompt_token_ids, params,
-                                arrival_time, priority, lora_request)
+                                arrival_time, priority, lora_request, cache_salt)
 
     def load_lora(self, lora_request: LoRARequest) -> None:
         """Read and check an adapter into the host cache; ValueError (LoRALoadError) if it
@@ -177,13 +179,13 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0,
-                    lora_request: LoRARequest | None = None) -> None:
+                    lora_request: LoRARequest | None = None, cache_salt: str | None = None) -> None:
         """Queue a request; raises ValueError (and queues nothing) if it can never run.
         A text prompt is echoed in the output. A lower `priority` runs first (vLLM's
         priority scheduling); equal priorities run in arrival order. `lora_request`: the
         adapter it runs with (enable_lora)."""
         self.add_processed_request(self.process_request(request_id, prompt, params, arrival_time, priority,
-                                                        lora_request))
+                                                        lora_request, cache_salt))
 
     def add_processed_request(self, request: ProcessedRequest, resume: list[SampleProgress] | None = None) -> None:
         """Queue a request `process_request` validated (a worker validates before it admits).
@@ -193,7 +195,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request.request_id!r} is already running")
         params = request.params
         seq = Sequence(request.request_id, request.prompt_token_ids, params, request.arrival_time,
-                       priority=request.priority, lora_request=request.lora_request)
+                       priority=request.priority, lora_request=request.lora_request, cache_salt=request.cache_salt)
         if params.structured_outputs is not None:
             seq.grammar = self._structured().start(params.structured_outputs)  # compiles in the background
         seqs = [seq]

@@ -30,7 +30,7 @@ class Sequence:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_time: float | None = None, sample_index: int = 0, priority: int = 0,
-                 lora_request: LoRARequest | None = None) -> None:
+                 lora_request: LoRARequest | None = None, cache_salt: str | None = None) -> None:
         self.request_id = request_id
         self.sample_index = sample_index
         self.params = params
@@ -51,8 +51,11 @@ class Sequence:
         self.block_hashes: list[int] = []
         self.lora_request = lora_request  # the adapter it runs with (engine/lora/), None: the base model
         # Separates prefix-cache namespaces: blocks computed under another salt never match
-        # (another adapter's; a longrope model's long-factor blocks against its short-factor ones).
-        self.cache_salt: str | None = None if lora_request is None else f"lora:{lora_request.lora_name}"
+        # (another tenant's or the request's own `cache_salt`, as vLLM's; another adapter's; a
+        # longrope model's long-factor blocks against its short-factor ones).
+        salts = [cache_salt] if cache_salt else []
+        salts += [f"lora:{lora_request.lora_name}"] if lora_request is not None else []
+        self.cache_salt: str | None = "|".join(salts) or None
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None

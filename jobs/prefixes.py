@@ -40,9 +40,16 @@ def prompt_text(body: dict[str, Any]) -> str:
     return ""
 
 
-def prefix_hashes(text: str) -> list[str]:
-    """Chained 64-bit hashes (hex) of the text's full CHUNK_CHARS chunks, at most MAX_CHUNKS."""
-    hashes, previous = [], b""
+def salt_of(tenant: str, body: dict[str, Any]) -> str:
+    """The namespace of a request's prefix groups: as the workers' prefix caches keep apart
+    what tenants (and cache_salt values) send, so do the groups that route work to them."""
+    return f"{tenant}|{body.get('cache_salt') or ''}"
+
+
+def prefix_hashes(text: str, salt: str = "") -> list[str]:
+    """Chained 64-bit hashes (hex) of the text's full CHUNK_CHARS chunks, at most MAX_CHUNKS;
+    the first chained to `salt`."""
+    hashes, previous = [], salt.encode()
     for start in range(0, min(len(text) // CHUNK_CHARS, MAX_CHUNKS) * CHUNK_CHARS, CHUNK_CHARS):
         digest = hashlib.blake2b(previous + text[start:start + CHUNK_CHARS].encode(), digest_size=8).digest()
         hashes.append(digest.hex())

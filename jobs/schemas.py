@@ -73,6 +73,8 @@ class SamplingFields(ConstraintFields):
     ignore_eos: StrictBool | None = None
     user: ShortStr | None = None  # accepted from OpenAI clients, not used
     stream: Literal[False] | None = None  # a batch cannot stream
+    cache_salt: ShortStr | None = Field(None, description="vLLM's: only requests of the same salt (and tenant) "
+                                                          "share cached prompt blocks")
 
     @field_validator("stop", mode="before")
     @classmethod

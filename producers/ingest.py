@@ -54,6 +54,7 @@ class Report:
     endpoint: str | None = None
     model: str | None = None
     estimated_tokens: int = 0  # of the valid lines, as fair share counts them (jobs/outlook.py)
+    tenant: str = DEFAULT_TENANT  # whose lines: their prefix groups are the tenant's own (jobs/prefixes.py)
 
     def add_error(self, error: LineError, custom_id: str) -> None:
         self.num_errors += 1
@@ -144,6 +145,7 @@ def submit(r: redis.Redis, source: LineSource, *, batch_id: str | None = None, e
     report = validate(source, endpoint, model)
     if report.num_errors and (not skip_invalid or report.num_errors == report.num_lines or not report.num_lines):
         return Submission(batch_id, report, 0, accepted=False)
+    report.tenant = tenant
     if before_enqueue is not None:
         before_enqueue(report)
     batches.create_batch(r, batch_id, endpoint=report.endpoint, model=report.model, input_file_id=input_file_id,
@@ -240,7 +242,7 @@ def _in_group_order(window: list[tuple[int, bytes]], batch_id: str, report: Repo
         line = json.loads(raw)  # valid: pass 1 parsed it
         body = line.get("body", line)
         text = prefixes.prompt_text(body)
-        chains.append(prefixes.prefix_hashes(text))
+        chains.append(prefixes.prefix_hashes(text, prefixes.salt_of(report.tenant, body)))
         report.estimated_tokens += estimated_tokens(text, body)
     now = time.time()
     return [BatchEntry(batch_id, custom_id_of(window[i][1], window[i][0]), window[i][0], window[i][1].strip(), now,

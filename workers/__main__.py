@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds a batch request forwarded to the worker whose prefix cache holds its prompt's "
                             "prefix may wait there to start (workers/affinity.py); then any worker runs it; "
                             "0: no affinity")
+    fleet.add_argument("--shared-prefix-cache", action="store_true",
+                       help="let every tenant's requests share cached prompt blocks; then a response's "
+                            "cached_tokens tells one tenant whether another sent the same prompt. Default: "
+                            "each tenant has its own prefix cache")
     fleet.add_argument("--online-reserve", type=int,
                        help="seats (and their blocks) batch work leaves free for online requests; "
                             "default: one in sixteen of --max-num-seqs, at least one")
@@ -140,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                             online_reserve=args.online_reserve,
                             checkpoint_tokens=args.checkpoint_tokens, prefix_affinity_wait=args.prefix_affinity_wait,
                             maintain_seconds=args.heartbeat_seconds, adapters=adapters,
-                            lora_wait_seconds=args.lora_wait_seconds)
+                            lora_wait_seconds=args.lora_wait_seconds, shared_prefix_cache=args.shared_prefix_cache)
     worker = Worker(engine, r, options, metrics, health)
     worker.install_signal_handlers()
     capacity = (f"{engine.num_total_blocks} KV blocks" if engine.task == "generate"

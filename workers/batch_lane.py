@@ -34,7 +34,14 @@ from workers.fair_share import Candidate, FairShare
 from workers.flush import PendingResult, ResultFlusher
 from workers.lanes import Lane, LaneConfig, Work, engine_request_id
 from workers.served_streams import ServedStreams
-from workers.translate import EngineRequest, error_code, error_message, to_engine_request, to_result_line
+from workers.translate import (
+    EngineRequest,
+    error_code,
+    error_message,
+    prefix_cache_salt,
+    to_engine_request,
+    to_result_line,
+)
 
 MAX_CACHED_BATCHES = 1024
 CHECKPOINT_GRACE_SECONDS = 3600  # a checkpoint outlives its batch's window by this, then expires
@@ -299,7 +306,8 @@ class BatchLane(Lane):
             return None
         try:
             request, processed = self.prepare(engine_request_id(stream, entry_id),
-                                              parse_line(entry.line, entry.line_number), stream)
+                                              parse_line(entry.line, entry.line_number), stream,
+                                              self.tenant_of(entry.batch_id) or DEFAULT_TENANT)
         except (*stream_ops.OUTAGE_ERRORS, redis.ResponseError):
             raise  # Redis itself: the loop backs off
         except Exception as error:  # noqa: BLE001 (whatever breaks on one line is that line's error)
@@ -312,11 +320,14 @@ class BatchLane(Lane):
                          + CHECKPOINT_GRACE_SECONDS,
                          batch_id=entry.batch_id, custom_id=entry.custom_id)
 
-    def prepare(self, request_id: str, line: Request, stream: str) -> tuple[EngineRequest, ProcessedRequest]:
+    def prepare(self, request_id: str, line: Request, stream: str,
+                tenant: str) -> tuple[EngineRequest, ProcessedRequest]:
         """The engine's request for a line, validated (ValueError if it can never run here)."""
         request = to_engine_request(line, self.engine.tokenizer, self.engine.default_sampling_params)
         processed = self.engine.process_request(request_id, request.prompt_token_ids, request.params,
-                                                priority=BATCH_PRIORITY, lora_request=self.config.lora_request(stream))
+                                                priority=BATCH_PRIORITY, lora_request=self.config.lora_request(stream),
+                                                cache_salt=prefix_cache_salt(tenant, request.body,
+                                                                             self.config.shared_prefix_cache))
         return request, processed
 
     def _is_settled(self, stream: str, entry_id: str, fields: dict, deliveries: int, entry: BatchEntry) -> bool:

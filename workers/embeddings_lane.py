@@ -64,8 +64,8 @@ class EmbeddingBatchLane(BatchLane):
     def pull(self, reclaim: bool) -> int:
         return pull_by_tokens(self, reclaim)
 
-    def prepare(self, request_id: str, line: Request,
-                stream: str) -> tuple[EmbeddingRequest, ProcessedEmbeddingRequest]:
+    def prepare(self, request_id: str, line: Request, stream: str,
+                tenant: str) -> tuple[EmbeddingRequest, ProcessedEmbeddingRequest]:
         request = to_embedding_request(line)
         return request, self.engine.process_request(request_id, request.inputs, request.params,
                                                     priority=BATCH_PRIORITY)

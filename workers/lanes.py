@@ -63,6 +63,7 @@ class LaneConfig:
     token_budget: TokenBudget | None = None  # embedding workers: admission by tokens
     checkpoint_tokens: int = 0  # generated tokens between checkpoints; 0: none (embedding workers)
     adapters: Adapters | None = None  # the LoRA adapters served (workers/adapters.py)
+    shared_prefix_cache: bool = False  # tenants share cached prompt blocks (--shared-prefix-cache)
 
     def lora_request(self, stream: str) -> LoRARequest | None:
         """The adapter a request from `stream` runs with: its model's, if that is an adapter."""

@@ -39,7 +39,14 @@ from jobs.results import Usage
 from jobs.schemas import LineError, Request
 from workers import stream_ops
 from workers.lanes import Lane, LaneConfig, Work, engine_request_id, suppress_outages
-from workers.translate import EngineRequest, error_code, error_message, openai_logprobs, to_engine_request
+from workers.translate import (
+    EngineRequest,
+    error_code,
+    error_message,
+    openai_logprobs,
+    prefix_cache_salt,
+    to_engine_request,
+)
 
 
 @dataclass
@@ -209,7 +216,9 @@ class OnlineLane(Lane):
         params = dataclasses.replace(request.params, output_kind=RequestOutputKind.DELTA)
         return request, self.engine.process_request(request_id, request.prompt_token_ids, params,
                                                     priority=entry.priority,
-                                                    lora_request=self.config.lora_request(stream))
+                                                    lora_request=self.config.lora_request(stream),
+                                                    cache_salt=prefix_cache_salt(entry.tenant, request.body,
+                                                                                 self.config.shared_prefix_cache))
 
     def emit(self, request_id: str, event: ReplyEvent, work: OnlineWork | None = None) -> None:
         """Queue an event, numbered within its attempt: a running `work`'s attempt and next

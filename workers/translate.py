@@ -109,6 +109,14 @@ def to_engine_request(request: Request, tokenizer, defaults: dict | None = None)
     return EngineRequest(list(prompt), params, body, request.url)
 
 
+def prefix_cache_salt(tenant: str, body: CompletionBody | ChatBody, is_shared: bool) -> str | None:
+    """A request's prefix-cache namespace: its tenant's, so that `cached_tokens` never tells one
+    tenant what another sent (unless the operator shares the cache: --shared-prefix-cache),
+    and within that the request's own `cache_salt` (vLLM's)."""
+    salts = ([] if is_shared else [f"tenant:{tenant}"]) + ([body.cache_salt] if body.cache_salt else [])
+    return "|".join(salts) or None
+
+
 def token_text(token_id: int, tokenizer) -> str:
     """A token as OpenAI's logprobs show it; without a tokenizer, vLLM's "token_id:N" form."""
     return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"

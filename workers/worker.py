@@ -88,6 +88,7 @@ class WorkerOptions:
     prefix_affinity_wait: float = 30.0  # seconds a forwarded entry may wait at the owner of its prefix; 0: off
     adapters: Adapters | None = None  # LoRA adapters served (workers/adapters.py)
     lora_wait_seconds: float = 10.0  # an adapter's queue waits this long for a worker holding it
+    shared_prefix_cache: bool = False  # tenants share cached prompt blocks (default: each its own)
 
 
 class Worker:
@@ -108,7 +109,7 @@ class Worker:
         token_budget = TokenBudget(engine.config.max_num_batched_tokens) if self.task == "embed" else None
         config = LaneConfig(options.name, int(options.lease_seconds * 1000), options.max_deliveries, admission,
                             self.metrics, token_budget, options.checkpoint_tokens if self.task == "generate" else 0,
-                            adapters)
+                            adapters, options.shared_prefix_cache)
         online_cls, batch_cls = (EmbeddingOnlineLane, EmbeddingBatchLane) if self.task == "embed" else (OnlineLane,
                                                                                                          BatchLane)
         self.online_lane = online_cls(r, engine, self.streams.online, config)

@@ -83,7 +83,9 @@ def enqueue(services: Services, settings: Settings, url: str, body: OnlineFields
     batch_body = body.batch_body()
     entry = OnlineEntry(online.new_request_id(), url, batch_body, bool(body.stream), body.priority,
                         now + settings.request_timeout, now,
-                        prefixes.encode(prefixes.prefix_hashes(prefixes.prompt_text(batch_body))), tenant.name)
+                        prefixes.encode(prefixes.prefix_hashes(prefixes.prompt_text(batch_body),
+                                                               prefixes.salt_of(tenant.name, batch_body))),
+                        tenant.name)
     tokens = tokens_of(entry)
     if tenant.max_inflight_tokens is not None and tokens > tenant.max_inflight_tokens:
         raise APIError(429, f"This request's {tokens} tokens (prompt + max_tokens, estimated) are more than tenant "

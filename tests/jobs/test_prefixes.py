@@ -26,6 +26,9 @@ def test_two_prompts_share_k_hashes_exactly_when_they_share_k_full_chunks():
     assert len(prefix_hashes(text(4, CHUNK_CHARS * (MAX_CHUNKS + 5)))) == MAX_CHUNKS
     chunk = text(5, CHUNK_CHARS)
     assert len(set(prefix_hashes(chunk * 3))) == 3  # chained: the same chunk elsewhere hashes otherwise
+    tenants = [prefix_hashes(shared, prefixes.salt_of(tenant, {})) for tenant in ("acme", "globex")]
+    assert len(tenants[0]) == 3 and not set(tenants[0]) & set(tenants[1])  # each tenant's groups are its own
+    assert prefix_hashes(shared, prefixes.salt_of("acme", {"cache_salt": "s"})) != tenants[0]
 
 
 def test_prompt_text_is_what_the_worker_will_tokenize():
@@ -56,4 +59,4 @@ def test_submit_keeps_interleaved_groups_together_in_the_stream(r):
     assert order == [0, 4, 8, 12, 16, 1, 5, 9, 13, 17, 2, 6, 10, 14, 18, 3, 7, 11, 15, 19, 20, 21, 22, 23]
     for entry in entries:
         line = json.loads(entry.line)
-        assert prefixes.decode(entry.prefix) == prefix_hashes(line["prompt"])
+        assert prefixes.decode(entry.prefix) == prefix_hashes(line["prompt"], "default|")

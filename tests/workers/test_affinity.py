@@ -48,7 +48,7 @@ def interleaved_batches(r, num_groups: int, per_group: int) -> tuple[list[str], 
     batch_ids, group = [], {}
     for i in range(per_group):
         lines = [completion(f"g{g}-{i}", f"{shared[g]} question {i}", max_tokens=4) for g in range(num_groups)]
-        group_keys.update({g: group_of(prefixes.encode(prefixes.prefix_hashes(line["prompt"]))).encode()
+        group_keys.update({g: group_of(prefixes.encode(prefixes.prefix_hashes(line["prompt"], "default|"))).encode()
                            for g, line in enumerate(lines)})
         group.update({f"g{g}-{i}": g for g in range(num_groups)})
         batch_ids.append(submit_lines(r, lines))
