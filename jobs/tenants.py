@@ -7,7 +7,8 @@ The operator maps keys to tenants in the API's environment:
                                                     "max_queued_lines": N, "max_inflight_tokens": N}}
     KVFLEET_API_KEY   = one key, of tenant `default` (the single-team setup; both may be set;
                         alone, with neither of the others, it is also the admin)
-    KVFLEET_ADMIN_KEY = the operator's key: it sees and may act on every tenant's work
+    KVFLEET_ADMIN_KEY = the operator's key: it sees and may act on every tenant's work; it is
+                        tenant `admin` (a reserved name), so what it creates belongs to no team
 
 With no key set at all the API is open and every caller is the admin: one team, as before
 tenants existed. Every file and batch records its creator's tenant; an object made before
@@ -39,6 +40,7 @@ import redis
 from jobs import keys
 
 DEFAULT_TENANT = "default"
+ADMIN_TENANT = "admin"  # KVFLEET_ADMIN_KEY's own identity: what it creates is no team's, its Idempotency-Keys its own
 TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")  # a Redis key part and a metric label
 
 
@@ -114,7 +116,7 @@ def _key_ring(spec: str, single_key: str, admin_key: str, mtime: float | None) -
         # The single key alone is one team's, as before tenants: it sees everything there is.
         by_hash[key_hash(key)] = Caller(tenant, is_admin=not spec and not admin_key)
     if admin_key:
-        by_hash[key_hash(admin_key)] = Caller(Tenant(DEFAULT_TENANT), is_admin=True)
+        by_hash[key_hash(admin_key)] = Caller(Tenant(ADMIN_TENANT), is_admin=True)
     return KeyRing(by_hash)
 
 
@@ -152,6 +154,8 @@ def tenant_from_json(key: str, value: Any, where: str) -> Tenant:
     name = value.get("tenant")
     if not isinstance(name, str) or not TENANT_NAME.match(name):
         raise KeyConfigError(f"{where}: tenant must be 1-64 letters, digits, '_', '.' or '-'")
+    if name == ADMIN_TENANT:
+        raise KeyConfigError(f"{where}: tenant {ADMIN_TENANT!r} is reserved for KVFLEET_ADMIN_KEY")
     if len(key) < 8:
         raise KeyConfigError(f"{where}: the key must be at least 8 characters")
     return Tenant(name, weight=_number(value, "weight", where, float, 1.0),

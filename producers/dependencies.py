@@ -8,6 +8,7 @@ handlers in producers/routes/ are plain module-level functions that declare what
 
 from __future__ import annotations
 
+import hmac
 import os
 import time
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CollectorRegistry, Counter
 
 from jobs import heartbeats, online
-from jobs.tenants import Caller, key_ring_from_env
+from jobs.tenants import Caller, key_hash, key_ring_from_env
 from producers.errors import APIError
 from producers.live_stats import OnlineStats, RateSampler
 from producers.token_waits import TokenWaits
@@ -134,3 +135,22 @@ def require_caller(request: Request,
 
 
 CallerDep = Annotated[Caller, Depends(require_caller)]
+
+
+def require_monitor(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)] = None) -> None:
+    """/metrics and /queue/{model} (tenant names, every model's backlog): with keys set, only
+    Prometheus and KEDA with KVFLEET_METRICS_KEY, or the admin, may read them."""
+    token = credentials.credentials if credentials is not None else ""
+    ring = key_ring_from_env()
+    if ring.is_open:
+        return
+    metrics_key = os.environ.get("KVFLEET_METRICS_KEY") or ""
+    if metrics_key and hmac.compare_digest(key_hash(token), key_hash(metrics_key)):
+        return
+    caller = ring.caller(token)
+    if caller is None or not caller.is_admin:
+        raise APIError(401, "This route needs KVFLEET_METRICS_KEY (or the admin key): send "
+                            "'Authorization: Bearer <key>'.", "invalid_api_key", kind="authentication_error")
+
+
+MonitorDep = Depends(require_monitor)

@@ -38,7 +38,7 @@ ADDRESS_METADATA = {"redis-streams": {"address", "host", "port", "addressFromEnv
                                               "portsFromEnv"}}
 METRICS_API_METADATA = {"url", "format", "valueLocation", "targetValue", "activationTargetValue", "authMode",
                         "unsafeSsl"}
-AUTH_PARAMETERS = {"username", "password", "tls", "ca", "cert", "key", "keyPassword"}
+AUTH_PARAMETERS = {"username", "password", "tls", "ca", "cert", "key", "keyPassword", "token"}
 
 
 def render(target: str) -> list[dict]:
@@ -146,10 +146,11 @@ def test_workers_drain_within_their_grace_period_ask_their_gpus_and_read_the_mod
 @pytest.mark.parametrize("target", TARGETS)
 def test_keda_objects_use_only_documented_fields_and_kvfleets_streams(target):
     auths = objects(target, "TriggerAuthentication")
-    for auth in auths.values():
+    for name, auth in auths.items():
         for ref in auth["spec"]["secretTargetRef"]:
             assert set(ref) == {"parameter", "name", "key"} and ref["parameter"] in AUTH_PARAMETERS
-        assert {ref["parameter"] for ref in auth["spec"]["secretTargetRef"]} >= {"password", "tls"}
+        parameters = {ref["parameter"] for ref in auth["spec"]["secretTargetRef"]}
+        assert parameters >= {"password", "tls"} or parameters == {"token"}, name  # Redis, or the API's bearer key
     deployments = objects(target, "Deployment")
     for scaled in objects(target, "ScaledObject").values():
         assert scaled["apiVersion"] == "keda.sh/v1alpha1" and set(scaled["spec"]) <= SCALED_OBJECT_SPEC
@@ -165,6 +166,9 @@ def test_keda_objects_use_only_documented_fields_and_kvfleets_streams(target):
                 assert set(trigger) <= TRIGGER_FIELDS and set(metadata) <= METRICS_API_METADATA, set(metadata)
                 assert metadata["format"] == "json" and metadata["valueLocation"] == "lag"
                 assert "activationTargetValue" in metadata and int(metadata["targetValue"]) > 0
+                assert metadata["authMode"] == "bearer"  # /queue/MODEL needs KVFLEET_METRICS_KEY
+                [token] = auths[trigger["authenticationRef"]["name"]]["spec"]["secretTargetRef"]
+                assert (token["parameter"], token["name"], token["key"]) == ("token", "kvfleet-api", "metrics-key")
                 batch_urls.append(metadata["url"])
                 continue
             assert set(trigger) <= TRIGGER_FIELDS and trigger["type"] in ADDRESS_METADATA
@@ -213,6 +217,13 @@ def test_the_api_key_secret_is_required(target):
                if v["name"] in ("KVFLEET_ADMIN_KEY", "KVFLEET_API_KEYS")}  # tenants: from the same Secret, optional
     assert tenants == {"KVFLEET_ADMIN_KEY": {"name": "kvfleet-api", "key": "admin-key", "optional": True},
                        "KVFLEET_API_KEYS": {"name": "kvfleet-api", "key": "tenant-keys", "optional": True}}
+    # /metrics and /queue/MODEL name tenants and models: Prometheus and KEDA send this key.
+    [metrics] = [variable for variable in api["env"] if variable["name"] == "KVFLEET_METRICS_KEY"]
+    assert metrics["valueFrom"]["secretKeyRef"] == {"name": "kvfleet-api", "key": "metrics-key"}
+    [monitor] = objects(target, "ServiceMonitor").values()
+    assert all(endpoint["authorization"] == {"type": "Bearer", "credentials": {"name": "kvfleet-api",
+                                                                                "key": "metrics-key"}}
+               for endpoint in monitor["spec"]["endpoints"])
 
 
 @pytest.mark.parametrize("target", TARGETS)

@@ -157,8 +157,9 @@ def test_api_key_is_required_when_set(api, monkeypatch):
         client_for(api, "wrong").batches.list()
     assert httpx.get(f"{api.url}/v1/batches").status_code == 401
     assert client_for(api, "sekret").batches.list().data == []
-    assert httpx.get(f"{api.url}/healthz").json() == {"status": "ok"}  # service routes stay open
-    metrics = httpx.get(f"{api.url}/metrics").text
+    assert httpx.get(f"{api.url}/healthz").json() == {"status": "ok"}  # the probe's route stays open
+    assert httpx.get(f"{api.url}/metrics").status_code == 401  # tenant names: behind a key
+    metrics = httpx.get(f"{api.url}/metrics", headers={"Authorization": "Bearer sekret"}).text
     assert 'kvfleet:api_requests_total{route="/v1/batches",status="401",tenant="none"}' in metrics
 
 
@@ -327,3 +328,13 @@ def test_a_chunked_upload_is_stopped_at_the_limit_while_it_streams(api, r, monke
     assert head.startswith(b"HTTP/1.1 413")
     assert json.loads(body.split(b"\r\n")[1] if b"chunked" in head else body)["error"]["code"] == "file_too_large"
     assert not r.keys(keys.file_content("*")) and not r.keys("kvfleet:file:*")
+
+
+def test_healthz_says_a_status_and_no_internals_when_redis_is_gone(redis_server, monkeypatch):
+    """A probe needs a status; what broke (host, port, errno) goes to the API's log only."""
+    from tests.services import free_port  # noqa: PLC0415
+
+    app = create_app(f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
+    with ThreadedUvicorn(app) as server:
+        response = httpx.get(f"{server.url}/healthz")
+    assert response.status_code == 503 and response.json() == {"status": "unavailable"}

@@ -17,6 +17,7 @@ import pytest
 from jobs import batches, dead_letters, heartbeats, keys, online, tenants
 from jobs.online import OnlineEntry
 from jobs.tenants import (
+    ADMIN_TENANT,
     DEFAULT_TENANT,
     KeyConfigError,
     Tenant,
@@ -31,6 +32,7 @@ from tests.producers.test_api import act_as_worker, chat_lines, client_for
 from tests.services import ThreadedUvicorn
 
 ADMIN = "key-of-the-operator"
+METRICS_KEY = "key-of-prometheus-and-keda"
 
 
 @pytest.fixture
@@ -42,6 +44,7 @@ def api(r, redis_server, monkeypatch, tmp_path):
     monkeypatch.setenv("KVFLEET_API_KEYS", f"@{keys_file}")
     monkeypatch.setenv("KVFLEET_ADMIN_KEY", ADMIN)
     monkeypatch.setenv("KVFLEET_API_KEY", "key-of-the-default-team")
+    monkeypatch.setenv("KVFLEET_METRICS_KEY", METRICS_KEY)
     with ThreadedUvicorn(create_app(redis_server.url)) as server:
         yield server
 
@@ -199,11 +202,31 @@ def test_held_back_requests_cost_nothing_once_their_clients_leave_and_wake_when_
         first.result(), waiting.result()
 
 
+def test_the_admin_is_no_team_the_default_key_reads_nothing_it_makes_and_shares_no_idempotency_key(api, r):
+    """With KVFLEET_API_KEY (tenant `default`, as the Kubernetes manifest requires) beside the
+    admin key, the admin's files and batches are its own, and so are its Idempotency-Keys."""
+    admin, default = client_for(api, ADMIN), client_for(api, "key-of-the-default-team")
+    same = {"extra_headers": {"Idempotency-Key": "nightly"}}
+    file, batch = create_batch(admin)
+    mine = default.files.create(file=("a.jsonl", chat_lines(1)), purpose="batch", **same)
+    theirs = admin.files.create(file=("a.jsonl", chat_lines(1)), purpose="batch", **same)
+    assert mine.id != theirs.id
+    for attempt in (lambda: default.files.retrieve(file.id), lambda: default.batches.retrieve(batch.id),
+                    lambda: default.files.content(theirs.id)):
+        with pytest.raises(openai.NotFoundError):
+            attempt()
+    assert [f.id for f in default.files.list()] == [mine.id] and default.batches.list().data == []
+    assert batches.load_fields(r, batch.id)["tenant"] == ADMIN_TENANT
+    assert admin.files.retrieve(mine.id).id == mine.id  # the admin still reaches everyone's
+    with pytest.raises(KeyConfigError, match="'admin' is reserved"):
+        tenants.parse_keys("key-of-someone=admin")
+
+
 def test_keys_are_checked_and_the_single_key_is_the_default_tenant(api):
     assert client_for(api, "key-of-the-default-team").batches.list().data == []
     with pytest.raises(openai.AuthenticationError):
         client_for(api, "no-such-key").batches.list()
-    metrics = httpx.get(f"{api.url}/metrics").text
+    metrics = httpx.get(f"{api.url}/metrics", headers={"Authorization": f"Bearer {METRICS_KEY}"}).text
     assert 'kvfleet:api_requests_total{route="/v1/batches",status="200",tenant="default"} 1.0' in metrics
     assert 'kvfleet:api_requests_total{route="/v1/batches",status="401",tenant="none"} 1.0' in metrics
 
@@ -275,14 +298,29 @@ def test_an_online_entry_carries_its_tenant():
 
 
 def test_the_api_publishes_the_weights_and_the_queue_backlog_for_scaling(api, r):
-    assert tenants.weights(r) == {"acme": 2.0, "globex": 1.0, DEFAULT_TENANT: 1.0}  # for the workers' fair share
+    assert tenants.weights(r) == {"acme": 2.0, "globex": 1.0, DEFAULT_TENANT: 1.0,  # for the workers' fair share
+                                  ADMIN_TENANT: 1.0}
     acme = client_for(api, "key-of-acme")
     create_batch(acme, num_lines=3)
     create_batch(client_for(api, "key-of-globex"), num_lines=2)
-    backlog = httpx.get(f"{api.url}/queue/demo")  # no key: KEDA's metrics-api trigger reads it
+    monitor = {"Authorization": f"Bearer {METRICS_KEY}"}  # KEDA's metrics-api trigger sends it (bearer)
+    backlog = httpx.get(f"{api.url}/queue/demo", headers=monitor)
     assert backlog.status_code == 200
     assert backlog.json() == {"model": "demo", "lag": 5, "pending": 0, "queues": 2}
-    assert httpx.get(f"{api.url}/queue/nobody-serves-this").json()["lag"] == 0
+    assert httpx.get(f"{api.url}/queue/nobody-serves-this", headers=monitor).json()["lag"] == 0
+
+
+@pytest.mark.parametrize("path", ["/metrics", "/queue/demo"])
+def test_routes_that_name_tenants_or_models_need_the_metrics_key(api, r, path):
+    create_batch(client_for(api, "key-of-acme"), num_lines=1)  # a tenant's name in the counters
+    for key in (None, "key-of-acme", "key-of-the-default-team", "no-such-key"):
+        response = httpx.get(f"{api.url}{path}", headers={"Authorization": f"Bearer {key}"} if key else {})
+        assert response.status_code == 401 and "acme" not in response.text
+        assert response.json()["error"]["code"] == "invalid_api_key"
+    for key in (METRICS_KEY, ADMIN):
+        assert httpx.get(f"{api.url}{path}", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+    health = httpx.get(f"{api.url}/healthz")
+    assert health.json() == {"status": "ok"}  # a probe's route stays open, and says a status only
 
 
 # Every route the API's OpenAPI schema lists, and every console page, is checked below: a
@@ -300,8 +338,8 @@ NO_OBJECT_ROUTES = {
     ("GET", "/v1/models/{model}"): "one of the fleet's models",
     ("POST", "/v1/files"): "makes the caller's own file",
     ("GET", "/healthz"): "whether Redis answers",
-    ("GET", "/metrics"): "counters, labelled by tenant name at most",
-    ("GET", "/queue/{model}"): "a model's backlog counts",
+    ("GET", "/metrics"): "counters, labelled by tenant name at most (KVFLEET_METRICS_KEY)",
+    ("GET", "/queue/{model}"): "a model's backlog counts (KVFLEET_METRICS_KEY)",
 }
 
 
