@@ -103,12 +103,13 @@ public = APIRouter(prefix="/ui", include_in_schema=False)  # the login page and 
 router = APIRouter(prefix="/ui", dependencies=[Depends(require_login)], include_in_schema=False)
 
 
-def page(request: Request, name: str, **context) -> Response:
+def page(request: Request, name: str, status_code: int = 200, **context) -> Response:
     """The whole page, or only its live section when console.js refreshes it."""
     fragment = request.headers.get("x-console-fragment") == "1"
     context.update(refresh_seconds=REFRESH_SECONDS, now=time.time(), path=request.url.path,
                    needs_login=not key_ring_from_env().is_open, caller=getattr(request.state, "caller", None))
-    response = templates.TemplateResponse(request, f"_{name}" if fragment else name, context)
+    response = templates.TemplateResponse(request, f"_{name}" if fragment else name, context,
+                                          status_code=status_code)
     response.headers.update(SECURITY_HEADERS)
     return response
 
@@ -170,8 +171,8 @@ def batch_page(request: Request, batch_id: str, r: RedisDep, services: ServicesD
                custom_id: str | None = None):
     try:
         fields = batches.owned_fields(r, batch_id, caller)
-    except batches.BatchNotFound:
-        return page(request, "missing.html", what=f"batch {batch_id}")
+    except batches.BatchNotFound:  # absent, or another tenant's: 404 either way, as the API answers
+        return page(request, "missing.html", status_code=404, what=f"batch {batch_id}")
     batch = batches.openai_object(r, fields)
     rate = services.batch_rates.rate(batch)
     raw = find_result(fields["sink"], r, batch_id, custom_id) if custom_id else None
@@ -246,5 +247,5 @@ def workers(request: Request, r: RedisDep, services: ServicesDep):
 @router.get("/dead-letters")
 def dead(request: Request, r: RedisDep, caller: ConsoleCaller):
     if not caller.is_admin:  # dead entries hold every tenant's request lines
-        return page(request, "missing.html", what="dead letters (the admin key sees them)")
+        return page(request, "missing.html", status_code=404, what="dead letters (the admin key sees them)")
     return page(request, "dead_letters.html", entries=dead_letters.latest(r, 100))
