@@ -20,7 +20,8 @@ from typing import Any
 
 import redis
 
-from jobs import keys, outlook
+from jobs import keys, outlook, retention
+from jobs.storage import result_stores
 from jobs.tenants import DEFAULT_TENANT, Caller
 
 BATCH_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,128}")
@@ -146,8 +147,9 @@ def transition(r: redis.Redis, batch_id: str, to_status: str) -> str:
         raise BatchNotFound(batch_id)
     if code == 0:
         raise IllegalTransition(f"batch {batch_id}: cannot go from {previous} to {to_status}")
-    if to_status in TERMINAL:  # another slot: if this is lost, the sweep drops the id
+    if to_status in TERMINAL:  # other slots: if these are lost, the sweep drops the id and schedules it
         r.srem(keys.OPEN_BATCHES, batch_id)
+        retention.schedule_batch_deletion(r, batch_id, time.time())
     return previous
 
 
@@ -280,6 +282,26 @@ def queued_lines(r: redis.Redis, tenant: str) -> int:
     open_ids = [b.decode() for b in r.smembers(keys.OPEN_BATCHES)]
     return sum(max(0, f["total"] - f["completed"] - f["failed"]) for f in load_many(r, open_ids)
                if f is not None and (f.get("tenant") or DEFAULT_TENANT) == tenant)
+
+
+def delete_batch(r: redis.Redis, batch_id: str) -> None:
+    """Delete an ended batch at its retention's end: its per-request results (from every store
+    that holds them), its counting keys, its object and its index entries. Its files keep
+    their own retention; its streams were retired when it ended."""
+    raw = r.hmget(keys.batch(batch_id), "sink", "tenant")
+    sink, tenant = (value.decode() if value else None for value in raw)
+    if sink is not None:
+        for store in result_stores(sink, r):
+            store.delete_results(batch_id)
+    pipe = r.pipeline(transaction=False)
+    for partition in range(keys.num_partitions(r)):
+        pipe.delete(keys.partition_done(batch_id, partition), keys.partition_counts(batch_id, partition))
+    pipe.delete(keys.batch(batch_id), keys.batch_results(batch_id), keys.finalize_lock(batch_id))
+    pipe.zrem(keys.BATCHES, batch_id)
+    pipe.zrem(keys.tenant_batches(tenant or DEFAULT_TENANT), batch_id)
+    pipe.srem(keys.OPEN_BATCHES, batch_id)
+    pipe.zrem(keys.ENDED_BATCHES, batch_id)
+    pipe.execute()
 
 
 def owned_fields(r: redis.Redis, batch_id: str, caller: Caller) -> dict[str, Any]:

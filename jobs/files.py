@@ -3,6 +3,7 @@ storage that holds it (input uploads in Redis, outputs in the batch's sink)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -16,6 +17,7 @@ from jobs.storage import Storage, open_storage, result_stores
 from jobs.tenants import DEFAULT_TENANT, Caller
 
 LIST_PAGE = 500
+RESULTS_PAGE = 1000  # results deleted per call: one S3 DeleteObjects' limit
 log = logging.getLogger(__name__)
 
 
@@ -88,9 +90,13 @@ def list_files(r: redis.Redis, purpose: str | None = None, after: str | None = N
 
 def delete_file(r: redis.Redis, file_id: str) -> dict[str, Any]:
     """Remove the file's content from the storage that holds it (Redis, the folder, the bucket),
-    then its object; OpenAI's deletion object."""
+    then its object; OpenAI's deletion object. A batch's output or error file takes the
+    per-request results of its lines with it, from every store that holds them, first: after
+    the delete, GET /v1/batches/{id}/results/{custom_id} finds none of them either."""
     storage, location = _stored_at(r, file_id)
-    tenant = r.hget(keys.file(file_id), "tenant")
+    tenant, batch_id, sink = r.hmget(keys.file(file_id), "tenant", "batch_id", "sink")
+    if batch_id:
+        delete_results_of_lines(r, batch_id.decode(), sink.decode(), read_lines(r, file_id))
     storage.delete_file(location)
     pipe = r.pipeline(transaction=False)
     pipe.delete(keys.file(file_id))
@@ -101,14 +107,19 @@ def delete_file(r: redis.Redis, file_id: str) -> dict[str, Any]:
     return {"id": file_id, "object": "file", "deleted": True}
 
 
-def delete_expired_file(r: redis.Redis, file_id: str) -> None:
-    """Delete a file at its expiry; a batch's output or error file takes the batch's
-    per-request results with it, from every store that holds them."""
-    batch_id, sink = r.hmget(keys.file(file_id), "batch_id", "sink")
-    if batch_id:
-        for store in result_stores(sink.decode(), r):
-            store.delete_results(batch_id.decode())
-    delete_file(r, file_id)
+def delete_results_of_lines(r: redis.Redis, batch_id: str, sink: str, lines: Iterable[bytes]) -> None:
+    """Delete the per-request results of the custom ids these result lines name, a page at a time."""
+    stores, page = result_stores(sink, r), []
+    for line in lines:
+        if line.strip():
+            page.append(json.loads(line)["custom_id"])
+        if len(page) == RESULTS_PAGE:
+            for store in stores:
+                store.delete_results_of(batch_id, page)
+            page = []
+    for store in stores:
+        if page:
+            store.delete_results_of(batch_id, page)
 
 
 def file_object(r: redis.Redis, file_id: str) -> dict[str, Any]:
@@ -173,7 +184,7 @@ def delete_expired(r: redis.Redis, now: float | None = None) -> list[str]:
            r.zrangebyscore(keys.EXPIRING_FILES, "-inf", now, start=0, num=retention.SWEEP_BATCH)]
     for file_id in due:
         try:
-            delete_expired_file(r, file_id)
+            delete_file(r, file_id)  # as its owner would: its lines' results go with it
         except FileNotFound:
             pass  # deleted meanwhile by its owner
         except (redis.ConnectionError, redis.TimeoutError):

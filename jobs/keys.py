@@ -25,6 +25,7 @@ MULTI. Every script and MULTI in kvfleet touches keys of one tag.
 | kvfleet:batch:{batch}:results         | hash         | custom id -> result line (the redis sink)                |
 | kvfleet:batches                       | sorted set   | batch ids by creation time (listing)                     |
 | kvfleet:batches:open                  | set          | batch ids not yet terminal (the finalizer's sweep)       |
+| kvfleet:batches:ended                 | sorted set   | ended batch ids by when they are deleted (retention)     |
 | kvfleet:file:{file}                   | hash         | a file object: bytes, filename, purpose, location        |
 | kvfleet:files                         | sorted set   | file ids by creation time (listing)                      |
 | kvfleet:file:{file}:content           | string       | the content of a file stored in Redis                    |
@@ -70,6 +71,7 @@ BATCHES = f"{PREFIX}:batches"
 FILES = f"{PREFIX}:files"
 OPEN_BATCHES = f"{PREFIX}:batches:open"
 EXPIRING_FILES = f"{PREFIX}:files:expiring"  # file id -> its expires_at (jobs/retention.py)
+ENDED_BATCHES = f"{PREFIX}:batches:ended"  # ended batch id -> when it is deleted (jobs/retention.py)
 WORKERS = f"{PREFIX}:workers:{{workers}}"
 MODELS = f"{PREFIX}:models"
 LORA_ADAPTERS = f"{PREFIX}:lora-adapters"  # hash: adapter named by path or URI -> the base model whose workers load it

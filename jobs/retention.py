@@ -1,4 +1,4 @@
-"""Retention: files that expire, in OpenAI's shapes, and the sweep that deletes them.
+"""Retention: files that expire, in OpenAI's shapes; ended batches and dead letters that go.
 
 - `expires_after` on an upload (POST /v1/files) and `output_expires_after` on a batch (its
   output and error files): {"anchor": "created_at", "seconds": N}, N from an hour to 30 days.
@@ -9,7 +9,14 @@
 - KVFLEET_DEFAULT_RETENTION (seconds) applies to every file made without its own expiry;
   unset, such files are kept until deleted (DELETE /v1/files/{id}).
 
-Expiring files wait in one sorted set by expiry time, so a sweep reads only what is due.
+- An ended batch (completed, failed, expired, cancelled) is deleted KVFLEET_BATCH_RETENTION
+  seconds (30 days) after it ended: its object, its done sets and counts, its per-request
+  results. Its files keep their own expiry.
+- Dead letters (whole request lines) are trimmed KVFLEET_DEAD_LETTER_RETENTION seconds (7
+  days) after they were dead-lettered.
+
+Expiring files and ended batches wait in sorted sets by due time, so a sweep reads only what
+is due.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ import redis
 
 from jobs import keys
 
+DEFAULT_BATCH_RETENTION = 30 * 86400
+DEFAULT_DEAD_LETTER_RETENTION = 7 * 86400
 MIN_SECONDS = 3600
 MAX_SECONDS = 30 * 86400
 SWEEP_BATCH = 100  # files deleted per sweep at most: a backlog drains over a few sweeps
@@ -45,14 +54,29 @@ def parse_expires_after(value: Any, param: str) -> int | None:
     return seconds
 
 
-def default_retention(environ: Mapping[str, str] = os.environ) -> int | None:
-    """KVFLEET_DEFAULT_RETENTION in seconds, None when unset."""
-    raw = environ.get("KVFLEET_DEFAULT_RETENTION", "").strip()
+def seconds_setting(name: str, environ: Mapping[str, str] = os.environ) -> int | None:
+    """A setting of a positive number of seconds, None when unset; ValueError naming it otherwise."""
+    raw = environ.get(name, "").strip()
     if not raw:
         return None
     if not raw.isdigit() or int(raw) <= 0:
-        raise ValueError(f"KVFLEET_DEFAULT_RETENTION: must be a positive number of seconds, got {raw!r}")
+        raise ValueError(f"{name}: must be a positive number of seconds, got {raw!r}")
     return int(raw)
+
+
+def default_retention(environ: Mapping[str, str] = os.environ) -> int | None:
+    """KVFLEET_DEFAULT_RETENTION in seconds, None when unset."""
+    return seconds_setting("KVFLEET_DEFAULT_RETENTION", environ)
+
+
+def batch_retention(environ: Mapping[str, str] = os.environ) -> int:
+    """Seconds an ended batch is kept (KVFLEET_BATCH_RETENTION)."""
+    return seconds_setting("KVFLEET_BATCH_RETENTION", environ) or DEFAULT_BATCH_RETENTION
+
+
+def dead_letter_retention(environ: Mapping[str, str] = os.environ) -> int:
+    """Seconds a dead letter is kept (KVFLEET_DEAD_LETTER_RETENTION)."""
+    return seconds_setting("KVFLEET_DEAD_LETTER_RETENTION", environ) or DEFAULT_DEAD_LETTER_RETENTION
 
 
 def expiry_of(seconds: int | None, created_at: float, environ: Mapping[str, str] = os.environ) -> int | None:
@@ -64,3 +88,20 @@ def expiry_of(seconds: int | None, created_at: float, environ: Mapping[str, str]
 def schedule(pipe: redis.Redis | redis.client.Pipeline, file_id: str, expires_at: int | None) -> None:
     if expires_at is not None:
         pipe.zadd(keys.EXPIRING_FILES, {file_id: expires_at})
+
+
+def schedule_batch_deletion(r: redis.Redis, batch_id: str, ended_at: float) -> None:
+    """An ended batch goes KVFLEET_BATCH_RETENTION after it ended (the first schedule stands)."""
+    r.zadd(keys.ENDED_BATCHES, {batch_id: int(ended_at) + batch_retention()}, nx=True)
+
+
+def batches_due(r: redis.Redis, now: float) -> list[str]:
+    return [member.decode() for member in r.zrangebyscore(keys.ENDED_BATCHES, "-inf", now, start=0,
+                                                          num=SWEEP_BATCH)]
+
+
+def trim_dead_letters(r: redis.Redis, now: float) -> int:
+    """Drop the dead letters older than their retention from every dead-letter stream; how many."""
+    oldest_kept = f"{int((now - dead_letter_retention()) * 1000)}-0"
+    return sum(r.xtrim(stream, minid=oldest_kept, approximate=False)
+               for stream in r.scan_iter(match=keys.DEAD_LETTERS_PATTERN, count=1000, _type="stream"))

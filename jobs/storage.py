@@ -86,6 +86,9 @@ class RedisStorage:
     def delete_results(self, batch_id: str) -> None:
         self.r.delete(keys.batch_results(batch_id))
 
+    def delete_results_of(self, batch_id: str, custom_ids: list[str]) -> None:
+        self.r.hdel(keys.batch_results(batch_id), *custom_ids)
+
     def put_file(self, file_id: str, chunks: Iterable[bytes]) -> str:
         key = keys.file_content(file_id)
         self.r.delete(key)
@@ -154,6 +157,10 @@ class FileStorage:
 
     def delete_results(self, batch_id: str) -> None:
         shutil.rmtree(self.root / batch_id / "results", ignore_errors=True)
+
+    def delete_results_of(self, batch_id: str, custom_ids: list[str]) -> None:
+        for custom_id in custom_ids:
+            (self.root / batch_id / "results" / result_name(custom_id)).unlink(missing_ok=True)
 
     def put_file(self, file_id: str, chunks: Iterable[bytes]) -> str:
         path = self.root / "files" / file_id
@@ -231,6 +238,11 @@ class S3Storage:
             found = [{"Key": item["Key"]} for item in page.get("Contents", [])]
             if found:  # at most 1,000 a page: one DeleteObjects call's limit
                 self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": found, "Quiet": True})
+
+    def delete_results_of(self, batch_id: str, custom_ids: list[str]) -> None:
+        """At most 1,000 ids: one DeleteObjects call's limit."""
+        found = [{"Key": self._key(batch_id, "results", result_name(custom_id))} for custom_id in custom_ids]
+        self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": found, "Quiet": True})
 
     def put_file(self, file_id: str, chunks: Iterable[bytes]) -> str:
         key = self._key("files", file_id)

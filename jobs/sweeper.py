@@ -29,7 +29,7 @@ from typing import Any
 import redis
 from rq.job import JobStatus
 
-from jobs import batches, files, heartbeats, keys, queues
+from jobs import batches, files, heartbeats, keys, queues, retention
 from jobs.entries import BatchEntry, MalformedEntry
 from jobs.finalize import ACTIVE_JOB_STATUSES, job_status, request_finalize
 from jobs.recording import record_result
@@ -40,6 +40,7 @@ log = logging.getLogger("kvfleet.finalize")
 WAITING_FOR_FINALIZE = ("in_progress", "finalizing", "cancelling")
 DEFAULT_ENQUEUE_GRACE_SECONDS = 600.0
 SCAN_COUNT = 1000
+DEAD_LETTER_TRIM_SECONDS = 60.0
 
 
 def open_batches(r: redis.Redis) -> list[dict[str, Any]]:
@@ -51,6 +52,7 @@ def open_batches(r: redis.Redis) -> list[dict[str, Any]]:
             r.srem(keys.OPEN_BATCHES, batch_id)  # the hash is gone, or its transition's SREM was lost
             if fields is not None:
                 queues.retire(r, fields["model"], batch_id)
+                retention.schedule_batch_deletion(r, batch_id, time.time())
         else:
             found.append(fields)
     return found
@@ -112,15 +114,30 @@ class Sweeper:
         self.waiting_since: dict[str, float] = {}  # batch id -> when it was first seen stuck (or re-enqueued)
         self.num_retries: dict[str, int] = {}
         self.stopped_since: dict[str, float] = {}  # batch id -> when it was first seen expired or cancelling
+        self.next_dead_letter_trim = 0.0
 
     def sweep(self) -> list[str]:
         """The ids finalize was enqueued for again (batches ended here are logged). Files past
-        their expiry are deleted too (jobs/retention.py)."""
+        their expiry, ended batches past their retention and old dead letters are deleted too
+        (jobs/retention.py)."""
         self.end_stopped_batches()
-        expired = files.delete_expired(self.r, self.wall_clock())
+        self.delete_past_retention()
+        return self.finalize_counted_batches()
+
+    def delete_past_retention(self) -> None:
+        now = self.wall_clock()
+        expired = files.delete_expired(self.r, now)
         if expired:
             log.info("deleted %d files at their expiry", len(expired))
-        return self.finalize_counted_batches()
+        due = retention.batches_due(self.r, now)
+        for batch_id in due:
+            batches.delete_batch(self.r, batch_id)
+        if due:
+            log.info("deleted %d ended batches at the end of their retention", len(due))
+        if self.clock() >= self.next_dead_letter_trim:  # it scans for the streams: not every sweep
+            self.next_dead_letter_trim = self.clock() + DEAD_LETTER_TRIM_SECONDS
+            if num_trimmed := retention.trim_dead_letters(self.r, now):
+                log.info("trimmed %d dead letters past their retention", num_trimmed)
 
     def end_stopped_batches(self) -> list[str]:
         """End the batches past their window or cancelling, and fail those whose enqueue never

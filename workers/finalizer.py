@@ -27,7 +27,7 @@ from jobs import keys
 from jobs.connection import REDIS_URL_HELP, connect
 from jobs.finalize import finalize_queue
 from jobs.preflight import StartupError, check_startup
-from jobs.retention import default_retention
+from jobs.retention import batch_retention, dead_letter_retention, default_retention
 from jobs.rq_workers import FinalizeWorker
 from jobs.storage import STORAGE_ERRORS
 from jobs.sweeper import DEFAULT_ENQUEUE_GRACE_SECONDS, Sweeper
@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     r = connect(args.redis_url)
     try:
         default_retention()  # the output files it writes take it
+        batch_retention(), dead_letter_retention()  # its sweep deletes by them
         check_startup(r)
     except (StartupError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)

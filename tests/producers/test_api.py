@@ -11,7 +11,7 @@ import pytest
 
 from jobs import batches, heartbeats, keys
 from jobs.recording import record_result
-from jobs.results import Choice, Usage, chat_completion_body, success_line
+from jobs.results import Choice, Usage, chat_completion_body, error_line, success_line
 from jobs.schemas import parse_line
 from jobs.storage import open_storage
 from producers.api import create_app
@@ -36,9 +36,10 @@ def chat_lines(n: int) -> bytes:
                                         "max_tokens": 8}}) + "\n" for i in range(n)).encode()
 
 
-def act_as_worker(r, batch_id: str) -> None:
+def act_as_worker(r, batch_id: str, failed: set[str] = frozenset()) -> None:
     """Do what a worker does, through the contract's own functions: read the stream,
-    record a chat.completion per request, then let an RQ worker finalize."""
+    record a chat.completion per request (an error line for those in `failed`), then let an
+    RQ worker finalize."""
     stream = keys.batch_stream("demo", batch_id)
     storage = open_storage(batches.load_fields(r, batch_id)["sink"], r)
     for _, entries in r.xreadgroup(keys.CONSUMER_GROUP, "w1", {stream: ">"}, count=100):
@@ -46,8 +47,9 @@ def act_as_worker(r, batch_id: str) -> None:
             request = parse_line(fields[b"line"], int(fields[b"line_number"]))
             usage = Usage(prompt_tokens=4, completion_tokens=2)
             body = chat_completion_body("demo", [Choice(f"answer to {request.custom_id}", "stop")], usage)
-            record_result(r, storage, batch_id, success_line(request.custom_id, body), usage,
-                          ack=(stream, keys.CONSUMER_GROUP, entry_id))
+            line = error_line(request.custom_id, "test_error", "failed on purpose") \
+                if request.custom_id in failed else success_line(request.custom_id, body)
+            record_result(r, storage, batch_id, line, usage, ack=(stream, keys.CONSUMER_GROUP, entry_id))
     assert run_finalize_jobs(r) == 1
 
 

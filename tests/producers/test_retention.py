@@ -109,10 +109,11 @@ def test_the_operators_default_retention_applies_where_none_is_asked(api, monkey
 def test_an_expired_output_file_takes_its_batchs_results_from_folders_and_buckets(r, kind, tmp_path, request):
     sink = f"file://{tmp_path}" if kind == "folder" else f"s3://{request.getfixturevalue('s3_bucket')}/out"
     storage = open_storage(sink, r)
-    for i in range(3):
-        storage.put_result("batch_abc", f"req-{i}", b'{"custom_id": "req-%d"}' % i)
+    lines = [b'{"custom_id": "req-%d"}' % i for i in range(3)]
+    for i, line in enumerate(lines):
+        storage.put_result("batch_abc", f"req-{i}", line)
     storage.put_result("batch_other", "req-0", b"{}")
-    output = create_file(r, storage, [b"lines\n"], "batch_abc_output.jsonl", "batch_output",
+    output = create_file(r, storage, [b"\n".join(lines) + b"\n"], "batch_abc_output.jsonl", "batch_output",
                          expires_after=HOUR, batch_id="batch_abc")
     assert len(list(storage.iter_results("batch_abc"))) == 3
     files.delete_expired(r, now=output["expires_at"] + 1)
@@ -120,3 +121,58 @@ def test_an_expired_output_file_takes_its_batchs_results_from_folders_and_bucket
     assert list(storage.iter_results("batch_other")) == [b"{}"]  # another batch's stay
     with pytest.raises(KeyError):
         file_object(r, output["id"])
+
+
+def test_deleting_a_batchs_output_file_deletes_the_results_behind_it(api, r):
+    """DELETE /v1/files/{output_file_id} said deleted: true while the batch's results route still
+    served each line, prompt answer and all. The error file's lines stay until it goes too."""
+    client = client_for(api)
+    uploaded = client.files.create(file=("requests.jsonl", chat_lines(3)), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    act_as_worker(r, batch.id, failed={"req-2"})
+    done = client.batches.retrieve(batch.id)
+    assert done.output_file_id and done.error_file_id
+
+    def result(custom_id: str) -> int:
+        return httpx.get(f"{api.url}/v1/batches/{batch.id}/results/{custom_id}").status_code
+
+    assert [result(f"req-{i}") for i in range(3)] == [200, 200, 200]
+    assert client.files.delete(done.output_file_id).deleted
+    assert [result(f"req-{i}") for i in range(3)] == [404, 404, 200]
+    assert client.files.delete(done.error_file_id).deleted
+    assert result("req-2") == 404 and r.hlen(keys.batch_results(batch.id)) == 0
+
+
+def test_an_ended_batch_and_its_keys_go_at_the_end_of_its_retention(api, r, monkeypatch):
+    monkeypatch.setenv("KVFLEET_BATCH_RETENTION", str(2 * HOUR))
+    client = client_for(api)
+    uploaded = client.files.create(file=("requests.jsonl", chat_lines(2)), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    act_as_worker(r, batch.id)
+    done = client.batches.retrieve(batch.id)
+    ended_at = done.completed_at
+    batch_keys = [keys.batch(batch.id), keys.partition_done(batch.id, 0), keys.partition_counts(batch.id, 0),
+                  keys.batch_results(batch.id)]
+    assert all(r.exists(key) for key in batch_keys)
+    sweep_at(r, ended_at + HOUR)  # within its retention: kept
+    assert client.batches.retrieve(batch.id).status == "completed"
+    sweep_at(r, ended_at + 2 * HOUR + 60)
+    with pytest.raises(openai.NotFoundError):
+        client.batches.retrieve(batch.id)
+    assert not any(r.exists(key) for key in batch_keys)
+    assert client.batches.list().data == [] and r.zcard(keys.ENDED_BATCHES) == 0
+    assert client.files.retrieve(done.output_file_id).id == done.output_file_id  # files keep their own expiry
+
+
+def test_dead_letters_are_trimmed_past_their_retention(r, monkeypatch):
+    monkeypatch.setenv("KVFLEET_DEAD_LETTER_RETENTION", str(HOUR))
+    stream = keys.dead_letters(keys.batch_stream("demo", "batch_x"))
+    now = time.time()
+    r.xadd(stream, {"line": "an old prompt"}, id=f"{int((now - 2 * HOUR) * 1000)}-0")
+    r.xadd(stream, {"line": "a recent prompt"}, id=f"{int((now - 60) * 1000)}-0")
+    sweep_at(r, now)
+    assert [fields[b"line"] for _, fields in r.xrange(stream)] == [b"a recent prompt"]
+    with pytest.raises(ValueError, match="KVFLEET_DEAD_LETTER_RETENTION: must be a positive number"):
+        retention.dead_letter_retention({"KVFLEET_DEAD_LETTER_RETENTION": "-1"})
