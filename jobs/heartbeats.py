@@ -97,25 +97,3 @@ def served_models(r: redis.Redis) -> dict[str, dict[str, Any]]:
                                               "created": int(float(worker.get("started_at") or 0))})
             entry["num_workers"] += 1
     return models
-
-
-def adapter_allowed(model: str, prefixes: list[str]) -> bool:
-    """`model` names an adapter under one of the --lora-resolver prefixes: it starts with one,
-    and no '..' segment climbs out of it."""
-    return ".." not in model.split("/") and any(model.startswith(prefix) for prefix in prefixes)
-
-
-def resolve_adapter(r: redis.Redis, model: str) -> str | None:
-    """The base model whose live workers load `model` on demand (it starts with one of their
-    --lora-resolver prefixes), registered so that they serve it; None if no worker would."""
-    for worker in live_workers(r):
-        if worker.get("task", "generate") == "generate" and adapter_allowed(model, worker.get("lora_resolvers") or []):
-            base = worker["models"][0]
-            r.hset(keys.LORA_ADAPTERS, model, base)
-            return base
-    return None
-
-
-def requested_adapters(r: redis.Redis) -> dict[str, str]:
-    """Adapters requests named by path or URI -> their base model (resolve_adapter)."""
-    return {k.decode(): v.decode() for k, v in r.hgetall(keys.LORA_ADAPTERS).items()}

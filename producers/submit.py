@@ -26,7 +26,7 @@ import sys
 import redis
 from tqdm import tqdm
 
-from jobs import batches, heartbeats, keys
+from jobs import adapters, batches, heartbeats, keys
 from jobs.connection import REDIS_URL_HELP, connect
 from jobs.schemas import ENDPOINTS, MAX_REPORTED_ERRORS
 from jobs.storage import allowed_outputs, check_output_allowed, default_output, validate_sink
@@ -39,11 +39,17 @@ class NoWorkerServes(Exception):
     pass
 
 
-def check_served(r: redis.Redis, model: str, required: bool) -> None:
-    """Warn on stderr, or raise NoWorkerServes when required, if no live worker serves `model`."""
+def check_served(r: redis.Redis, model: str, required: bool, tenant: str = DEFAULT_TENANT) -> None:
+    """Warn on stderr, or raise NoWorkerServes when required, if no live worker serves `model`
+    (for `tenant`: another tenant's adapter is none of its models)."""
+    if not adapters.check_access(r, model, tenant):
+        raise NoWorkerServes(f"model {model!r} is an adapter of another tenant than {tenant!r}")
     served = heartbeats.served_models(r)
-    if model in served or heartbeats.resolve_adapter(r, model) is not None:  # or an adapter loaded on demand
-        return
+    try:
+        if model in served or adapters.resolve(r, model, tenant) is not None:  # or an adapter loaded on demand
+            return
+    except adapters.AdapterQuotaExceeded as error:
+        raise NoWorkerServes(str(error)) from None
     message = (f"no live worker serves model {model!r}; live workers serve: "
                f"{', '.join(repr(m) for m in sorted(served)) or 'none'}")
     if required:
@@ -126,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
                             sink=args.output, completion_window=args.completion_window,
                             metadata=parse_metadata(args.metadata), skip_invalid=args.skip_invalid,
                             on_progress=progress.update, tenant=args.tenant,
-                            before_enqueue=lambda report: check_served(r, report.model, args.require_worker))
+                            before_enqueue=lambda report: check_served(r, report.model, args.require_worker,
+                                                                       args.tenant))
     except NoWorkerServes as error:
         print(f"error: {error}; nothing enqueued", file=sys.stderr)
         return 2

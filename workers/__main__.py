@@ -29,6 +29,7 @@ from engine.cpu_runtime import pin_threads  # noqa: E402
 from jobs import keys  # noqa: E402
 from jobs.connection import REDIS_URL_HELP, connect  # noqa: E402
 from jobs.preflight import StartupError, check_startup  # noqa: E402
+from workers.adapter_downloads import DEFAULT_CACHE_BYTES, DEFAULT_MAX_ADAPTER_BYTES  # noqa: E402
 from workers.adapters import Adapters, parse_lora_modules  # noqa: E402
 from workers.allocator import preloaded_allocator  # noqa: E402
 from workers.health import DEFAULT_STALL_SECONDS, Health, serve, stop_serving  # noqa: E402
@@ -81,10 +82,17 @@ def build_parser() -> argparse.ArgumentParser:
                       help="adapters served by name, each a PEFT folder or s3:// URI; a request names one as its "
                            "model (it is listed by GET /v1/models with this model as its parent)")
     lora.add_argument("--lora-resolver", action="append", metavar="PREFIX",
-                      help="a request may name an adapter by a folder or s3:// URI that starts with PREFIX; it is "
-                           "loaded on first use (repeat for several prefixes)")
+                      help="a request may name an adapter by a folder or s3:// URI under PREFIX (whole path "
+                           "segments); it is loaded on first use and belongs to the tenant that named it first. "
+                           "'{tenant}' in PREFIX gives each tenant its own folder (jobs/adapters.py). Repeat for "
+                           "several prefixes")
     lora.add_argument("--lora-cache-dir", help="where s3:// adapters are downloaded; default: a kvfleet-lora-cache "
                                                 "folder in the system's temporary folder")
+    lora.add_argument("--lora-cache-bytes", type=int, default=DEFAULT_CACHE_BYTES,
+                      help="the download cache's budget; past it the least recently used adapters are evicted")
+    lora.add_argument("--max-lora-bytes", type=int, default=DEFAULT_MAX_ADAPTER_BYTES,
+                      help="the largest adapter_model.safetensors a worker reads (checked before a byte of it is "
+                           "fetched or loaded)")
     lora.add_argument("--lora-wait-seconds", type=float, default=10.0,
                       help="an adapter's queued work waits this long for a worker that holds the adapter before "
                            "any worker loads it (workers/adapters.py)")
@@ -98,7 +106,8 @@ def adapters_from_args(args: argparse.Namespace, base_names: list[str]) -> Adapt
         return None
     if not args.enable_lora:
         raise ValueError("--lora-modules and --lora-resolver need --enable-lora")
-    adapters = Adapters(modules, list(args.lora_resolver or []))
+    adapters = Adapters(modules, list(args.lora_resolver or []), max_bytes=args.max_lora_bytes,
+                        cache_bytes=args.lora_cache_bytes)
     if args.lora_cache_dir:
         adapters.cache_dir = Path(args.lora_cache_dir)
     return adapters

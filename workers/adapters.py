@@ -2,10 +2,12 @@
 
 Names. `--lora-modules name=path` serves an adapter under its name: the name is a model of
 its own in the fleet (its online stream and batch queues, `GET /v1/models` with the base as
-`parent`). A request may also name an adapter by its folder or `s3://` URI (vLLM's resolver
-idea) where `--lora-resolver` allows that prefix: the API registers the name for the base
-whose workers allow it (jobs/heartbeats.py: `resolve_adapter`), and those workers add it to
-what they serve. An s3:// adapter is downloaded once into `--lora-cache-dir`.
+`parent`), everyone's. A request may also name an adapter by its folder or `s3://` URI (vLLM's
+resolver idea) where `--lora-resolver` allows that prefix: the API registers the name, for its
+tenant, with the base whose workers allow it (jobs/adapters.py), and those workers add it to
+what they serve; a request of another tenant for it is refused here too. An s3:// adapter is
+downloaded once into `--lora-cache-dir`, in a thread (workers/adapter_downloads.py), while the
+entries that name it wait parked (workers/lanes.py).
 
 Pulling by adapter. Each worker advertises the adapters it holds (in a device slot, or with
 requests queued in its engine). An adapter's queues are read by a worker that holds it; by
@@ -18,17 +20,21 @@ per adapter: the fleet splits the adapters instead of every worker loading all o
 from __future__ import annotations
 
 import hashlib
-import os
-import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine import LoRARequest
-from jobs import heartbeats, storage
-
-S3_PREFIX = "s3://"
+from jobs import adapters as jobs_adapters
+from jobs.tenants import ADMIN_TENANT
+from workers.adapter_downloads import (
+    DEFAULT_CACHE_BYTES,
+    DEFAULT_MAX_ADAPTER_BYTES,
+    S3_PREFIX,
+    AdapterDownloads,
+)
+from workers.translate import RequestRejected
 
 
 def parse_lora_modules(values: list[str] | None, base_names: list[str]) -> dict[str, str]:
@@ -44,73 +50,65 @@ def parse_lora_modules(values: list[str] | None, base_names: list[str]) -> dict[
     return modules
 
 
-def download_s3_folder(uri: str, cache_dir: Path) -> Path:
-    """Every object under the s3:// prefix, into a folder of `cache_dir` named by the URI's hash;
-    a folder already complete is reused. ValueError when nothing is there."""
-    bucket, _, prefix = uri.removeprefix(S3_PREFIX).partition("/")
-    prefix = prefix.rstrip("/") + "/" if prefix else ""
-    target = cache_dir / hashlib.sha256(uri.encode()).hexdigest()[:24]
-    if (target / ".complete").exists():
-        return target
-    client = storage.s3_client()
-    staging = Path(tempfile.mkdtemp(dir=cache_dir))
-    found = 0
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-        for item in page.get("Contents", []):
-            relative = item["Key"][len(prefix):]
-            if not relative or relative.endswith("/") or ".." in Path(relative).parts:
-                continue
-            (staging / relative).parent.mkdir(parents=True, exist_ok=True)
-            client.download_file(bucket, item["Key"], str(staging / relative))
-            found += 1
-    if not found:
-        raise ValueError(f"model: no adapter files under {uri}")
-    (staging / ".complete").touch()
-    if target.exists():  # an earlier download that did not complete
-        shutil.rmtree(target)
-    os.replace(staging, target)
-    return target
-
-
 @dataclass
 class Adapters:
     """The adapters this worker serves by name, and the prefixes it resolves on demand."""
 
-    modules: dict[str, str]  # name -> folder or s3:// URI
-    resolvers: list[str] = field(default_factory=list)  # prefixes a request's model may start with
+    modules: dict[str, str]  # name -> folder or s3:// URI: the operator's, everyone's
+    resolvers: list[str] = field(default_factory=list)  # prefixes a request's model may lie under ({tenant})
     cache_dir: Path = field(default_factory=lambda: Path(tempfile.gettempdir()) / "kvfleet-lora-cache")
+    max_bytes: int = DEFAULT_MAX_ADAPTER_BYTES  # of one adapter's weights file (--max-lora-bytes)
+    cache_bytes: int = DEFAULT_CACHE_BYTES  # of the download cache (--lora-cache-bytes)
     ids: dict[str, int] = field(default_factory=dict)  # name -> vLLM's lora_int_id, in first-use order
     local: dict[str, str] = field(default_factory=dict)  # name -> its local folder, once resolved
+    owners: dict[str, str] = field(default_factory=dict)  # resolved name -> its tenant (jobs/adapters.py)
+    downloads: AdapterDownloads | None = field(default=None, repr=False)
 
     @property
     def enabled(self) -> bool:
         return bool(self.modules or self.resolvers)
 
-    def allows(self, model: str) -> bool:
-        """A request may name this model as an adapter loaded on demand."""
-        return heartbeats.adapter_allowed(model, self.resolvers)
+    def allows(self, model: str, tenant: str | None) -> bool:
+        """A request of `tenant` may name this model as an adapter loaded on demand."""
+        return jobs_adapters.under_prefix(model, self.resolvers, tenant)
 
     def is_adapter(self, model: str) -> bool:
-        return model in self.modules or self.allows(model)
+        return model in self.modules or model in self.owners
 
-    def request_for(self, model: str) -> LoRARequest | None:
-        """The adapter a request for `model` runs with; None for a base model's name.
-        ValueError (the request's error) when an s3:// adapter cannot be fetched."""
+    def source(self, model: str) -> str:
+        return self.modules.get(model, model)
+
+    def is_ready(self, model: str) -> bool:
+        """Whether a request for `model` can be prepared now: not an adapter, local, or its
+        download has ended (fetched or failed); else its download is started or under way."""
+        if not self.is_adapter(model) or model in self.local or not self.source(model).startswith(S3_PREFIX):
+            return True
+        if self.downloads is None:
+            self.downloads = AdapterDownloads(self.cache_dir, self.max_bytes, self.cache_bytes)
+        return self.downloads.poll(self.source(model))
+
+    def request_for(self, model: str, tenant: str) -> LoRARequest | None:
+        """The adapter a request of `tenant` for `model` runs with; None for a base model's name.
+        RequestRejected when it is another tenant's (or forgotten), or cannot be fetched."""
         if not self.is_adapter(model):
             return None
+        owner = self.owners.get(model)
+        if model not in self.modules and (owner is None or not self.allows(model, owner)
+                                          or tenant not in (owner, ADMIN_TENANT)):
+            raise RequestRejected("model_not_found", f"model: the model {model!r} does not exist")
         if model not in self.local:
-            source = self.modules.get(model, model)
+            source = self.source(model)
             if source.startswith(S3_PREFIX):
-                self.cache_dir.mkdir(parents=True, exist_ok=True)
-                try:
-                    source = str(download_s3_folder(source, self.cache_dir))
-                except ValueError:
-                    raise
-                except Exception as error:  # botocore's errors: the request fails, not the worker
-                    raise ValueError(f"model: adapter {model!r} could not be fetched: {error}") from None
+                self.is_ready(model)  # a caller that did not wait: starts it
+                source = str(self.downloads.folder(source))
             self.local[model] = source
         lora_id = self.ids.setdefault(model, len(self.ids) + 1)
         return LoRARequest(model, lora_id, self.local[model])
+
+    def forget(self, model: str) -> None:
+        """A resolved adapter left the registry (unused too long): it is no longer served here."""
+        self.owners.pop(model, None)
+        self.local.pop(model, None)
 
 
 @dataclass

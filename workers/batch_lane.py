@@ -91,11 +91,12 @@ class BatchLane(Lane):
     # -- the lane protocol ------------------------------------------------------
     def pull(self, reclaim: bool) -> int:
         admission = self.config.admission
-        count = admission.count(self.engine.stats())
-        if count <= 0:
+        ready = self.take_parked()  # entries whose adapter's download ended
+        count = admission.count(self.engine.stats()) - len(self.parked) - len(ready)  # they will run here too
+        if count <= 0 and not ready:
             return 0
-        entries = self.take_forwarded(count) if self.affinity.enabled else []
-        entries += self.forward_to_owners(self.pull_entries(count - len(entries), reclaim))
+        entries = self.take_forwarded(count) if self.affinity.enabled and count > 0 else []
+        entries = ready + entries + self.forward_to_owners(self.pull_entries(count - len(entries), reclaim))
         accepted = [work for entry in entries if (work := self.accept_or_dead_letter(*entry)) is not None]
         self.load_checkpoints(accepted)
         needed = [self.engine.num_blocks_needed(len(work.processed.prompt_token_ids)) for work in accepted]
@@ -325,7 +326,8 @@ class BatchLane(Lane):
         """The engine's request for a line, validated (ValueError if it can never run here)."""
         request = to_engine_request(line, self.engine.tokenizer, self.engine.default_sampling_params)
         processed = self.engine.process_request(request_id, request.prompt_token_ids, request.params,
-                                                priority=BATCH_PRIORITY, lora_request=self.config.lora_request(stream),
+                                                priority=BATCH_PRIORITY,
+                                                lora_request=self.config.lora_request(stream, tenant),
                                                 cache_salt=prefix_cache_salt(tenant, request.body,
                                                                              self.config.shared_prefix_cache))
         return request, processed

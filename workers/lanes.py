@@ -65,9 +65,16 @@ class LaneConfig:
     adapters: Adapters | None = None  # the LoRA adapters served (workers/adapters.py)
     shared_prefix_cache: bool = False  # tenants share cached prompt blocks (--shared-prefix-cache)
 
-    def lora_request(self, stream: str) -> LoRARequest | None:
-        """The adapter a request from `stream` runs with: its model's, if that is an adapter."""
-        return None if self.adapters is None else self.adapters.request_for(keys.model_of_any_stream(stream))
+    def lora_request(self, stream: str, tenant: str) -> LoRARequest | None:
+        """The adapter a request of `tenant` from `stream` runs with: its model's, if that is an
+        adapter (RequestRejected if it is another tenant's)."""
+        return None if self.adapters is None else self.adapters.request_for(keys.model_of_any_stream(stream),
+                                                                             tenant)
+
+    def is_adapter_ready(self, stream: str) -> bool:
+        """An entry of `stream` can be prepared now: its adapter, if any, needs no download, or
+        the download ended (workers/adapter_downloads.py)."""
+        return self.adapters is None or self.adapters.is_ready(keys.model_of_any_stream(stream))
 
 
 @dataclass
@@ -99,6 +106,9 @@ class Lane:
     def __init__(self, r: redis.Redis, engine: LLMEngine, streams: list[str], config: LaneConfig) -> None:
         self.r, self.engine, self.streams, self.config = r, engine, streams, config
         self.in_flight: dict[str, Work] = {}  # engine request id -> work
+        # Entries whose LoRA adapter is being downloaded: (stream, entry id) -> (fields, deliveries).
+        # Held like running work (their leases kept), taken again once the download ended.
+        self.parked: dict[tuple[str, str], tuple[dict, int]] = {}
         self.finished_checkpoints: list[str] = []  # keys of finished work, deleted at the next checkpoint()
 
     # -- the protocol; each lane implements these -------------------------------
@@ -124,11 +134,12 @@ class Lane:
         return False
 
     def held(self) -> list[tuple[str, str]]:
-        return [(work.stream, work.entry_id) for work in self.in_flight.values()]
+        return [(work.stream, work.entry_id) for work in self.in_flight.values()] + list(self.parked)
 
     def release(self) -> None:
         for work in list(self.in_flight.values()):
             self.drop(work)
+        self.parked.clear()
 
     def lose(self, stream: str, entry_id: str) -> bool:
         """Another worker took the entry over: stop it here at once, and never settle it.
@@ -136,26 +147,40 @@ class Lane:
         work = self.in_flight.get(engine_request_id(stream, entry_id))
         if work is not None:
             self.drop(work)
-        return work is not None
+        return work is not None or self.parked.pop((stream, entry_id), None) is not None
 
     def hand_back(self) -> None:
         with suppress_outages():  # the next worker continues from here instead of from zero
             self.checkpoint(force=True)
+        handed = []
         for work in list(self.in_flight.values()):
             self.drop(work)
+            handed.append((work.stream, work.entry_id, work.fields))
+        handed += [(stream, entry_id, fields) for (stream, entry_id), (fields, _) in self.parked.items()]
+        self.parked.clear()
+        for stream, entry_id, fields in handed:
             try:
-                stream_ops.release(self.r, work.stream, work.entry_id, work.fields)
+                stream_ops.release(self.r, stream, entry_id, fields)
             except stream_ops.OUTAGE_ERRORS as error:
                 log.warning("%s: could not hand back %s (%s); it returns after the lease", self.config.consumer,
-                            work.entry_id, error)
+                            entry_id, error)
 
     # -- shared by the lanes --------------------------------------------------
     def owns(self, request_id: str) -> bool:
         return request_id in self.in_flight
 
     def is_running(self, stream: str, entry_id: str) -> bool:
-        """A reclaimed entry that this worker runs already (its lease lapsed under a long stall)."""
-        return self.owns(engine_request_id(stream, entry_id))
+        """A reclaimed entry that this worker runs (or parks) already (its lease lapsed under a long stall)."""
+        return self.owns(engine_request_id(stream, entry_id)) or (stream, entry_id) in self.parked
+
+    def take_parked(self) -> list[tuple]:
+        """The parked entries whose adapter download ended, to accept again (a failed download
+        becomes the entry's error there)."""
+        ready = [(stream, entry_id, fields, deliveries) for (stream, entry_id), (fields, deliveries)
+                 in self.parked.items() if self.config.is_adapter_ready(stream)]
+        for stream, entry_id, _, _ in ready:
+            del self.parked[(stream, entry_id)]
+        return ready
 
     def start(self, work: Work) -> None:
         """Run `work`; from its checkpoint if it has one the engine can continue."""
@@ -257,7 +282,11 @@ class Lane:
 
     def accept_or_dead_letter(self, stream: str, entry_id: str, fields: dict, deliveries: int) -> Work | None:
         """`accept`, but an entry whose data breaks it (a bug, a corrupted batch) is dead-lettered
-        with the error: the worker never dies on one entry's data."""
+        with the error: the worker never dies on one entry's data. An entry whose adapter is
+        still downloading is parked instead."""
+        if not self.config.is_adapter_ready(stream):  # downloading: the loop goes on meanwhile
+            self.parked[(stream, entry_id)] = (fields, deliveries)
+            return None
         try:
             return self.accept(stream, entry_id, fields, deliveries)
         except (*stream_ops.OUTAGE_ERRORS, redis.ResponseError):

@@ -73,10 +73,12 @@ class OnlineLane(Lane):
     def pull(self, reclaim: bool) -> int:
         """Up to what admission allows, reclaimed entries first (with `reclaim`)."""
         works = list(self.in_flight.values())
-        count = self.config.admission.online_count(len(works), sum(not w.has_output for w in works))
-        if count <= 0:
+        ready = self.take_parked()  # entries whose adapter's download ended
+        count = self.config.admission.online_count(len(works), sum(not w.has_output for w in works)) \
+            - len(self.parked) - len(ready)  # they will run here too
+        if count <= 0 and not ready:
             return 0
-        entries = self.pull_entries(count, reclaim)
+        entries = ready + self.pull_entries(count, reclaim)
         for entry in entries:
             work = self.accept_or_dead_letter(*entry)
             if work is not None:
@@ -216,7 +218,7 @@ class OnlineLane(Lane):
         params = dataclasses.replace(request.params, output_kind=RequestOutputKind.DELTA)
         return request, self.engine.process_request(request_id, request.prompt_token_ids, params,
                                                     priority=entry.priority,
-                                                    lora_request=self.config.lora_request(stream),
+                                                    lora_request=self.config.lora_request(stream, entry.tenant),
                                                     cache_salt=prefix_cache_salt(entry.tenant, request.body,
                                                                                  self.config.shared_prefix_cache))
 

@@ -36,6 +36,7 @@ from engine.arg_utils import add_engine_args, engine_config_from_args  # noqa: E
 from engine.cpu_runtime import pin_threads  # noqa: E402
 from jobs.results import error_line, success_line  # noqa: E402
 from jobs.schemas import MAX_REPORTED_ERRORS, LineError, custom_id_of, parse_line  # noqa: E402
+from jobs.tenants import DEFAULT_TENANT  # noqa: E402
 from workers.adapters import Adapters, parse_lora_modules  # noqa: E402
 from workers.translate import (  # noqa: E402
     EmbeddingRequest,
@@ -143,7 +144,8 @@ class Runner:
                 self.engine.add_request(str(line_number), work.inputs, work.params)
             else:
                 work = to_engine_request(request, self.engine.tokenizer, self.engine.default_sampling_params)
-                lora = self.adapters.request_for(work.body.model) if self.adapters and work.body.model else None
+                model = work.body.model
+                lora = self.adapters.request_for(model, DEFAULT_TENANT) if self.adapters and model else None
                 self.engine.add_request(str(line_number), work.prompt_token_ids, work.params, lora_request=lora)
         except Exception as error:  # noqa: BLE001 (RequestRejected, can never fit here, or broke on its data)
             self.write(error_line(request.custom_id, error_code(error), error_message(error)))

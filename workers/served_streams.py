@@ -18,7 +18,8 @@ from pathlib import Path
 import redis
 
 from engine.lora.peft import CONFIG_FILE
-from jobs import heartbeats, keys, queues, tenants
+from jobs import adapters as jobs_adapters
+from jobs import keys, queues, tenants
 from jobs.queues import Queue
 from workers import stream_ops
 from workers.adapters import S3_PREFIX, Adapters
@@ -33,7 +34,7 @@ class ServedStreams:
         self.r, self.models, self.clock = r, list(models), clock
         self.online = [keys.online_stream(model) for model in models]
         # Adapters requests name by path or URI join the served models once registered for one
-        # of `bases` (jobs/heartbeats.py: resolve_adapter), when a --lora-resolver prefix allows them.
+        # of `bases` (jobs/adapters.py: resolve), when a --lora-resolver prefix allows them.
         self.adapters, self.bases = adapters, set(bases or models)
         self.batch: list[str] = []  # the batch streams of the last refresh (the lane holds this list)
         self.queues: list[Queue] = []
@@ -62,16 +63,27 @@ class ServedStreams:
         return self.queues
 
     def add_requested_adapters(self) -> None:
-        """Serve the adapters requests named by path or URI that this worker may load."""
-        for name, base in heartbeats.requested_adapters(self.r).items():
-            if len(self.models) >= MAX_SERVED_MODELS:
-                break  # clients may name adapters freely under a prefix: the streams read stay bounded
-            is_there = name.startswith(S3_PREFIX) or Path(name, CONFIG_FILE).is_file()
-            if base in self.bases and name not in self.models and self.adapters.allows(name) and is_there:
-                self.models.append(name)
-                stream = keys.online_stream(name)
+        """Serve the adapters requests named by path or URI that this worker may load for their
+        owner (jobs/adapters.py), the most recently used first within MAX_SERVED_MODELS; stop
+        serving those the registry forgot."""
+        owners = self.adapters.owners
+        fixed = len(self.models) - len(owners)  # base names and named adapters
+        wanted = [found for found in jobs_adapters.registrations(self.r).values()
+                  if found.base in self.bases and self.adapters.allows(found.name, found.tenant)
+                  and (found.name.startswith(S3_PREFIX) or Path(found.name, CONFIG_FILE).is_file())]
+        wanted = sorted(wanted, key=lambda found: -found.used_at)[:max(0, MAX_SERVED_MODELS - fixed)]
+        kept = {found.name for found in wanted}
+        for name in [name for name in owners if name not in kept]:
+            self.models.remove(name)
+            self.online.remove(keys.online_stream(name))  # the online lane reads this same list
+            self.adapters.forget(name)
+        for found in wanted:
+            owners[found.name] = found.tenant
+            if found.name not in self.models:
+                self.models.append(found.name)
+                stream = keys.online_stream(found.name)
                 stream_ops.ensure_group(self.r, stream)
-                self.online.append(stream)  # the online lane reads this same list
+                self.online.append(stream)
 
     def note_read(self, stream: str, asked: int, found: int) -> None:
         """A read of `asked` entries found `found`: fewer means none is left now."""

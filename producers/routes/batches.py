@@ -13,7 +13,7 @@ from fastapi import Query
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from jobs import batches, heartbeats, outlook, retention
+from jobs import adapters, batches, heartbeats, outlook, retention
 from jobs.files import FileNotFound, owned_file, read_lines
 from jobs.schemas import ENDPOINTS
 from jobs.storage import allowed_outputs, check_output_allowed, default_output, find_result
@@ -24,6 +24,7 @@ from producers.idempotency import create_once
 from producers.ingest import Submission, submit
 from producers.routes import v1_router
 from producers.routes.files import IdempotencyKey, file_not_found
+from producers.routes.models import model_not_found, resolve_adapter
 
 router = v1_router("batches")
 
@@ -76,15 +77,23 @@ def submit_batch(r, body: CreateBatch, caller: Caller) -> dict[str, Any]:
                         sink=body.output, completion_window=body.completion_window, metadata=body.metadata,
                         input_file_id=body.input_file_id, tenant=caller.tenant.name,
                         output_expires_after=output_expires_after,
-                        before_enqueue=lambda report: check_queued_lines(r, caller.tenant, report.num_lines))
+                        before_enqueue=lambda report: check_before_enqueue(r, caller, report.model, report.num_lines))
     if not submission.accepted:  # OpenAI's behaviour: the batch exists, failed, with the line errors
         return failed_batch(r, submission, body, caller)
     batch = load_batch(r, submission.batch_id)
-    if batch["model"] not in heartbeats.served_models(r) and heartbeats.resolve_adapter(r, batch["model"]) is None:
+    if batch["model"] not in heartbeats.served_models(r) and \
+            resolve_adapter(r, batch["model"], caller.tenant.name, caller.is_admin) is None:
         # kvfleet extension: it would wait silently
         batch["warnings"] = [f"No live worker serves model {batch['model']!r}: the batch waits for one, and "
                              f"expires at the end of its completion window."]
     return batch
+
+
+def check_before_enqueue(r, caller: Caller, model: str, num_lines: int) -> None:
+    """Another tenant's adapter is no model for this caller (404, nothing created); then the quota."""
+    if not adapters.check_access(r, model, caller.tenant.name, caller.is_admin):
+        raise model_not_found(model)
+    check_queued_lines(r, caller.tenant, num_lines)
 
 
 def check_queued_lines(r, tenant: Tenant, num_lines: int) -> None:

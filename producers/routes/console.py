@@ -26,7 +26,7 @@ from fastapi.templating import Jinja2Templates
 from itsdangerous import BadSignature, URLSafeTimedSerializer
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 
-from jobs import batches, dead_letters, heartbeats, outlook
+from jobs import adapters, batches, dead_letters, heartbeats, outlook
 from jobs.files import FileNotFound, file_object, owned_file, read_file, read_lines
 from jobs.results import is_error_line
 from jobs.storage import find_result, result_stores
@@ -232,16 +232,18 @@ def download(file_id: str, r: RedisDep, caller: ConsoleCaller):
 
 
 @router.get("/workers")
-def workers(request: Request, r: RedisDep, services: ServicesDep):
+def workers(request: Request, r: RedisDep, services: ServicesDep, caller: ConsoleCaller):
     now = time.time()
     rows = []
+    hidden = adapters.hidden_from(r, caller.tenant.name, caller.is_admin)  # other tenants' adapters
     for worker in heartbeats.live_workers(r):
+        worker["models"] = [model for model in worker["models"] if model not in hidden]
         age = now - worker["heartbeat"]
         total = worker.get("total_blocks") or 0
         rows.append({"worker": worker, "age": age, "is_stale": age > 3 * worker.get("heartbeat_seconds", 1.0) + 2,
                      "kv_usage": 1 - worker.get("free_blocks", 0) / total if total else 0.0})
     return page(request, "workers.html", rows=rows, online=services.online_stats.summary(),
-                models=sorted(heartbeats.served_models(r)))
+                models=sorted(set(heartbeats.served_models(r)) - hidden))
 
 
 @router.get("/dead-letters")

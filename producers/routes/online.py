@@ -24,7 +24,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from jobs import heartbeats, keys, online, prefixes, tenants
+from jobs import adapters, heartbeats, keys, online, prefixes, tenants
 from jobs.online import Error, OnlineEntry, ReplyEvent
 from jobs.schemas import (
     CHAT_COMPLETIONS,
@@ -39,7 +39,7 @@ from producers.dependencies import Services, ServicesDep, Settings, SettingsDep
 from producers.errors import APIError, error_body
 from producers.online_replies import Accumulator, ChunkWriter, event_error, sse
 from producers.routes import v1_router
-from producers.routes.models import model_not_found
+from producers.routes.models import model_not_found, resolve_adapter
 from producers.token_waits import ClientGone
 
 log = logging.getLogger("kvfleet.api")
@@ -64,16 +64,18 @@ async def create_chat_completion(body: OnlineChatBody, request: Request, service
 
 
 def enqueue(services: Services, settings: Settings, url: str, body: OnlineFields,
-            tenant: Tenant = OPEN.tenant) -> tuple[OnlineEntry, bool]:
+            tenant: Tenant = OPEN.tenant, is_admin: bool = True) -> tuple[OnlineEntry, bool]:
     """Checks that need Redis, then XADD; runs in the thread pool (redis-py is blocking).
     Returns the entry and whether it waits for a cold start (its model has no live worker
     now, but had one: scaled to zero, and the online stream's lag wakes one)."""
     r, model = services.redis, body.model
+    if not adapters.check_access(r, model, tenant.name, is_admin):
+        raise model_not_found(model)  # another tenant's adapter: as if there were none
     is_cold = model not in services.served_models.get()
     if is_cold:
         services.served_models.forget()  # maybe it just started: look again next time
         if not heartbeats.is_known_model(r, model, settings.known_model_seconds) and \
-                heartbeats.resolve_adapter(r, model) is None:  # nor an adapter a worker loads on demand
+                resolve_adapter(r, model, tenant.name, is_admin) is None:  # nor an adapter loaded on demand
             raise model_not_found(model)
     if online.online_backlog(r, model) >= settings.max_online_queue:
         raise APIError(429, f"Too many online requests queued for model '{model}' (KVFLEET_MAX_ONLINE_QUEUE "
@@ -117,11 +119,12 @@ async def enqueue_when_allowed(services: Services, settings: Settings, url: str,
     """`enqueue`, waiting while the caller's tenant is at its max_inflight_tokens: its requests
     queue up here, in no worker's way, until tokens in flight are freed (producers/token_waits.py)
     or the request times out. Raises Cancelled if the client leaves meanwhile."""
-    tenant = request.state.caller.tenant
+    caller = request.state.caller
+    tenant = caller.tenant
     give_up_at = time.monotonic() + settings.request_timeout
     while True:
         try:
-            return await run_in_threadpool(enqueue, services, settings, url, body, tenant)
+            return await run_in_threadpool(enqueue, services, settings, url, body, tenant, caller.is_admin)
         except Throttled as throttled:
             if time.monotonic() >= give_up_at:
                 raise throttled.error from None

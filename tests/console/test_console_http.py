@@ -102,3 +102,22 @@ def test_the_workers_page_shows_total_and_active_parameters(console_api, r):
     dense_row = page[page.index("w-dense"):].split("</tr>")[0]
     assert "30.5B" in moe_row and "(3.35B active)" in moe_row
     assert "135M" in dense_row and "active" not in dense_row
+
+
+def test_the_workers_page_shows_a_tenant_only_its_own_adapters(console_api, r, monkeypatch):
+    import json  # noqa: PLC0415
+
+    from jobs import heartbeats, keys  # noqa: PLC0415
+
+    monkeypatch.setenv("KVFLEET_API_KEYS", "key-of-acme=acme,key-of-globex=globex")
+    secret = "s3://models/adapters/acme-merger-terms"
+    heartbeats.record_heartbeat(r, "w1", {"models": ["base", secret], "root": "base", "free_blocks": 8,
+                                          "total_blocks": 8, "lora_parents": {secret: ["base", secret]}}, 60)
+    r.hset(keys.LORA_ADAPTERS, secret, json.dumps({"base": "base", "tenant": "acme", "used_at": time.time()}))
+
+    def page(key: str) -> httpx.Response:
+        return httpx.get(f"{console_api.url}/ui/workers", headers={"Authorization": f"Bearer {key}"})
+
+    assert page("key-of-globex").status_code == 200 and "acme-merger-terms" not in page("key-of-globex").text
+    assert "acme-merger-terms" in page("key-of-acme").text
+    assert "acme-merger-terms" not in page(API_KEY).text  # tenant default's key, beside the tenants' keys

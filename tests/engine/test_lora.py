@@ -209,3 +209,77 @@ def test_missing_folders_and_disabled_lora_are_refused(tiny_models, tmp_path):
     plain = LLM(tiny_models["llama"], dtype="float32", num_kv_blocks=64)
     with pytest.raises(ValueError, match="start it with enable_lora"):
         plain.generate([[5, 6]], lora_request=LoRARequest("any", 1, str(tmp_path)), use_tqdm=False)
+
+
+# Alternatives that overlap, then a class no name ends with: every split of the name is tried (each
+# character more triples the work, for Python's re and the regex module alike).
+BACKTRACKING_KEY = r"([\w.]|[\w.][\w.]|[\w.][\w.][\w.])+[A-Z]"
+
+
+def test_a_pattern_key_built_to_backtrack_fails_its_adapter_within_the_time_bound(tiny_models, adapters, tmp_path):
+    """alpha_pattern (and rank_pattern) keys are PEFT's regular expressions; one that backtracks
+    without end fails its adapter, named, within the bound, and the engine goes on."""
+    import time  # noqa: PLC0415
+
+    from engine.lora.peft import PATTERN_SECONDS  # noqa: PLC0415
+
+    keys = {"q_proj": 4, BACKTRACKING_KEY: 8}  # a plain name first: compared as text, at once
+    folder = bad_adapter(tmp_path, adapters["llama"][3], "slow", lambda c, t: ({**c, "alpha_pattern": keys}, t))
+    llm = LLM(tiny_models["llama"], dtype="float32", num_kv_blocks=64, enable_lora=True, max_lora_rank=64)
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="takes too long to match module names"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False,
+                     lora_request=LoRARequest("slow", 1, str(folder)))
+    assert time.monotonic() - started < PATTERN_SECONDS + 30  # bounded, not 2^n (a slow host's load included)
+    assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) == 2
+
+
+def test_pattern_keys_match_module_name_ends_as_peft_does():
+    from engine.lora.peft import key_matches  # noqa: PLC0415
+
+    module = "model.layers.3.self_attn.q_proj"
+    assert key_matches("q_proj", module, float("inf"), "a") and key_matches("self_attn.q_proj", module, 1e12, "a")
+    assert not key_matches("_proj", module, 1e12, "a")  # whole names only, as PEFT's (.*\.)? anchor
+    assert key_matches(r"layers\.[0-4]\.self_attn\.q_proj", module, 1e12, "a")  # a regular expression, as PEFT's
+    assert not key_matches(r"layers\.[5-9]\.self_attn\.q_proj", module, 1e12, "a")
+
+
+def test_declared_shapes_are_checked_before_any_weight_is_read(tiny_models, adapters, tmp_path, monkeypatch):
+    """A rank past the maximum or a shape of another model is refused from the file's header:
+    no tensor of it is read (a file of a huge rank costs no memory)."""
+    from safetensors import safe_open  # noqa: PLC0415
+
+    from engine.lora import peft  # noqa: PLC0415
+
+    read = []
+
+    class CountingHandle:
+        def __init__(self, path, framework):
+            self.handle = safe_open(path, framework=framework)
+
+        def __enter__(self):
+            self.inner = self.handle.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.handle.__exit__(*exc)
+
+        def keys(self):
+            return self.inner.keys()
+
+        def get_slice(self, key):
+            return self.inner.get_slice(key)
+
+        def get_tensor(self, key):
+            read.append(key)
+            return self.inner.get_tensor(key)
+
+    monkeypatch.setattr(peft, "safe_open", CountingHandle)
+    llm = LLM(tiny_models["llama"], dtype="float32", num_kv_blocks=64, enable_lora=True, max_lora_rank=64)
+    for case in ("rank", "shape"):
+        folder = bad_adapter(tmp_path, adapters["llama"][3], case, BAD[case][0])
+        with pytest.raises(ValueError, match=re.escape(BAD[case][1])):
+            llm.generate([[5, 6]], lora_request=LoRARequest(case, 1, str(folder)), use_tqdm=False)
+    assert read == []
+    llm.generate([[5, 6]], lora_request=LoRARequest("good", 2, str(adapters["llama"][3])), use_tqdm=False)
+    assert read  # a good adapter's weights are read, once checked

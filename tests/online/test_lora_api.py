@@ -100,8 +100,10 @@ def test_an_s3_adapter_is_downloaded_once(lora_worker, client, lora_reference, a
     want = expected(lora_reference, adapter_dirs["sql"], "sql", PROMPT).text
     for _ in range(2):
         assert client.completions.create(model=uri, prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text == want
-    assert Path(lora_worker.streams.adapters.local[uri]).is_dir()
-    with pytest.raises(openai.BadRequestError, match="no adapter files under"):
+    folder = Path(lora_worker.streams.adapters.local[uri])
+    assert sorted(path.name for path in folder.iterdir()) == [".complete", "adapter_config.json",
+                                                              "adapter_model.safetensors"]  # what kvfleet reads
+    with pytest.raises(openai.BadRequestError, match="no adapter_config.json under"):
         client.completions.create(model="s3://adapters-bucket/nothing-here", prompt=PROMPT, max_tokens=4)
 
 
@@ -137,3 +139,29 @@ def test_batch_lines_name_adapters(lora_worker, r, lora_reference, adapter_dirs)
              for line in read_lines(r, done["output_file_id"])}
     assert texts == {f"q{i}": ("sql", expected(lora_reference, adapter_dirs["sql"], "sql", f"{PROMPT} {i}", 8).text)
                      for i in range(4)}
+
+
+def test_an_adapter_named_by_path_is_its_tenants_own(lora_worker, api, r, monkeypatch, adapter_dirs):
+    """The tenant whose request named the folder first owns it: for another it does not exist,
+    not in requests, not in batches, not in /v1/models."""
+    monkeypatch.setenv("KVFLEET_API_KEYS", "key-of-acme=acme,key-of-globex=globex")
+    acme, globex = (openai.OpenAI(base_url=f"{api.url}/v1", api_key=key, max_retries=0, timeout=120)
+                    for key in ("key-of-acme", "key-of-globex"))
+    folder = str(adapter_dirs["dynamic"])
+    assert acme.completions.create(model=folder, prompt=PROMPT, max_tokens=4, temperature=0).choices[0].text
+    lora_worker._heartbeat()  # serving it now
+    with pytest.raises(openai.NotFoundError) as refused:
+        globex.completions.create(model=folder, prompt=PROMPT, max_tokens=4)
+    assert refused.value.body["code"] == "model_not_found"
+    assert folder in {m.id for m in acme.models.list().data}
+    assert folder not in {m.id for m in globex.models.list().data}
+    with pytest.raises(openai.NotFoundError):
+        globex.models.retrieve(folder)
+    line = json.dumps({"custom_id": "q", "method": "POST", "url": "/v1/completions",
+                       "body": {"model": folder, "prompt": PROMPT, "max_tokens": 4}}) + "\n"
+    upload = globex.files.create(file=("a.jsonl", line.encode()), purpose="batch")
+    with pytest.raises(openai.NotFoundError):
+        globex.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
+    assert globex.batches.list().data == []  # nothing was created
+    assert acme.completions.create(model="sql", prompt=PROMPT, max_tokens=4).choices[0].text  # named: everyone's
+    assert globex.completions.create(model="sql", prompt=PROMPT, max_tokens=4).choices[0].text
