@@ -50,13 +50,19 @@ JSON_FIELDS = ("metadata", "errors")
 FINALIZE_REQUESTED = "finalize_requested"  # set once, by whoever enqueues the batch's finalize job
 COUNT_FIELDS = ("completed", "failed", "prompt_tokens", "completion_tokens", "cached_tokens")  # per partition
 
-# KEYS: the batch hash. ARGV: new status, its timestamp field, then the legal source statuses.
+# KEYS: the batch hash. ARGV: new status, its timestamp field, this call's id, then the legal
+# source statuses. The call's id is kept with the status: the same call sent again (redis-py
+# retries after a lost reply) finds its own transition done and wins again; a racer loses.
 _TRANSITION_LUA = """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return {-1, ''} end
-for i = 3, #ARGV do
+if status == ARGV[1] and redis.call('HGET', KEYS[1], 'transition_id') == ARGV[3] then
+  return {1, redis.call('HGET', KEYS[1], 'transition_from')}
+end
+for i = 4, #ARGV do
   if ARGV[i] == status then
-    redis.call('HSET', KEYS[1], 'status', ARGV[1], ARGV[2], redis.call('TIME')[1])
+    redis.call('HSET', KEYS[1], 'status', ARGV[1], ARGV[2], redis.call('TIME')[1], 'transition_id', ARGV[3],
+               'transition_from', status)
     return {1, status}
   end
 end
@@ -130,7 +136,8 @@ def create_batch(r: redis.Redis, batch_id: str, *, endpoint: str, model: str, in
 
 
 def _transition_args(batch_id: str, to_status: str) -> list:
-    return [1, keys.batch(batch_id), to_status, TIMESTAMP_FIELDS[to_status], *TRANSITIONS[to_status]]
+    return [1, keys.batch(batch_id), to_status, TIMESTAMP_FIELDS[to_status], uuid.uuid4().hex,
+            *TRANSITIONS[to_status]]
 
 
 def queue_transition(pipe: redis.client.Pipeline, batch_id: str, to_status: str) -> None:

@@ -14,8 +14,11 @@ verifies the server and the client certificate and key (mutual TLS) for rediss:/
 Retries are set here, explicitly (`RETRY`): a command that failed on a dropped connection or a
 timeout is sent again, twice at most, after a short back-off. A write sent again may have run
 the first time, so every write kvfleet makes is safe to repeat: online requests are enqueued
-once per request id, reply events carry a sequence number the reader deduplicates by, and
-hand-backs and dead letters happen only with the XACK that removes the entry (Lua scripts).
+once per request id, reply events carry a sequence number the reader deduplicates by,
+hand-backs and dead letters happen only with the XACK that removes the entry (Lua scripts),
+a file in Redis is written chunk by chunk at each chunk's offset (SETRANGE, never APPEND), a
+batch transition carries its call's id (the same call again finds itself done), and a result
+recorded twice counts once and still enqueues finalize (tests/jobs/test_retried_writes.py).
 Longer outages are the callers' to wait out (the worker loop backs off).
 """
 

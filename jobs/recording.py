@@ -27,11 +27,17 @@ from jobs.storage import Storage
 # KEYS: the partition's done set and counts hash [, the stream]. ARGV: custom id, "completed"
 # or "failed", prompt, completion and cached tokens [, group, entry id [, owner]]. Returns
 # {added, counted in the partition, the partition's total}, or {-1, 0, 0} when the entry is
-# not pending for the owner any more (another worker took it over): nothing is counted.
+# not pending for the owner any more (another worker took it over): nothing is counted. An
+# entry acked already with its request counted is this same call sent again after a lost
+# reply (or a racer's, equally counted): {0, counted, total}.
 _RECORD_LUA = """
 if ARGV[8] then
   local pending = redis.call('XPENDING', KEYS[3], ARGV[6], ARGV[7], ARGV[7], 1)
-  if #pending == 0 or pending[1][2] ~= ARGV[8] then return {-1, 0, 0} end
+  if #pending == 0 or pending[1][2] ~= ARGV[8] then
+    if #pending > 0 or redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 0 then return {-1, 0, 0} end
+    local f = redis.call('HMGET', KEYS[2], 'completed', 'failed', 'total')
+    return {0, (tonumber(f[1]) or 0) + (tonumber(f[2]) or 0), tonumber(f[3]) or 0}
+  end
 end
 local added = redis.call('SADD', KEYS[1], ARGV[1])
 if added == 1 then
@@ -80,7 +86,9 @@ def record_result(r: redis.Redis, storage: Storage, batch_id: str, line: dict[st
     if added == -1:
         return Recorded(is_new=False, is_batch_done=False, is_owner=False)
     is_batch_done = False
-    if added and counted >= partition_total:  # this partition is done: maybe the whole batch is
+    # Not only when new: a script sent again after its reply was lost counted the line the first
+    # time, and this call may be the batch's last (request_finalize enqueues once whoever asks).
+    if counted >= partition_total:  # this partition is done: maybe the whole batch is
         fields = batches.load_fields(r, batch_id)
         is_batch_done = fields["completed"] + fields["failed"] >= fields["total"]
     if is_batch_done:

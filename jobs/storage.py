@@ -90,10 +90,15 @@ class RedisStorage:
         self.r.hdel(keys.batch_results(batch_id), *custom_ids)
 
     def put_file(self, file_id: str, chunks: Iterable[bytes]) -> str:
+        """Each chunk written at its own offset (SETRANGE): a write that redis-py sends again
+        after a reply was lost writes the same bytes to the same place, where APPEND would
+        add them twice."""
         key = keys.file_content(file_id)
         self.r.delete(key)
+        offset = 0
         for chunk in chunks:
-            self.r.append(key, chunk)
+            self.r.setrange(key, offset, chunk)
+            offset += len(chunk)
         return f"redis:{key}"
 
     def delete_file(self, location: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 
 import httpx
 import openai
@@ -231,6 +232,45 @@ def test_a_failed_create_forgets_its_idempotency_key(api, r):
     batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
                                   completion_window="24h", extra_headers={"Idempotency-Key": "k"})
     assert batch.status == "in_progress"
+
+
+def test_a_claim_left_by_a_dead_api_frees_itself_and_a_slow_create_keeps_its_own(api, r, monkeypatch):
+    """An API killed mid-create left its Idempotency-Key pending: the retry used to wait 30 s and
+    get a 409 for a day. The claim now lapses within PENDING_TTL_SECONDS, and the retry makes
+    the object; while a live create runs longer than that, it keeps renewing its claim, and a
+    retry beside it waits for it and gets its object."""
+    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+
+    from producers import idempotency  # noqa: PLC0415
+    from producers.routes import files  # noqa: PLC0415
+
+    monkeypatch.setattr(idempotency, "PENDING_TTL_SECONDS", 1)
+    client = client_for(api)
+    key = keys.idempotency("/v1/files", "upload-9", "default")
+    r.set(key, idempotency.PENDING + b"of-a-dead-process", ex=idempotency.PENDING_TTL_SECONDS)
+    started = time.monotonic()
+    made = client.files.create(file=("a.jsonl", chat_lines(1)), purpose="batch",
+                               extra_headers={"Idempotency-Key": "upload-9"})
+    assert time.monotonic() - started < idempotency.WAIT_SECONDS and r.get(key) == made.id.encode()
+
+    original = files.create_file
+    slow = []
+
+    def slow_create(*args, **kwargs):
+        slow.append(True)
+        time.sleep(4 * idempotency.PENDING_TTL_SECONDS)  # four TTLs: the claim must be renewed meanwhile
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(files, "create_file", slow_create)
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(client.files.create, file=("b.jsonl", chat_lines(1)), purpose="batch",
+                            extra_headers={"Idempotency-Key": "upload-10"})
+        while not slow:
+            time.sleep(0.01)
+        retried = pool.submit(client.files.create, file=("b.jsonl", chat_lines(1)), purpose="batch",
+                              extra_headers={"Idempotency-Key": "upload-10"})
+        assert retried.result().id == first.result().id
+    assert len(slow) == 1  # one object made
 
 
 def test_a_batch_for_a_model_no_worker_serves_says_so(api, r):
