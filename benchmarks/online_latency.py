@@ -36,7 +36,7 @@ import redis
 
 from benchmarks.common import make_workload, print_summary
 from engine.demo_model import demo_config, write_checkpoint
-from jobs import batches, heartbeats, queues
+from jobs import backlog, batches, heartbeats
 from jobs.local_redis import RedisServer, free_port
 from producers.ingest import submit
 from workers.processes import ProcessGroup
@@ -77,7 +77,7 @@ def cancel_and_wait_idle(r: redis.Redis, batch_id: str, timeout: float = 120) ->
     deadline = time.monotonic() + timeout
     while True:
         workers = heartbeats.live_workers(r)
-        if queues.backlog(queues.active(r, [MODEL])) == (0, 0) and all(w["running"] == 0 for w in workers):
+        if backlog.totals(r, [MODEL]) == (0, 0) and all(w["running"] == 0 for w in workers):
             return
         assert time.monotonic() < deadline, "the worker did not drain the cancelled backlog"
         time.sleep(0.2)

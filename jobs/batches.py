@@ -12,6 +12,7 @@ racing to finalize a batch cannot both win.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -20,7 +21,7 @@ from typing import Any
 
 import redis
 
-from jobs import keys, outlook, retention
+from jobs import keys, outlook, queues, retention, tenant_backlog
 from jobs.storage import result_stores
 from jobs.tenants import DEFAULT_TENANT, Caller
 
@@ -130,6 +131,7 @@ def create_batch(r: redis.Redis, batch_id: str, *, endpoint: str, model: str, in
     pipe.zadd(keys.BATCHES, {batch_id: created}, nx=True)  # sub-second, so listing order is creation order
     pipe.zadd(keys.tenant_batches(tenant), {batch_id: created}, nx=True)
     pipe.sadd(keys.OPEN_BATCHES, batch_id)  # until terminal: what the finalizer's sweep looks at
+    tenant_backlog.created(pipe, tenant, batch_id)
     pipe.execute()
     flat = [item for pair in fields.items() for item in pair]
     return bool(r.eval(_CREATE_LUA, 1, keys.batch(batch_id), *flat))
@@ -156,6 +158,7 @@ def transition(r: redis.Redis, batch_id: str, to_status: str) -> str:
         raise IllegalTransition(f"batch {batch_id}: cannot go from {previous} to {to_status}")
     if to_status in TERMINAL:  # other slots: if these are lost, the sweep drops the id and schedules it
         r.srem(keys.OPEN_BATCHES, batch_id)
+        r.srem(keys.tenant_open((r.hget(keys.batch(batch_id), "tenant") or DEFAULT_TENANT.encode()).decode()), batch_id)
         retention.schedule_batch_deletion(r, batch_id, time.time())
     return previous
 
@@ -209,16 +212,46 @@ def load_fields(r: redis.Redis, batch_id: str) -> dict[str, Any]:
 
 
 def load_many(r: redis.Redis, batch_ids: list[str]) -> list[dict[str, Any] | None]:
-    """load_fields of each batch (None where it does not exist), in one pipeline."""
+    """load_fields of each batch (None where it does not exist). On one Redis, one pipeline; on
+    a cluster, the hashes first, then the counts of the partitions each batch uses (its
+    `partitions` field: a one-line batch reads one, not all sixteen)."""
     num_partitions = keys.num_partitions(r)
     pipe = r.pipeline(transaction=False)
+    if num_partitions == 1:
+        for batch_id in batch_ids:
+            pipe.hgetall(keys.batch(batch_id))
+            pipe.hmget(keys.partition_counts(batch_id, 0), *COUNT_FIELDS)
+        replies = pipe.execute()
+        return [_fields(replies[i], replies[i + 1:i + 2]) for i in range(0, len(replies), 2)]
     for batch_id in batch_ids:
         pipe.hgetall(keys.batch(batch_id))
-        for partition in range(num_partitions):
+    hashes = pipe.execute() if batch_ids else []
+    used = [_partitions(raw, num_partitions) for raw in hashes]
+    for batch_id, partitions in zip(batch_ids, used):
+        for partition in partitions:
             pipe.hmget(keys.partition_counts(batch_id, partition), *COUNT_FIELDS)
-    replies = pipe.execute()
-    step = 1 + num_partitions
-    return [_fields(replies[i], replies[i + 1:i + step]) for i in range(0, len(replies), step)]
+    counts, start, found = pipe.execute() if any(used) else [], 0, []
+    for raw, partitions in zip(hashes, used):
+        found.append(_fields(raw, counts[start:start + len(partitions)]))
+        start += len(partitions)
+    return found
+
+
+def load_hash(r: redis.Redis, batch_id: str) -> dict[str, Any]:
+    """The batch hash's own fields, without its counts (one command): what a worker needs of a
+    batch (status, deadline, tenant, sink, model). BatchNotFound if it does not exist."""
+    fields = _fields(r.hgetall(keys.batch(batch_id)), [])
+    if fields is None:
+        raise BatchNotFound(batch_id)
+    return fields
+
+
+def _partitions(raw: dict, num_partitions: int) -> list[int]:
+    """The partitions a batch's lines went to (all of them for a batch from before they were kept)."""
+    if not raw:
+        return []
+    listed = raw.get(b"partitions")
+    return [int(p) for p in listed.decode().split(",") if p] if listed else list(range(num_partitions))
 
 
 def _fields(raw: dict, partitions: list) -> dict[str, Any] | None:
@@ -284,11 +317,12 @@ def list_batch_ids(r: redis.Redis, after: str | None = None, limit: int = 20, te
     return [b.decode() for b in r.zrevrange(index, start, start + limit - 1)]
 
 
-def queued_lines(r: redis.Redis, tenant: str) -> int:
-    """The tenant's batch lines not yet finished, over its open batches."""
-    open_ids = [b.decode() for b in r.smembers(keys.OPEN_BATCHES)]
-    return sum(max(0, f["total"] - f["completed"] - f["failed"]) for f in load_many(r, open_ids)
-               if f is not None and (f.get("tenant") or DEFAULT_TENANT) == tenant)
+def close(r: redis.Redis, model: str, batch_id: str) -> None:
+    """An ended batch's streams retired (jobs/queues.py), then what it still held out of its
+    tenant's queued lines (jobs/tenant_backlog.py: after its partitions closed)."""
+    queues.retire(r, model, batch_id)
+    with contextlib.suppress(BatchNotFound):
+        tenant_backlog.ended(r, load_fields(r, batch_id))
 
 
 def delete_batch(r: redis.Redis, batch_id: str) -> None:

@@ -14,6 +14,13 @@ MULTI. Every script and MULTI in kvfleet touches keys of one tag.
 |                                       |              | durable result (each counted once)                       |
 | kvfleet:counts:{pN}:{batch}           | hash         | that partition's total, completed, failed and usage      |
 | kvfleet:dead:{tag}                    | stream       | dead-lettered entries of the streams with that tag       |
+| kvfleet:ready-models:{pN}             | sorted set   | the batch backlog's summary (jobs/backlog.py): models,   |
+| kvfleet:ready-tenants:{pN}:{model}    | sorted set   | their tenants and their streams with entries never       |
+| kvfleet:ready:{pN}:{model}:{tenant}   | sorted set   | delivered, by deadline; streams with entries pending;    |
+| kvfleet:delivered:{pN}                | set          | each model's lag and pending counts; each stream's       |
+| kvfleet:backlog:{pN}:{model}          | hash         | model, tenant and deadline                               |
+| kvfleet:stream-info:{pN}              | hash         |                                                          |
+| kvfleet:arrivals:{model}              | stream       | a signal per enqueue or hand-back, for idle workers      |
 | kvfleet:online:{model}                | stream       | online requests (read first), fields in jobs/online.py   |
 | kvfleet:reply:{request_id}            | stream + TTL | an online request's events, worker -> API                |
 | kvfleet:reply:{request_id}:cancel     | string + TTL | set by the API when the client went away or timed out    |
@@ -98,6 +105,10 @@ def batch_streams(model: str, batch_id: str, num_partitions: int) -> list[str]:
     return [batch_stream(model, batch_id, partition) for partition in range(num_partitions)]
 
 
+def is_batch_stream(key: str) -> bool:
+    return key.startswith(f"{PREFIX}:stream:")
+
+
 def batch_of_stream(stream_key: str) -> str:
     """The batch id a batch stream's key names."""
     return stream_key.rsplit(":", 1)[1]
@@ -132,6 +143,37 @@ def partition_done(batch_id: str, partition: int) -> str:
 
 def partition_counts(batch_id: str, partition: int) -> str:
     return f"{PREFIX}:counts:{{p{partition}}}:{batch_id}"
+
+
+# The batch backlog's summary, per partition, in the partition's slot (jobs/backlog.py).
+def ready_models(partition: int) -> str:
+    return f"{PREFIX}:ready-models:{{p{partition}}}"
+
+
+def ready_tenants(partition: int, model: str) -> str:
+    return f"{PREFIX}:ready-tenants:{{p{partition}}}:{model}"
+
+
+def ready(partition: int, model: str, tenant: str) -> str:
+    return f"{PREFIX}:ready:{{p{partition}}}:{model}:{tenant}"
+
+
+def delivered(partition: int) -> str:
+    return f"{PREFIX}:delivered:{{p{partition}}}"
+
+
+def backlog(partition: int, model: str) -> str:
+    return f"{PREFIX}:backlog:{{p{partition}}}:{model}"
+
+
+def stream_info(partition: int) -> str:
+    return f"{PREFIX}:stream-info:{{p{partition}}}"
+
+
+def arrivals(model: str) -> str:
+    """A signal stream: an entry whenever the model's batch backlog grows (an enqueue, a hand-
+    back), for idle workers to block on; the slot of the model's online stream."""
+    return f"{PREFIX}:arrivals:{{{model}}}"
 
 
 def checkpoint(owner: str, name: str) -> str:
@@ -204,6 +246,20 @@ def tenant_batches(tenant: str) -> str:
 def tenant_inflight(tenant: str) -> str:
     """A tenant's online requests not yet answered: "request_id tokens" scored by deadline."""
     return f"{PREFIX}:tenant:{{{tenant}}}:inflight"
+
+
+def tenant_open(tenant: str) -> str:
+    """A tenant's batches not yet ended (jobs/tenant_backlog.py)."""
+    return f"{PREFIX}:tenant:{{{tenant}}}:open"
+
+
+def tenant_queued(tenant: str) -> str:
+    """A tenant's queued lines: its open batches' lines without a result (jobs/tenant_backlog.py)."""
+    return f"{PREFIX}:tenant:{{{tenant}}}:queued"
+
+
+def tenant_of_queued(key: str) -> str:
+    return key.removeprefix(f"{PREFIX}:tenant:{{").removesuffix("}:queued")
 
 
 def tokens_freed(tenant: str) -> str:

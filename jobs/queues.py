@@ -7,10 +7,12 @@ instead of taking one stream's arrival order.
                                            their batch's deadline (its expires_at)
 
 The producer registers a batch's streams, each with its consumer group already made, before
-it enqueues a line, so a worker never reads a stream without a group. Finalize retires them
-once the batch is terminal (the sweep retires any it missed): the registry entry and the
-stream itself, whose entries are all acknowledged by then. A worker reads the registry and
-every stream's backlog in two pipelined round trips (`active`).
+it enqueues a line, so a worker never reads a stream without a group; what the backlog's
+summary keeps of each stream (its model, tenant and deadline: jobs/backlog.py) is written
+then too. Finalize retires them once the batch is terminal (the sweep retires any it
+missed): the registry entry, the summary's, and the stream itself. Workers never read the
+registry: they read the summary. Its readers are the sweep, the API's console and `active`
+(each stream's backlog from the stream itself, for reconciling the summary and for tests).
 """
 
 from __future__ import annotations
@@ -20,16 +22,22 @@ from dataclasses import dataclass
 
 import redis
 
-from jobs import keys
+from jobs import backlog, keys
+from jobs.tenants import DEFAULT_TENANT
 
 
 @dataclass(frozen=True)
 class Queue:
+    """A batch stream; or, as a worker reads the backlog's summary (jobs/backlog.py), one
+    tenant's ready work in a partition: `stream` its ready set, `deadline` its earliest."""
+
     stream: str
     model: str
     deadline: float  # wall-clock seconds: its batch's expires_at
     lag: int | None = None  # entries never delivered; None: Redis cannot tell (a read finds out)
     pending: int = 0  # delivered and not yet acknowledged
+    tenant: str = ""  # a summary head's
+    partition: int = 0
 
     @property
     def batch_id(self) -> str:
@@ -45,22 +53,29 @@ def ensure_group(r: redis.Redis, stream: str) -> None:
             raise
 
 
-def register(r: redis.Redis, model: str, batch_id: str, partitions: Iterable[int], deadline: float) -> list[str]:
+def register(r: redis.Redis, model: str, batch_id: str, partitions: Iterable[int], deadline: float,
+             tenant: str = DEFAULT_TENANT) -> list[str]:
     """Make the batch's streams in these partitions and list them for the model's workers."""
     streams = [keys.batch_stream(model, batch_id, partition) for partition in sorted(set(partitions))]
     for stream in streams:  # one call each: on a cluster they live in other slots
         ensure_group(r, stream)
+        partition = keys.stream_partition(stream)
+        r.hset(keys.stream_info(partition), stream, backlog.stream_info(model, tenant, deadline))
+        r.hset(keys.partition_counts(batch_id, partition), "tenant", tenant)  # whose counted results they are
     if streams:
         r.zadd(keys.queues(model), dict.fromkeys(streams, deadline))
+        # What its counts are summed over (jobs/batches.py: load_many reads only these).
+        r.hset(keys.batch(batch_id), "partitions", ",".join(str(keys.stream_partition(s)) for s in streams))
     return streams
 
 
 def retire(r: redis.Redis, model: str, batch_id: str) -> None:
-    """Forget an ended batch's streams: out of the registry, then deleted."""
+    """Forget an ended batch's streams: out of the registry, what they still held out of the
+    backlog's summary (and its partitions closed: jobs/tenant_backlog.py), then deleted."""
     streams = keys.batch_streams(model, batch_id, keys.num_partitions(r))
     r.zrem(keys.queues(model), *streams)
     for stream in streams:
-        r.delete(stream)
+        backlog.retire_stream(r, stream)
 
 
 def registered(r: redis.Redis, models: list[str]) -> list[Queue]:
@@ -94,6 +109,6 @@ def active(r: redis.Redis, models: list[str]) -> list[Queue]:
     return found
 
 
-def backlog(queues: list[Queue]) -> tuple[int, int]:
+def sum_backlog(queues: list[Queue]) -> tuple[int, int]:
     """(pending, lag) summed over the queues; an unknown lag counts as none."""
     return sum(q.pending for q in queues), sum(q.lag or 0 for q in queues)

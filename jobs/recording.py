@@ -19,18 +19,19 @@ from typing import Any
 
 import redis
 
-from jobs import batches, keys
+from jobs import backlog, batches, keys, tenant_backlog
 from jobs.finalize import request_finalize
 from jobs.results import Usage, is_error_line, usage_of
 from jobs.storage import Storage
 
-# KEYS: the partition's done set and counts hash [, the stream]. ARGV: custom id, "completed"
+# KEYS: the partition's done set and counts hash [, the stream, the partition's delivered set and
+# stream-info hash (the backlog's summary: jobs/backlog.py)]. ARGV: custom id, "completed"
 # or "failed", prompt, completion and cached tokens [, group, entry id [, owner]]. Returns
 # {added, counted in the partition, the partition's total}, or {-1, 0, 0} when the entry is
 # not pending for the owner any more (another worker took it over): nothing is counted. An
 # entry acked already with its request counted is this same call sent again after a lost
 # reply (or a racer's, equally counted): {0, counted, total}.
-_RECORD_LUA = """
+_RECORD_LUA = backlog.ACKED_LUA + """
 if ARGV[8] then
   local pending = redis.call('XPENDING', KEYS[3], ARGV[6], ARGV[7], ARGV[7], 1)
   if #pending == 0 or pending[1][2] ~= ARGV[8] then
@@ -46,9 +47,10 @@ if added == 1 then
   redis.call('HINCRBY', KEYS[2], 'completion_tokens', ARGV[4])
   redis.call('HINCRBY', KEYS[2], 'cached_tokens', ARGV[5])
 end
-if #KEYS == 3 then redis.call('XACK', KEYS[3], ARGV[6], ARGV[7]) end
-local f = redis.call('HMGET', KEYS[2], 'completed', 'failed', 'total')
-return {added, (tonumber(f[1]) or 0) + (tonumber(f[2]) or 0), tonumber(f[3]) or 0}
+if #KEYS == 5 then acked(KEYS[3], ARGV[6], ARGV[7], KEYS[4], KEYS[5]) end
+local f = redis.call('HMGET', KEYS[2], 'completed', 'failed', 'total', 'tenant', 'closed')
+local tenant = (added == 1 and f[4] and not f[5]) and f[4] or ''  -- whose open batch's queued line went
+return {added, (tonumber(f[1]) or 0) + (tonumber(f[2]) or 0), tonumber(f[3]) or 0, tenant}
 """
 
 
@@ -69,28 +71,65 @@ def record_result(r: redis.Redis, storage: Storage, batch_id: str, line: dict[st
     request must always be counted in the same one. Finalize is enqueued when this completes
     the batch."""
     custom_id = line["custom_id"]
-    if not storage.put_result(batch_id, custom_id, json.dumps(line, separators=(",", ":")).encode()):
-        stored = storage.get_result(batch_id, custom_id)  # another attempt's line came first: count it
-        if stored is not None:
-            line = json.loads(stored)
-            usage = usage_of(line)
+    if not storage.put_result(batch_id, custom_id, encode(line)):
+        line, usage = _stored_line(storage, batch_id, line, usage)
+    reply = r.eval(_RECORD_LUA, *_script_call(r, batch_id, line, usage, ack, partition, owner))
+    return _counted(r, batch_id, [reply])[0]
+
+
+def record_many(r: redis.Redis, storage: Storage, batch_id: str,
+                items: list[tuple[dict[str, Any], tuple[str, str, str] | None]]) -> int:
+    """`record_result` for many lines of one batch, each (line, ack): their writes together
+    (storage.put_results: one round trip in Redis) and their count scripts in one pipelined
+    round trip. The sweep settles a batch's unfinished lines this way. Returns how many were new."""
+    stored = storage.put_results(batch_id, [(line["custom_id"], encode(line)) for line, _ in items])
+    pipe = r.pipeline(transaction=False)
+    for (line, ack), is_first in zip(items, stored):
+        usage = usage_of(line)
+        if not is_first:
+            line, usage = _stored_line(storage, batch_id, line, usage)
+        pipe.execute_command("EVAL", _RECORD_LUA, *_script_call(r, batch_id, line, usage, ack, None, None))
+    return sum(recorded.is_new for recorded in _counted(r, batch_id, pipe.execute() if items else []))
+
+
+def encode(line: dict[str, Any]) -> bytes:
+    return json.dumps(line, separators=(",", ":")).encode()
+
+
+def _stored_line(storage: Storage, batch_id: str, line: dict[str, Any], usage: Usage | None):
+    """Another attempt's line came first: count that one, with its usage."""
+    stored = storage.get_result(batch_id, line["custom_id"])
+    return (json.loads(stored), usage_of(json.loads(stored))) if stored is not None else (line, usage)
+
+
+def _script_call(r: redis.Redis, batch_id: str, line: dict[str, Any], usage: Usage | None,
+                 ack: tuple[str, str, str] | None, partition: int | None, owner: str | None) -> list:
+    """_RECORD_LUA's number of keys, keys and arguments for one result."""
     usage = usage or Usage()
     if partition is None:
         partition = keys.stream_partition(ack[0]) if ack else keys.partition_of(batch_id, 0, keys.num_partitions(r))
     script_keys = [keys.partition_done(batch_id, partition), keys.partition_counts(batch_id, partition),
-                   *([ack[0]] if ack else [])]
-    args = [custom_id, "failed" if is_error_line(line) else "completed", usage.prompt_tokens,
+                   *([ack[0], keys.delivered(partition), keys.stream_info(partition)] if ack else [])]
+    args = [line["custom_id"], "failed" if is_error_line(line) else "completed", usage.prompt_tokens,
             usage.completion_tokens, usage.cached_tokens, *(ack[1:] if ack else ()),
             *([owner] if ack and owner else [])]
-    added, counted, partition_total = r.eval(_RECORD_LUA, len(script_keys), *script_keys, *args)
-    if added == -1:
-        return Recorded(is_new=False, is_batch_done=False, is_owner=False)
+    return [len(script_keys), *script_keys, *args]
+
+
+def _counted(r: redis.Redis, batch_id: str, replies: list) -> list[Recorded]:
+    """The record scripts' replies: each tenant's queued line taken away, and finalize enqueued
+    if they completed the batch."""
+    is_partition_done = False
+    for added, counted, partition_total, *tenant in replies:
+        if tenant and tenant[0]:
+            tenant_backlog.counted(r, tenant[0].decode() if isinstance(tenant[0], bytes) else tenant[0])
+        # Not only when new: a script sent again after its reply was lost counted the line the
+        # first time, and this call may be the batch's last (request_finalize enqueues once).
+        is_partition_done |= added != -1 and counted >= partition_total
     is_batch_done = False
-    # Not only when new: a script sent again after its reply was lost counted the line the first
-    # time, and this call may be the batch's last (request_finalize enqueues once whoever asks).
-    if counted >= partition_total:  # this partition is done: maybe the whole batch is
+    if is_partition_done:  # a partition is done: maybe the whole batch is
         fields = batches.load_fields(r, batch_id)
         is_batch_done = fields["completed"] + fields["failed"] >= fields["total"]
-    if is_batch_done:
-        request_finalize(r, batch_id)
-    return Recorded(bool(added), is_batch_done)
+        if is_batch_done:
+            request_finalize(r, batch_id)
+    return [Recorded(added == 1, is_batch_done and added != -1, added != -1) for added, *_ in replies]

@@ -25,6 +25,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -35,6 +36,7 @@ from jobs import keys
 
 CHUNK = 1 << 20
 DEFAULT_S3_TIMEOUT_SECONDS = 10.0
+S3_PUT_THREADS = 8  # result objects written at once when many are settled together (the sweep)
 # 4xx codes that S3-compatible stores use for "slow down" or "try again": outages, not verdicts.
 RETRYABLE_S3_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
                       "TooManyRequests", "RequestLimitExceeded", "ConditionalRequestConflict"}
@@ -75,6 +77,13 @@ class RedisStorage:
 
     def put_result(self, batch_id: str, custom_id: str, line: bytes) -> bool:
         return bool(self.r.hsetnx(keys.batch_results(batch_id), custom_id, line))
+
+    def put_results(self, batch_id: str, lines: list[tuple[str, bytes]]) -> list[bool]:
+        """put_result of each (custom id, line), in one round trip."""
+        pipe = self.r.pipeline(transaction=False)
+        for custom_id, line in lines:
+            pipe.hsetnx(keys.batch_results(batch_id), custom_id, line)
+        return [bool(stored) for stored in pipe.execute()] if lines else []
 
     def iter_results(self, batch_id: str) -> Iterator[bytes]:
         for _, line in self.r.hscan_iter(keys.batch_results(batch_id), count=1000):
@@ -150,6 +159,9 @@ class FileStorage:
                 return False
         return True
 
+    def put_results(self, batch_id: str, lines: list[tuple[str, bytes]]) -> list[bool]:
+        return [self.put_result(batch_id, custom_id, line) for custom_id, line in lines]
+
     def iter_results(self, batch_id: str) -> Iterator[bytes]:
         folder = self.root / batch_id / "results"
         if folder.is_dir():
@@ -223,6 +235,11 @@ class S3Storage:
             self.is_conditional = False  # a store without conditional writes: the last write wins there
             return self.put_result(batch_id, custom_id, line)
         return True
+
+    def put_results(self, batch_id: str, lines: list[tuple[str, bytes]]) -> list[bool]:
+        """put_result of each (custom id, line), S3_PUT_THREADS requests at a time."""
+        with ThreadPoolExecutor(S3_PUT_THREADS) as pool:
+            return list(pool.map(lambda item: self.put_result(batch_id, *item), lines))
 
     def iter_results(self, batch_id: str) -> Iterator[bytes]:
         paginator = self.client.get_paginator("list_objects_v2")

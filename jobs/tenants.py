@@ -4,7 +4,8 @@ The operator maps keys to tenants in the API's environment:
 
     KVFLEET_API_KEYS  = KEY=TENANT[:WEIGHT],KEY=TENANT[:WEIGHT],...
                       or @/path/keys.json: {"KEY": {"tenant": "...", "weight": 1,
-                                                    "max_queued_lines": N, "max_inflight_tokens": N}}
+                                                    "max_queued_lines": N, "max_inflight_tokens": N,
+                                                    "max_open_batches": N}}
     KVFLEET_API_KEY   = one key, of tenant `default` (the single-team setup; both may be set;
                         alone, with neither of the others, it is also the admin)
     KVFLEET_ADMIN_KEY = the operator's key: it sees and may act on every tenant's work; it is
@@ -18,7 +19,8 @@ tenants existed belongs to `default`. Another tenant's object does not exist for
 Keys are looked up by their SHA-256 (the same time for every key; the key ring keeps no key
 in memory). No torch here: the API and the workers (fair share, by weight) both read it.
 
-Quotas: `max_queued_lines` is checked when a batch is created (producers/routes/batches.py);
+Quotas: `max_open_batches` (10,000 unless set) and `max_queued_lines` are checked when a batch is
+created (producers/routes/batches.py);
 `max_inflight_tokens` bounds a tenant's online requests not yet answered, each counted at
 `estimated_tokens` in a sorted set by deadline (`reserve_tokens`, one script).
 """
@@ -40,6 +42,7 @@ import redis
 from jobs import keys
 
 DEFAULT_TENANT = "default"
+DEFAULT_MAX_OPEN_BATCHES = 10_000  # per tenant: each open batch is a queue of its own
 ADMIN_TENANT = "admin"  # KVFLEET_ADMIN_KEY's own identity: what it creates is no team's, its Idempotency-Keys its own
 TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")  # a Redis key part and a metric label
 
@@ -53,6 +56,7 @@ class Tenant:
     name: str
     weight: float = 1.0  # its share of the fleet against the others'
     max_queued_lines: int | None = None  # batch lines submitted and not yet finished; None: no limit
+    max_open_batches: int | None = DEFAULT_MAX_OPEN_BATCHES  # batches not yet ended; None: no limit
     max_inflight_tokens: int | None = None  # online prompt + max_tokens not yet answered; None: no limit
 
 
@@ -148,7 +152,7 @@ def parse_keys(spec: str) -> dict[str, Tenant]:
 def tenant_from_json(key: str, value: Any, where: str) -> Tenant:
     if not isinstance(value, dict):
         raise KeyConfigError(f"{where}: must be an object with a 'tenant'")
-    unknown = set(value) - {"tenant", "weight", "max_queued_lines", "max_inflight_tokens"}
+    unknown = set(value) - {"tenant", "weight", "max_queued_lines", "max_inflight_tokens", "max_open_batches"}
     if unknown:
         raise KeyConfigError(f"{where}: unknown field {sorted(unknown)[0]!r}")
     name = value.get("tenant")
@@ -160,6 +164,7 @@ def tenant_from_json(key: str, value: Any, where: str) -> Tenant:
         raise KeyConfigError(f"{where}: the key must be at least 8 characters")
     return Tenant(name, weight=_number(value, "weight", where, float, 1.0),
                   max_queued_lines=_number(value, "max_queued_lines", where, int, None),
+                  max_open_batches=_number(value, "max_open_batches", where, int, DEFAULT_MAX_OPEN_BATCHES),
                   max_inflight_tokens=_number(value, "max_inflight_tokens", where, int, None))
 
 

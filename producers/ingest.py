@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import redis
 
-from jobs import batches, keys, prefixes, queues
+from jobs import backlog, batches, keys, prefixes, queues, tenant_backlog
 from jobs.entries import BATCH_ENTRY_FIELDS, BatchEntry
 from jobs.recording import record_result
 from jobs.results import error_line
@@ -159,7 +159,7 @@ def submit(r: redis.Redis, source: LineSource, *, batch_id: str | None = None, e
     num_partitions = keys.num_partitions(r)
     queues.register(r, report.model, batch_id, {
         keys.partition_of(batch_id, start, num_partitions) for start in range(0, num_valid, keys.PARTITION_LINES)},
-        fields["expires_at"])
+        fields["expires_at"], tenant)
     num_enqueued = _enqueue(r, source, batch_id, report, on_progress=on_progress)
     r.hset(keys.batch(batch_id), "estimated_tokens", report.estimated_tokens)
     if report.invalid:
@@ -169,13 +169,15 @@ def submit(r: redis.Redis, source: LineSource, *, batch_id: str | None = None, e
             message = f"line {line_number}: {error.field}: {error.message}" if error else f"line {line_number}: invalid"
             record_result(r, storage, batch_id, error_line(custom_id, "invalid_request", message))
     batches.mark_enqueued(r, batch_id)
+    tenant_backlog.enqueued(r, tenant, batch_id, report.num_lines)  # its invalid lines' results count too
     return Submission(batch_id, report, num_enqueued)
 
 
-# KEYS: the partition's stream and counts hash. ARGV: the chunk's marker, the number N of
-# fields an entry has, their N names (BATCH_ENTRY_FIELDS), then N values per entry. Returns
-# how many it enqueued.
-_ENQUEUE_CHUNK_LUA = """
+# KEYS: the partition's stream, counts hash and stream-info hash. ARGV: the chunk's marker,
+# the number N of fields an entry has, their N names (BATCH_ENTRY_FIELDS), then N values per
+# entry. The backlog's summary counts them, in the same step (jobs/backlog.py). Returns how
+# many it enqueued.
+_ENQUEUE_CHUNK_LUA = backlog.ACKED_LUA + """
 if redis.call('HSETNX', KEYS[2], ARGV[1], 1) == 0 then return 0 end
 local n = tonumber(ARGV[2])
 local entry, count = {}, 0
@@ -188,6 +190,8 @@ for i = 3 + n, #ARGV, n do
   count = count + 1
 end
 redis.call('HINCRBY', KEYS[2], 'total', count)
+local info = info_of(KEYS[3], KEYS[1])
+if info and count > 0 then make_ready(KEYS[1], info, count) end
 return count
 """
 
@@ -204,9 +208,9 @@ def _enqueue(r: redis.Redis, source: LineSource, batch_id: str, report: Report,
         chunk_index = (index - 1) // keys.PARTITION_LINES
         partition = keys.partition_of(batch_id, chunk_index * keys.PARTITION_LINES, num_partitions)
         # execute_command: redis-py's cluster pipeline has no eval(), but routes EVAL by its keys
-        pipe.execute_command("EVAL", _ENQUEUE_CHUNK_LUA, 2, keys.batch_stream(report.model, batch_id, partition),
-                             keys.partition_counts(batch_id, partition), f"chunk:{chunk_index}",
-                             len(BATCH_ENTRY_FIELDS), *BATCH_ENTRY_FIELDS, *chunk)
+        pipe.execute_command("EVAL", _ENQUEUE_CHUNK_LUA, 3, keys.batch_stream(report.model, batch_id, partition),
+                             keys.partition_counts(batch_id, partition), keys.stream_info(partition),
+                             f"chunk:{chunk_index}", len(BATCH_ENTRY_FIELDS), *BATCH_ENTRY_FIELDS, *chunk)
         chunk.clear()
 
     for entry in _grouped_entries(source, batch_id, report):
@@ -216,11 +220,11 @@ def _enqueue(r: redis.Redis, source: LineSource, batch_id: str, report: Report,
             add_chunk()
             num_pending += keys.PARTITION_LINES
         if num_pending >= CHUNK_LINES:
-            num_enqueued += _flush(pipe, on_progress)
+            num_enqueued += _flush(pipe, report.model, on_progress)
             num_pending = 0
     if chunk:
         add_chunk()
-    return num_enqueued + _flush(pipe, on_progress)
+    return num_enqueued + _flush(pipe, report.model, on_progress)
 
 
 def _grouped_entries(source: LineSource, batch_id: str, report: Report) -> Iterator[BatchEntry]:
@@ -249,8 +253,11 @@ def _in_group_order(window: list[tuple[int, bytes]], batch_id: str, report: Repo
                        prefix=prefixes.encode(chains[i])) for i in prefixes.group_order(chains)]
 
 
-def _flush(pipe: redis.client.Pipeline, on_progress) -> int:
+def _flush(pipe: redis.client.Pipeline, model: str, on_progress) -> int:
     count = sum(pipe.execute())
+    if count:  # idle workers of the model wake (jobs/backlog.py)
+        pipe.xadd(keys.arrivals(model), {"n": count}, maxlen=backlog.ARRIVALS_MAXLEN, approximate=True)
+        pipe.execute()
     if on_progress and count:
         on_progress(count)
     return count

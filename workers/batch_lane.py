@@ -112,16 +112,14 @@ class BatchLane(Lane):
 
     def pull_entries(self, count: int, reclaim: bool) -> list[tuple]:
         """Up to `count` entries: stale ones of dead workers first (with `reclaim`), then new
-        ones from the queues fair share picks (workers/fair_share.py)."""
+        ones of the tenants fair share picks (workers/fair_share.py), from the backlog's summary
+        (jobs/backlog.py)."""
         if count <= 0:
             return []
-        queues = self.served.refresh()
-        entries = self.reclaim([queue.stream for queue in queues if queue.pending], count) if reclaim else []
-        plan = self.fair_share.plan(self.candidates(queues, count), count - len(entries))
-        found = stream_ops.read_planned(self.r, self.config.consumer, [(q.stream, num) for q, num in plan])
-        for queue, num in plan:
-            self.served.note_read(queue.stream, num, sum(1 for entry in found if entry[0] == queue.stream))
-        entries += [(stream, entry_id, fields, 1) for stream, entry_id, fields in found]
+        entries = self.reclaim(self.served.with_pending(), count) if reclaim else []
+        plan = self.fair_share.plan(self.candidates(self.served.refresh(), count), count - len(entries))
+        entries += [(stream, entry_id, fields, 1) for stream, entry_id, fields in self.served.read(self.config.consumer,
+                                                                                                   plan)]
         return [entry for entry in entries if not self.is_running(entry[0], entry[1])]
 
     def reclaim(self, streams: list[str], count: int) -> list[tuple]:
@@ -133,33 +131,23 @@ class BatchLane(Lane):
                     self.r, stream, self.config.consumer, self.config.lease_ms, count - len(entries))]
         return entries
 
-    def candidates(self, queues: list[Queue], count: int) -> list[Candidate]:
-        """The queues with new entries, with their batch's tenant and its weight; of a LoRA
-        adapter's queues, those the adapter preference reads now (workers/adapters.py)."""
-        found = []
-        queues = [queue for queue in queues if self.served.has_new(queue.stream)]
-        for queue in self.preferred_by_adapter(queues):
-            tenant = self.tenant_of(queue.batch_id)
-            if tenant is None:
-                continue  # deleted: the sweep retires its streams
-            lag = self.served.lag.get(queue.stream)
-            found.append(Candidate(queue, tenant, self.served.weights.get(tenant, 1.0),
-                                   count if lag is None else min(count, lag)))
-        return found
+    def candidates(self, heads: list[Queue], count: int) -> list[Candidate]:
+        """The tenants with ready work, each with its weight; of a LoRA adapter's, those the
+        adapter preference reads now (workers/adapters.py)."""
+        return [Candidate(head, head.tenant, self.served.weights.get(head.tenant, 1.0), count)
+                for head in self.preferred_by_adapter(heads)]
 
     def preferred_by_adapter(self, queues: list[Queue]) -> list[Queue]:
         """The base model's queues, and those of the adapters this worker reads now."""
         preference, adapters = self.adapter_preference, self.config.adapters
         if preference is None:
             return queues
-        models = {queue.stream: self.served.model_of(queue.stream) for queue in queues}
-        wanted = sorted({model for model in models.values() if adapters.is_adapter(model)})
+        wanted = sorted({queue.model for queue in queues if adapters.is_adapter(queue.model)})
         if not wanted:
             return queues
         stats = self.engine.stats()
         chosen = preference.choose(wanted, set(stats.resident_loras) | set(stats.busy_loras), set(stats.busy_loras))
-        return [queue for queue in queues if not adapters.is_adapter(models[queue.stream])
-                or models[queue.stream] in chosen]
+        return [queue for queue in queues if not adapters.is_adapter(queue.model) or queue.model in chosen]
 
     def tenant_of(self, batch_id: str) -> str | None:
         """The batch's tenant; None if it was deleted. A batch whose hash is broken is the default
@@ -198,8 +186,8 @@ class BatchLane(Lane):
         return entries
 
     def streams_with_pending(self) -> list[str]:
-        """The queues some worker holds entries of: only they can hold forwarded ones."""
-        return [queue.stream for queue in self.served.refresh() if queue.pending]
+        """The streams some worker holds entries of: only they can hold forwarded ones."""
+        return self.served.with_pending()
 
     def forward_to_owners(self, entries: list[tuple]) -> list[tuple]:
         """Forward the fresh entries another worker's prefix cache serves better; the rest stay."""
@@ -279,7 +267,7 @@ class BatchLane(Lane):
     def batch(self, batch_id: str, refresh: bool = False) -> dict | None:
         if refresh or batch_id not in self.batch_cache:
             try:
-                self.batch_cache[batch_id] = batches.load_fields(self.r, batch_id)
+                self.batch_cache[batch_id] = batches.load_hash(self.r, batch_id)  # its counts are not needed here
             except batches.BatchNotFound:
                 self.batch_cache.pop(batch_id, None)
                 return None

@@ -10,9 +10,10 @@ earliest deadline goes first: fairness first, then deadlines, so a tight window 
 loose one of another tenant only while both are at their share. Within a tenant, its
 batches go by deadline.
 
-Idle time earns no credit: a tenant that becomes backlogged again starts at the lowest
-clock among the tenants that stayed backlogged, so it neither takes back the share it gave
-away nor starves the others in a burst. Online requests are not in this: their lane is
+Idle time earns no credit: a tenant that becomes backlogged again starts just behind the
+lowest clock among the tenants that stayed backlogged (the slack and one entry), so its first
+entry goes next (a new tenant's first pull does not wait for a round of every other tenant's
+deadlines), but it neither takes back the share it gave away nor starves the others in a burst. Online requests are not in this: their lane is
 pulled first, by priority, whatever the batch shares.
 
 Each worker keeps its own clocks. Every worker splits its own work by the weights, so the
@@ -52,7 +53,7 @@ class FairShare:
         for candidate in sorted(candidates, key=lambda c: (c.queue.deadline, c.queue.stream)):
             if candidate.room > 0:
                 by_tenant.setdefault(candidate.tenant, []).append(candidate)
-        self._start_clocks(set(by_tenant))
+        self._start_clocks({tenant: queues[0].weight for tenant, queues in by_tenant.items()})
         clocks = {tenant: self.clock[tenant] for tenant in by_tenant}
         heads = dict.fromkeys(by_tenant, 0)  # tenant -> index of its earliest queue with room
         planned: dict[str, int] = {}
@@ -77,15 +78,22 @@ class FairShare:
                 if clocks[tenant] <= floor + self.slack_entries * self.expected_tokens(tenant) / head.weight]
         return min(even, key=lambda tenant: (heads[tenant].queue.deadline, clocks[tenant], tenant))
 
-    def _start_clocks(self, backlogged: set[str]) -> None:
-        """Tenants backlogged anew start at the lowest clock of those that stayed backlogged
-        (or of the last backlogged ones); with nobody backlogged before, everyone starts even."""
+    def _start_clocks(self, weights: dict[str, float]) -> None:
+        """Tenants backlogged anew (`weights`: every backlogged tenant's) start just past the slack
+        behind the lowest clock of those that stayed backlogged (or of the last backlogged
+        ones): their first entry goes next, whatever the deadlines of the others, so a new
+        tenant's first pull never waits for every other tenant's turn; with nobody backlogged
+        before, everyone starts even."""
+        backlogged = set(weights)
         if not self.backlogged:
             self.clock = dict.fromkeys(self.clock, 0.0)
         stayed = [self.clock[t] for t in self.backlogged & backlogged] or [self.clock[t] for t in self.backlogged]
-        floor = min(stayed, default=0.0)
+        floor = min(stayed, default=None)
         for tenant in backlogged - self.backlogged:
-            self.clock[tenant] = max(self.clock.get(tenant, 0.0), floor)
+            # Behind by more than the slack: not even with the others, so not left to the deadlines.
+            behind = (self.slack_entries + 1) * self.expected_tokens(tenant) / weights[tenant]
+            start = 0.0 if floor is None else floor - behind
+            self.clock[tenant] = max(self.clock.get(tenant, 0.0), start)
         self.backlogged = backlogged
 
     def expected_tokens(self, tenant: str) -> float:

@@ -1,11 +1,13 @@
 """The streams one worker serves, and the upkeep each of them needs.
 
 Each served model has its online stream, and one batch stream per batch (per partition on
-a Redis Cluster: jobs/queues.py), listed in the model's registry. `refresh` reads the
-registry and each stream's backlog at most every REFRESH_SECONDS (two pipelined round
-trips); between refreshes the lane's own reads keep the backlog current enough to plan
-with (`note_read`). Once per maintain interval the loop has it make the online consumer
-groups, trim acknowledged entries and sum the backlog the metrics show.
+a Redis Cluster: jobs/queues.py). A worker never lists the batch streams: `refresh` reads
+the backlog's summary (jobs/backlog.py), the tenants with ready work per served model, at
+most every REFRESH_SECONDS (two pipelined round trips), and `read` pulls from the tenants
+fair share picks, their earliest deadlines first. Once per maintain interval the loop has it
+make the online consumer groups, trim acknowledged entries of the streams it read, and sum
+the backlog the metrics show: all of it bounded by models, tenants and the work in flight,
+not by the open batches.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import redis
 
 from engine.lora.peft import CONFIG_FILE
 from jobs import adapters as jobs_adapters
-from jobs import keys, queues, tenants
+from jobs import backlog, keys, tenants
 from jobs.queues import Queue
 from workers import stream_ops
 from workers.adapters import S3_PREFIX, Adapters
@@ -36,10 +38,10 @@ class ServedStreams:
         # Adapters requests name by path or URI join the served models once registered for one
         # of `bases` (jobs/adapters.py: resolve), when a --lora-resolver prefix allows them.
         self.adapters, self.bases = adapters, set(bases or models)
-        self.batch: list[str] = []  # the batch streams of the last refresh (the lane holds this list)
-        self.queues: list[Queue] = []
-        self.lag: dict[str, int | None] = {}  # stream -> entries not yet delivered, as far as known
+        self.batch: list[str] = []  # batch streams are found through the backlog's summary, never listed
+        self.queues: list[Queue] = []  # the heads of the last refresh
         self.weights: dict[str, float] = {}  # tenant -> fair-share weight (jobs/tenants.py)
+        self.touched: set[str] = set()  # batch streams read since the last trim
         self.refreshed_at = -math.inf
 
     @property
@@ -51,16 +53,30 @@ class ServedStreams:
         return keys.model_of_stream(stream)
 
     def refresh(self, force: bool = False) -> list[Queue]:
-        """The served models' batch queues with their backlog, earliest deadline first."""
+        """One head per (partition, served model, tenant) with ready batch work, from the
+        backlog's summary (jobs/backlog.py): its `stream` is the tenant's ready set, its deadline
+        the tenant's earliest. At most every REFRESH_SECONDS; two pipelined round trips, whatever
+        the number of open batches."""
         if force or self.clock() - self.refreshed_at >= REFRESH_SECONDS:
             if self.adapters is not None and self.adapters.resolvers:
                 self.add_requested_adapters()
-            self.queues = queues.active(self.r, self.models)
-            self.batch[:] = [queue.stream for queue in self.queues]
-            self.lag = {queue.stream: queue.lag for queue in self.queues}
+            self.queues = backlog.heads(self.r, self.models)
             self.weights = tenants.weights(self.r)
             self.refreshed_at = self.clock()
         return self.queues
+
+    def read(self, consumer: str, plan: list[tuple[Queue, int]]) -> list[tuple[str, str, dict]]:
+        """Never-delivered entries, up to a count from each planned head, its tenant's earliest
+        deadlines first: [(stream, entry id, fields)]."""
+        found = backlog.read(self.r, consumer, plan)
+        self.touched.update(stream for stream, _, _ in found)
+        return found
+
+    def with_pending(self) -> list[str]:
+        """The served models' batch streams with entries delivered and not acked (bounded by the
+        work in flight in the fleet): where stale entries and forwarded ones can be."""
+        served = set(self.models)
+        return [stream for stream in backlog.delivered_streams(self.r) if keys.model_of_stream(stream) in served]
 
     def add_requested_adapters(self) -> None:
         """Serve the adapters requests named by path or URI that this worker may load for their
@@ -85,29 +101,30 @@ class ServedStreams:
                 stream_ops.ensure_group(self.r, stream)
                 self.online.append(stream)
 
-    def note_read(self, stream: str, asked: int, found: int) -> None:
-        """A read of `asked` entries found `found`: fewer means none is left now."""
-        lag = self.lag.get(stream)
-        self.lag[stream] = 0 if found < asked else (None if lag is None else max(0, lag - found))
-
-    def has_new(self, stream: str) -> bool:
-        lag = self.lag.get(stream)
-        return lag is None or lag > 0
-
     def ensure_groups(self) -> None:
         """The online streams' groups (a batch stream's is made with it: jobs/queues.py)."""
         for stream in self.online:
             stream_ops.ensure_group(self.r, stream)
 
     def trim(self) -> None:
-        for stream in self.all:
+        """Trim the online streams and the batch streams read since the last trim."""
+        touched, self.touched = self.touched, set()
+        for stream in [*self.online, *sorted(touched)]:
             with contextlib.suppress(redis.ResponseError):  # a batch stream retired meanwhile
                 stream_ops.trim_acknowledged(self.r, stream)
 
+    def arrival_marks(self) -> dict[str, str]:
+        """The newest id of each served model's arrivals stream: what an idle wait blocks after."""
+        names = [keys.arrivals(model) for model in self.models]
+        pipe = self.r.pipeline(transaction=False)
+        for name in names:
+            pipe.xrevrange(name, count=1)
+        return {name: (rows[0][0].decode() if rows else "0-0") for name, rows in zip(names, pipe.execute())}
+
     def backlog(self) -> tuple[int, int, int]:
-        """(pending, lag) of the batch streams, summed, and the entries in the dead-letter
-        streams of all served streams."""
-        pending, lag = queues.backlog(self.refresh(force=True))
+        """(pending, lag) of the served models' batch work, from the summary, and the entries in
+        the dead-letter streams of all served streams."""
+        pending, lag = backlog.totals(self.r, self.models)
         partitions = range(keys.num_partitions(self.r))  # a batch stream's dead letters go by partition
         dead_letter_streams = sorted({keys.dead_letters(stream) for stream in self.online} | {
             keys.dead_letters(keys.batch_stream(model, "any", partition))

@@ -20,7 +20,7 @@ from redis.exceptions import (
     TryAgainError,
 )
 
-from jobs import keys, queues
+from jobs import backlog, keys, queues
 from jobs.entries import REQUEUES_FIELD
 
 GROUP = keys.CONSUMER_GROUP
@@ -77,21 +77,26 @@ def read_new(r: redis.Redis, streams: list[str], consumer: str, count: int, bloc
     return found
 
 
-def wait_for_new(r: redis.Redis, streams: list[str], block_ms: int) -> None:
-    """Block until one of the streams holds an entry its group has not delivered yet, or
-    block_ms passes; consumes nothing (the lanes pull what they take). XREAD from each
-    group's last-delivered id returns at once when such an entry is there already, so one
-    that arrived after the last pull is never slept through. On a cluster one XREAD cannot
-    span slots: it waits on the first stream only (the worker lists online streams first)."""
-    if isinstance(r, RedisCluster):
+def wait_for_new(r: redis.Redis, streams: list[str], block_ms: int, signals: dict[str, str] | None = None) -> None:
+    """Block until one of the streams holds an entry its group has not delivered yet, or a
+    signal stream (a model's arrivals: jobs/backlog.py) grows past the id given, or block_ms
+    passes; consumes nothing (the lanes pull what they take). XREAD from each group's
+    last-delivered id returns at once when such an entry is there already, so one that arrived
+    after the last pull is never slept through. On a cluster one XREAD cannot span slots: it
+    waits on the first stream, and the signals of its slot, only (the worker lists online
+    streams first)."""
+    signals = dict(signals or {})
+    if isinstance(r, RedisCluster) and streams:
         streams = streams[:1]
+        signals = {key: mark for key, mark in signals.items() if keys.hash_tag(key) == keys.hash_tag(streams[0])}
     pipe = r.pipeline(transaction=False)
     for stream in streams:
         pipe.xinfo_groups(stream)
     waits = {}
-    for stream, groups in zip(streams, pipe.execute(raise_on_error=False)):
-        if not isinstance(groups, Exception):  # a batch stream retired meanwhile is not waited on
+    for stream, groups in zip(streams, pipe.execute(raise_on_error=False) if streams else []):
+        if not isinstance(groups, Exception):  # a stream gone meanwhile is not waited on
             waits[stream] = (our_group(groups) or {}).get("last-delivered-id", b"0-0")
+    waits.update(signals)
     if waits:
         r.xread(waits, count=1, block=block_ms)
     else:
@@ -141,20 +146,40 @@ def release(r: redis.Redis, stream: str, entry_id: str, fields: dict) -> None:
     _append_copy(r, stream, entry_id, fields, int(fields.get(REQUEUES, 0)))
 
 
-# KEYS: the stream the entry is acked in, the stream its copy goes to (the same slot). ARGV: the
-# group, the entry id, then the copy's fields and values. The copy is added only by the XACK
-# that removes the entry, so a call sent twice (a retry) adds one copy.
-_MOVE_ONCE_LUA = """
-if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+# KEYS: the stream the entry is acked in, the stream its copy goes to (the same slot), the
+# partition's delivered set and stream-info hash (jobs/backlog.py: a batch stream's backlog
+# summary; an online stream has none). ARGV: the group, the entry id, then the copy's fields
+# and values. The copy is added only by the XACK that removes the entry, so a call sent twice
+# (a retry) adds one copy; a copy back into its own batch stream is ready work again.
+_MOVE_ONCE_LUA = backlog.ACKED_LUA + """
+if acked(KEYS[1], ARGV[1], ARGV[2], KEYS[3], KEYS[4]) == 0 then return 0 end
 redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
+local info = info_of(KEYS[4], KEYS[2])
+if KEYS[2] == KEYS[1] and info then make_ready(KEYS[1], info, 1) end
 return 1
 """
+# KEYS and ARGV as _MOVE_ONCE_LUA's, without a copy.
+_ACK_LUA = backlog.ACKED_LUA + """
+return acked(KEYS[1], ARGV[1], ARGV[2], KEYS[2], KEYS[3])
+"""
+
+
+def _summary_keys(stream: str) -> list[str]:
+    """The backlog summary's keys a script on `stream` updates (online streams have their own tag:
+    keys no stream-info names, so the scripts find nothing to count there)."""
+    if keys.is_batch_stream(stream):
+        partition = keys.stream_partition(stream)
+        return [keys.delivered(partition), keys.stream_info(partition)]
+    tag = "{" + keys.hash_tag(stream) + "}"
+    return [f"{keys.PREFIX}:delivered:{tag}", f"{keys.PREFIX}:stream-info:{tag}"]
 
 
 def _move(r: redis.Redis, stream: str, entry_id: str, target: str, fields: dict) -> None:
     flat = [item for pair in fields.items() for item in pair]
     # execute_command: redis-py's cluster client routes EVAL by its keys
-    r.execute_command("EVAL", _MOVE_ONCE_LUA, 2, stream, target, GROUP, entry_id, *flat)
+    r.execute_command("EVAL", _MOVE_ONCE_LUA, 4, stream, target, *_summary_keys(stream), GROUP, entry_id, *flat)
+    if target == stream and keys.is_batch_stream(stream):
+        backlog.signal_arrival(r, keys.model_of_stream(stream))
 
 
 def _append_copy(r: redis.Redis, stream: str, entry_id: str, fields: dict, requeues: int) -> None:
@@ -172,7 +197,7 @@ def dead_letter(r: redis.Redis, stream: str, entry_id: str, fields: dict, error:
 
 
 def ack(r: redis.Redis, stream: str, entry_id: str) -> None:
-    r.xack(stream, GROUP, entry_id)
+    r.execute_command("EVAL", _ACK_LUA, 3, stream, *_summary_keys(stream), GROUP, entry_id)
 
 
 def trim_acknowledged(r: redis.Redis, stream: str) -> None:

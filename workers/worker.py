@@ -305,9 +305,13 @@ class Worker:
         for lane in self.lanes:
             lane.pull(reclaim)
         if not self.engine.has_unfinished() and not self.is_settling():
-            # Idle: sleep until any served stream has new work, online or batch.
-            stream_ops.wait_for_new(self.r, [stream for lane in self.lanes for stream in lane.streams],
-                                    self.options.block_ms)
+            # Idle: sleep until an online stream or a model's batch arrivals have new work. The
+            # arrivals' marks are read before a last look at the batch backlog, so that nothing
+            # arriving after that look is slept through.
+            marks = self.streams.arrival_marks()
+            if not self.streams.refresh(force=True):
+                stream_ops.wait_for_new(self.r, [stream for lane in self.lanes for stream in lane.streams],
+                                        self.options.block_ms, marks)
 
     # -- results -----------------------------------------------------------------
     def _step(self) -> None:

@@ -2,8 +2,9 @@
 POST /v1/batches/{id}/cancel, and beyond OpenAI GET /v1/batches/{id}/results/{custom_id}.
 
 A caller sees its tenant's batches only (jobs/tenants.py); another tenant's are 404, and a
-batch may read only its own tenant's input file. A tenant's max_queued_lines is checked
-when a batch is created (429, OpenAI's rate-limit error shape)."""
+batch may read only its own tenant's input file. A tenant's max_open_batches and
+max_queued_lines are checked when a batch is created (429, OpenAI's rate-limit error shape),
+from counts kept where they change (jobs/tenant_backlog.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from fastapi import Query
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from jobs import adapters, batches, heartbeats, outlook, retention
+from jobs import adapters, batches, heartbeats, outlook, retention, tenant_backlog
 from jobs.files import FileNotFound, owned_file, read_lines
 from jobs.schemas import ENDPOINTS
 from jobs.storage import allowed_outputs, check_output_allowed, default_output, find_result
@@ -90,10 +91,22 @@ def submit_batch(r, body: CreateBatch, caller: Caller) -> dict[str, Any]:
 
 
 def check_before_enqueue(r, caller: Caller, model: str, num_lines: int) -> None:
-    """Another tenant's adapter is no model for this caller (404, nothing created); then the quota."""
+    """Another tenant's adapter is no model for this caller (404, nothing created); then the quotas."""
     if not adapters.check_access(r, model, caller.tenant.name, caller.is_admin):
         raise model_not_found(model)
+    check_open_batches(r, caller.tenant)
     check_queued_lines(r, caller.tenant, num_lines)
+
+
+def check_open_batches(r, tenant: Tenant) -> None:
+    """429 if the tenant has max_open_batches batches not yet ended (jobs/tenant_backlog.py)."""
+    if tenant.max_open_batches is None:
+        return
+    num_open = tenant_backlog.open_batches(r, tenant.name)
+    if num_open >= tenant.max_open_batches:
+        raise APIError(429, f"Tenant {tenant.name!r} has {num_open} batches open: its max_open_batches of "
+                            f"{tenant.max_open_batches}. Wait for some to end, or put more lines in one batch.",
+                       "quota_exceeded", "max_open_batches", kind="rate_limit_error")
 
 
 def check_queued_lines(r, tenant: Tenant, num_lines: int) -> None:
@@ -101,7 +114,7 @@ def check_queued_lines(r, tenant: Tenant, num_lines: int) -> None:
     submissions at the same moment may both pass: the quota bounds a backlog, not a race.)"""
     if tenant.max_queued_lines is None:
         return
-    queued = batches.queued_lines(r, tenant.name)
+    queued = tenant_backlog.queued_lines(r, tenant.name)
     if queued + num_lines > tenant.max_queued_lines:
         raise APIError(429, f"Tenant {tenant.name!r} has {queued} batch lines queued; {num_lines} more would pass "
                             f"its max_queued_lines of {tenant.max_queued_lines}.", "quota_exceeded",

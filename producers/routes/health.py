@@ -12,7 +12,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from jobs import queues
+from jobs import backlog, keys
 from producers.dependencies import MonitorDep, RedisDep, ServicesDep
 
 log = logging.getLogger("kvfleet.api")
@@ -40,6 +40,5 @@ def queue_backlog(model: str, r: RedisDep):
     """The model's batch backlog over every batch's queue (jobs/queues.py): `lag`, requests no
     worker was given yet, is what KEDA's metrics-api trigger scales on; `pending`, requests
     being run."""
-    found = queues.active(r, [model])
-    pending, lag = queues.backlog(found)
-    return {"model": model, "lag": lag, "pending": pending, "queues": len(found)}
+    pending, lag = backlog.totals(r, [model])  # the summary: O(partitions), whatever the open batches
+    return {"model": model, "lag": lag, "pending": pending, "queues": r.zcard(keys.queues(model))}

@@ -52,6 +52,18 @@ def r(chaos_redis) -> redis.Redis:
     return redis.Redis.from_url(chaos_redis.url)
 
 
+def at_progress(r, batch_id: str, fractions: list[float], fleet: Fleet | None = None, timeout: float = 240):
+    """Yield as the batch's counted results pass each of `fractions` of its total, in turn: a
+    test sized by what happened, not by how fast this host runs (a moment picked by the clock
+    lands after the batch ended on a host twice as fast). Each fraction under 1 is a moment the
+    batch is still running."""
+    total = batches.batch_object(r, batch_id)["request_counts"]["total"]
+    for fraction in sorted(fractions):
+        wait_for(lambda fraction=fraction: counted(r, batch_id) >= fraction * total, timeout,
+                 f"{fraction:.0%} of the batch", fleet, interval=0.02)
+        yield fraction
+
+
 def wait_for(predicate, timeout: float, what: str, fleet: Fleet | None = None, interval: float = 0.1):
     deadline = time.monotonic() + timeout
     while True:

@@ -8,7 +8,7 @@ import random
 import time
 
 from jobs import batches, keys
-from tests.chaos.conftest import counted, wait_for
+from tests.chaos.conftest import at_progress, counted, wait_for
 from tests.chaos.history import check_history
 from tests.e2e.fleet import wait_terminal
 from tests.workers.helpers import MODEL, completion, submit_lines
@@ -34,20 +34,21 @@ def test_kill_9_at_ten_random_moments_loses_and_doubles_nothing(fleet, r):
     for name in names:
         fleet.start_worker(name, lease_seconds=2, max_num_seqs=8, extra=("--max-deliveries", "50"))
     fleet.wait_ready(*names)
-    # ~13k tokens: the ten kills take ~10 s, in which a fleet that is mostly restarting makes a
-    # few thousand, so the batch outlives them with room to spare (48k took ~160 s in all).
     records = requests(100, seed=1, max_tokens=(60, 200))
     batch_id = submit_lines(r, records)
+    # Ten random moments by progress, one in each sixteenth of the batch from the second to the
+    # eleventh: however fast the host, each lands while the batch runs, with a third still to go.
+    moments = [rng.uniform((k + 0.1) / 16, (k + 0.9) / 16) for k in range(1, 11)]
     kills = 0
-    while kills < 10 and batches.batch_object(r, batch_id)["status"] == "in_progress":
-        time.sleep(rng.uniform(0.2, 1.2))
+    for _ in at_progress(r, batch_id, moments, fleet):
+        assert batches.batch_object(r, batch_id)["status"] == "in_progress"
         index = rng.randrange(len(names))
         fleet.processes[names[index]].kill()
         fleet.processes[names[index]].wait(timeout=10)
         names[index] = f"w{index}.{kills}"  # a restarted pod: a new consumer name
         fleet.start_worker(names[index], lease_seconds=2, max_num_seqs=8, extra=("--max-deliveries", "50"))
         kills += 1
-    assert kills == 10, f"the batch ended after {kills} kills; make it longer"
+    assert kills == 10
     wait_terminal(r, [batch_id], timeout=240, fleet=fleet)
     check_history(r, {batch_id: {record["custom_id"] for record in records}})
 

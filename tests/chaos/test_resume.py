@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, multiprocess
 from engine import LLM
 from jobs import batches, keys
 from jobs.schemas import parse_line
+from tests.chaos.conftest import at_progress, wait_for
 from tests.chaos.history import check_history
 from tests.e2e.fleet import Fleet, wait_terminal
 from tests.workers.helpers import read_lines, submit_lines
@@ -97,8 +98,10 @@ def test_kill_9_and_migrate_mid_generation_lose_no_output_and_regenerate_under_5
     fleet.wait_ready(*names)
     records = lines(64, seed=3)
     batch_id = submit_lines(r, [{"custom_id": rec["custom_id"], **rec["body"]} for rec in records])
-    for stop in range(4):  # three kills, then a migrating drain
-        time.sleep(rng.uniform(0.5, 1.5))
+    # Three kills, then a migrating drain, by progress (one in each eighth of the batch from the
+    # first to the fourth): mid-generation whatever the host's speed, with half the batch to go.
+    moments = [rng.uniform((k + 0.1) / 8, (k + 0.9) / 8) for k in range(4)]
+    for stop, _ in enumerate(at_progress(r, batch_id, moments, fleet)):
         assert batches.batch_object(r, batch_id)["status"] == "in_progress", f"ended after {stop} stops"
         index = rng.randrange(len(names))
         process = fleet.processes[names[index]]
@@ -107,8 +110,8 @@ def test_kill_9_and_migrate_mid_generation_lose_no_output_and_regenerate_under_5
             assert process.wait(timeout=10) == -signal.SIGKILL
         else:
             fleet.wait_ready(names[index])  # a worker still loading its model just exits
-            time.sleep(1.0)  # and has taken work
-            assert held_by(r, names[index]) > 0
+            name = names[index]
+            wait_for(lambda name=name: held_by(r, name) > 0, 120, "the worker to take work", fleet)
             started = time.monotonic()
             process.send_signal(signal.SIGTERM)
             while held_by(r, names[index]):  # each entry handed back, with its checkpoint

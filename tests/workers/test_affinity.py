@@ -87,7 +87,8 @@ def test_affinity_off_runs_entries_where_they_are_pulled(engines, r, started):
 
 
 def test_an_owner_that_cannot_start_forwarded_work_hands_it_back_after_the_wait(engines, r, started, monkeypatch):
-    puller, owner = (make_worker(engine, r, name=f"w{i}", prefix_affinity_wait=0.5) for i, engine in enumerate(engines))
+    # A wait no host's slowness reaches between two turns; then, "past the wait", none at all.
+    puller, owner = (make_worker(engine, r, name=f"w{i}", prefix_affinity_wait=600) for i, engine in enumerate(engines))
     batch_ids, group = interleaved_batches(r, num_groups=6, per_group=2)
     for worker in (puller, owner):
         worker._heartbeat()
@@ -98,7 +99,7 @@ def test_an_owner_that_cannot_start_forwarded_work_hands_it_back_after_the_wait(
     assert forwarded > 0 and not any(name == "w1" for name in started.values())
     owner.run_once()  # within the wait: it keeps them
     assert owner.metrics.affinity_released._value.get() == 0
-    time.sleep(0.5)
+    owner.batch_lane.affinity.wait_seconds = 1e-6  # (0 would turn affinity off)
     owner.last_maintain = 0.0
     owner.run_once()  # past the wait: back to the stream, for anyone
     assert owner.metrics.affinity_released._value.get() == forwarded

@@ -81,3 +81,17 @@ def test_across_tenants_the_deadline_decides_only_among_tenants_at_their_share()
 def test_a_plan_never_takes_more_than_a_queue_has():
     a, b = Candidate(queue("a"), "acme", 1.0, 2), Candidate(queue("b"), "globex", 1.0, 3)
     assert sorted((q.batch_id, n) for q, n in FairShare().plan([a, b], 10)) == [("a", 2), ("b", 3)]
+
+
+def test_a_tenant_backlogged_anew_gets_the_next_entry_whatever_the_deadlines_of_the_others():
+    """Among a hundred even tenants, earliest deadline first would put a newcomer's later
+    deadline behind every one of them: its first entry waited a round of the fleet (a second
+    with a hundred tenants). It starts one entry behind instead: next, then its share."""
+    share = FairShare()
+    early = [Candidate(queue(f"b{i}", deadline=TWO_MINUTES + i), f"tenant-{i}", 1.0, 10_000) for i in range(100)]
+    serve(share, early, 300)
+    newcomer = Candidate(queue("new", deadline=DAY), "newcomer", 1.0, 10_000)
+    [(first, _)] = share.plan([*early, newcomer], 1)
+    assert first == newcomer.queue
+    served = serve(share, [*early, newcomer], 202)
+    assert served["newcomer"] in (2, 3)  # then its share: about one entry in 101
