@@ -34,9 +34,11 @@ scripts' back.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import redis
 
-from jobs import keys, queues  # queues imports this module too: its names are read at call time
+from jobs import keys
 
 ARRIVALS_MAXLEN = 100  # a signal stream: idle workers only need its newest id
 
@@ -163,7 +165,19 @@ def totals(r: redis.Redis, models: list[str]) -> tuple[int, int]:
     return sum(max(0, int(p or 0)) for p, _ in rows), sum(max(0, int(lag or 0)) for _, lag in rows)
 
 
-def heads(r: redis.Redis, models: list[str]) -> list[queues.Queue]:
+@dataclass(frozen=True)
+class Head:
+    """One tenant's ready work in a partition: `stream` its ready set, `deadline` its earliest
+    (what fair share plans over, as it plans over batch queues: workers/fair_share.py)."""
+
+    stream: str
+    model: str
+    deadline: float
+    tenant: str
+    partition: int
+
+
+def heads(r: redis.Redis, models: list[str]) -> list[Head]:
     """One head per (partition, model of `models`, tenant) with ready work, earliest deadline
     first: the models with ready work per partition, then their tenants (two round trips)."""
     served, partitions = set(models), range(keys.num_partitions(r))
@@ -174,13 +188,12 @@ def heads(r: redis.Redis, models: list[str]) -> list[queues.Queue]:
              for model in found if model.decode() in served]
     for partition, model in pairs:
         pipe.zrange(keys.ready_tenants(partition, model), 0, -1, withscores=True)
-    found = [queues.Queue(keys.ready(partition, model, tenant.decode()), model, deadline, tenant=tenant.decode(),
-                          partition=partition)
+    found = [Head(keys.ready(partition, model, tenant.decode()), model, deadline, tenant.decode(), partition)
              for (partition, model), rows in zip(pairs, pipe.execute() if pairs else []) for tenant, deadline in rows]
     return sorted(found, key=lambda queue: (queue.deadline, queue.stream))
 
 
-def read(r: redis.Redis, consumer: str, plan: list[tuple[queues.Queue, int]]) -> list[tuple[str, str, dict]]:
+def read(r: redis.Redis, consumer: str, plan: list[tuple[Head, int]]) -> list[tuple[str, str, dict]]:
     """Up to `count` never-delivered entries of each planned head, its tenant's earliest
     deadlines first, in one pipelined round trip: [(stream, entry id, fields)]."""
     if not plan:
@@ -222,7 +235,7 @@ def reconcile(r: redis.Redis) -> int:
               for key in r.scan_iter(match=f"{keys.PREFIX}:queues:*", count=1000)]
     num_corrected = 0
     for model in models:
-        streams = [queue.stream for queue in queues.registered(r, [model])]
+        streams = [stream.decode() for stream in r.zrange(keys.queues(model), 0, -1)]
         counts = {partition: [0, 0] for partition in range(keys.num_partitions(r))}  # [lag, pending]
         pipe = r.pipeline(transaction=False)
         for stream in streams:

@@ -28,16 +28,11 @@ from jobs.tenants import DEFAULT_TENANT
 
 @dataclass(frozen=True)
 class Queue:
-    """A batch stream; or, as a worker reads the backlog's summary (jobs/backlog.py), one
-    tenant's ready work in a partition: `stream` its ready set, `deadline` its earliest."""
-
     stream: str
     model: str
     deadline: float  # wall-clock seconds: its batch's expires_at
     lag: int | None = None  # entries never delivered; None: Redis cannot tell (a read finds out)
     pending: int = 0  # delivered and not yet acknowledged
-    tenant: str = ""  # a summary head's
-    partition: int = 0
 
     @property
     def batch_id(self) -> str:

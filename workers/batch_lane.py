@@ -22,8 +22,8 @@ import redis
 
 from engine import LLMEngine, ProcessedRequest, RequestOutput
 from jobs import batches, keys
+from jobs.backlog import Head
 from jobs.entries import BatchEntry, MalformedEntry
-from jobs.queues import Queue
 from jobs.results import error_line
 from jobs.schemas import MAX_PRIORITY, Request, parse_line
 from jobs.tenants import DEFAULT_TENANT
@@ -131,13 +131,13 @@ class BatchLane(Lane):
                     self.r, stream, self.config.consumer, self.config.lease_ms, count - len(entries))]
         return entries
 
-    def candidates(self, heads: list[Queue], count: int) -> list[Candidate]:
+    def candidates(self, heads: list[Head], count: int) -> list[Candidate]:
         """The tenants with ready work, each with its weight; of a LoRA adapter's, those the
         adapter preference reads now (workers/adapters.py)."""
         return [Candidate(head, head.tenant, self.served.weights.get(head.tenant, 1.0), count)
                 for head in self.preferred_by_adapter(heads)]
 
-    def preferred_by_adapter(self, queues: list[Queue]) -> list[Queue]:
+    def preferred_by_adapter(self, queues: list[Head]) -> list[Head]:
         """The base model's queues, and those of the adapters this worker reads now."""
         preference, adapters = self.adapter_preference, self.config.adapters
         if preference is None:

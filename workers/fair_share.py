@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jobs.queues import Queue
+from jobs.backlog import Head
 
 SLACK_ENTRIES = 1.0  # a tenant this many of its own entries ahead of the furthest behind is still even
 DEFAULT_TOKENS_PER_ENTRY = 512.0  # until a tenant's first entry is charged
@@ -34,7 +34,7 @@ DEFAULT_TOKENS_PER_ENTRY = 512.0  # until a tenant's first entry is charged
 class Candidate:
     """A queue with new entries, whose they are, and how many it may give now."""
 
-    queue: Queue
+    queue: Head  # one tenant's ready work in a partition (jobs/backlog.py)
     tenant: str
     weight: float
     room: int
@@ -47,7 +47,7 @@ class FairShare:
         self.tokens_per_entry: dict[str, float] = {}  # tenant -> running estimate
         self.backlogged: set[str] = set()  # tenants with new entries at the last plan
 
-    def plan(self, candidates: list[Candidate], count: int) -> list[tuple[Queue, int]]:
+    def plan(self, candidates: list[Candidate], count: int) -> list[tuple[Head, int]]:
         """Up to `count` entries over the candidates: [(queue, how many)]."""
         by_tenant: dict[str, list[Candidate]] = {}
         for candidate in sorted(candidates, key=lambda c: (c.queue.deadline, c.queue.stream)):

@@ -22,7 +22,7 @@ import redis
 from engine.lora.peft import CONFIG_FILE
 from jobs import adapters as jobs_adapters
 from jobs import backlog, keys, tenants
-from jobs.queues import Queue
+from jobs.backlog import Head
 from workers import stream_ops
 from workers.adapters import S3_PREFIX, Adapters
 
@@ -39,7 +39,7 @@ class ServedStreams:
         # of `bases` (jobs/adapters.py: resolve), when a --lora-resolver prefix allows them.
         self.adapters, self.bases = adapters, set(bases or models)
         self.batch: list[str] = []  # batch streams are found through the backlog's summary, never listed
-        self.queues: list[Queue] = []  # the heads of the last refresh
+        self.queues: list[Head] = []  # the heads of the last refresh
         self.weights: dict[str, float] = {}  # tenant -> fair-share weight (jobs/tenants.py)
         self.touched: set[str] = set()  # batch streams read since the last trim
         self.refreshed_at = -math.inf
@@ -52,7 +52,7 @@ class ServedStreams:
     def model_of(stream: str) -> str:
         return keys.model_of_stream(stream)
 
-    def refresh(self, force: bool = False) -> list[Queue]:
+    def refresh(self, force: bool = False) -> list[Head]:
         """One head per (partition, served model, tenant) with ready batch work, from the
         backlog's summary (jobs/backlog.py): its `stream` is the tenant's ready set, its deadline
         the tenant's earliest. At most every REFRESH_SECONDS; two pipelined round trips, whatever
@@ -65,7 +65,7 @@ class ServedStreams:
             self.refreshed_at = self.clock()
         return self.queues
 
-    def read(self, consumer: str, plan: list[tuple[Queue, int]]) -> list[tuple[str, str, dict]]:
+    def read(self, consumer: str, plan: list[tuple[Head, int]]) -> list[tuple[str, str, dict]]:
         """Never-delivered entries, up to a count from each planned head, its tenant's earliest
         deadlines first: [(stream, entry id, fields)]."""
         found = backlog.read(self.r, consumer, plan)
