@@ -3,15 +3,16 @@ an engine without a model that answers at once: benchmarks/instant_engine.py) on
 on a 3-master Redis Cluster, with 10 to 20,000 open batches across 100 tenants.
 
     python -m benchmarks.control_plane [--open 10,1000,20000] [--tenants 100] [--workers 4]
-                                       [--seconds 6] [--lines 20000] [--no-cluster]
+                                       [--seconds 15] [--lines 20000] [--no-cluster]
 
 Every run holds the same backlog (--lines, split evenly over the open batches), so only the
 number of open batches changes. For each, over --seconds of steady work:
   * Redis commands per worker per second, and per request served (commands, not round trips:
     a pipeline of 20 is 20), counted on each worker's own client;
   * the time from a new tenant's enqueue to its first pull, with everyone else backlogged;
-  * fair-share error: how far the tenants' requests served fall from an even split (all weigh
-    1, all backlogged throughout): max |served - mean| / mean.
+  * fair-share error: how far the tenants' requests started over the window (counted at fair
+    share's own charge, on every worker) fall from an even split (all weigh 1, all backlogged
+    throughout): max |started - mean| / mean.
 Goal: flat per-worker commands from 10 to 20,000 open batches, first pull under 1 s, fair
 share within 10%. Peers: none (no other system has this queue); the row at 10 open batches is
 the baseline the others are read against.
@@ -24,13 +25,14 @@ import json
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import redis
 
 from benchmarks.common import print_summary
 from benchmarks.instant_engine import InstantConfig, InstantEngine
-from jobs import batches, keys
+from jobs import keys
 from jobs.connection import connect
 from jobs.local_redis import RedisClusterServers, RedisServer
 from producers.ingest import submit
@@ -90,7 +92,29 @@ def count_into(method, counter: CommandCounter, into: CommandCounter):
     return counted
 
 
-def start_workers(url: str, num_workers: int) -> tuple[list, list[tuple[CommandCounter, CommandCounter]], list]:
+class Started:
+    """Requests the workers started, by tenant (fair share's own charge, so the count is exact
+    and instantaneous)."""
+
+    def __init__(self) -> None:
+        self.by_tenant: Counter = Counter()
+        self.lock = threading.Lock()
+
+    def watch(self, charge):
+        def counted(tenant: str, weight: float, num_tokens: int) -> None:
+            with self.lock:
+                self.by_tenant[tenant] += 1
+            charge(tenant, weight, num_tokens)
+        return counted
+
+    def take(self) -> Counter:
+        with self.lock:
+            taken, self.by_tenant = self.by_tenant, Counter()
+        return taken
+
+
+def start_workers(url: str, num_workers: int,
+                  started: Started) -> tuple[list, list[tuple[CommandCounter, CommandCounter]], list]:
     """Workers in threads, each with a counter of all its commands and one of what it sends to
     choose and read its batch work (ServedStreams: refresh, read, with_pending)."""
     from workers.worker import Worker, WorkerOptions  # noqa: PLC0415
@@ -103,6 +127,7 @@ def start_workers(url: str, num_workers: int) -> tuple[list, list[tuple[CommandC
                                       prefix_affinity_wait=0.0, drain_seconds=5))
         for name in ("refresh", "read", "with_pending"):
             setattr(worker.streams, name, count_into(getattr(worker.streams, name), counter, control))
+        worker.batch_lane.fair_share.charge = started.watch(worker.batch_lane.fair_share.charge)
         thread = threading.Thread(target=worker.work, daemon=True)
         fleet.append(worker), counters.append((counter, control)), threads.append(thread)
         thread.start()
@@ -123,46 +148,39 @@ def first_pull_seconds(r: redis.Redis, timeout: float = 30.0) -> float:
     return float("inf")
 
 
-def served_by_tenant(r: redis.Redis) -> dict[str, int]:
-    ids = [batch_id.decode() for batch_id in r.zrange(keys.BATCHES, 0, -1)]
-    served: dict[str, int] = {}
-    for start in range(0, len(ids), 1000):
-        for fields in batches.load_many(r, ids[start:start + 1000]):
-            if fields is not None and fields["tenant"] != "probe":
-                served[fields["tenant"]] = served.get(fields["tenant"], 0) + fields["completed"] + fields["failed"]
-    return served
-
-
 def measure(url: str, num_batches: int, args) -> dict:
     r = connect(url)
     for node_client in ([r] if not hasattr(r, "get_nodes") else [r.get_redis_connection(n) for n in r.get_primaries()]):
         node_client.flushall()
     fill(r, num_batches, args.lines, args.tenants)
-    fleet, counters, threads = start_workers(url, args.workers)
+    started = Started()
+    fleet, counters, threads = start_workers(url, args.workers, started)
     time.sleep(1.0)  # joined and pulling
     for counter, control in counters:
         counter.reset(), control.reset()
-    before = served_by_tenant(r)
+    started.take()
+    steps_before = sum(worker.engine.num_steps for worker in fleet)
     window_started = time.monotonic()
     first_pull = first_pull_seconds(r)
     time.sleep(max(0.0, args.seconds - (time.monotonic() - window_started)))
     seconds = time.monotonic() - window_started
     commands = [counter.reset() for counter, _ in counters]
     control = [control.reset() for _, control in counters]
-    turns = sum(worker.engine.num_steps for worker in fleet)
-    after = served_by_tenant(r)
+    served = started.take()
+    served.pop("probe", None)
+    steps = sum(worker.engine.num_steps for worker in fleet) - steps_before
     for worker in fleet:
         worker.request_stop()
     for thread in threads:
         thread.join(timeout=30)
-    served = {tenant: after.get(tenant, 0) - before.get(tenant, 0) for tenant in after}
     total = sum(served.values())
     mean = total / max(1, len(served))
     return {"open_batches": num_batches, "commands_per_worker_s": sum(commands) / len(commands) / seconds,
             "requests_per_s": total / seconds, "commands_per_request": sum(commands) / max(1, total),
             "choosing_commands_per_request": sum(control) / max(1, total),
-            "choosing_commands_per_step": sum(control) / max(1, turns),
-            "first_pull_s": first_pull,
+            "choosing_commands_per_step": sum(control) / max(1, steps),
+            "first_pull_s": first_pull, "tenants_served": len(served), "requests_per_tenant": mean,
+            "fewest_and_most_per_tenant": [min(served.values(), default=0), max(served.values(), default=0)],
             "fair_share_error": max(abs(count - mean) / mean for count in served.values()) if mean else None}
 
 
@@ -182,7 +200,8 @@ def main() -> None:
     parser.add_argument("--open", default="10,1000,20000", help="numbers of open batches, comma-separated")
     parser.add_argument("--tenants", type=int, default=100)
     parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--seconds", type=float, default=6.0)
+    parser.add_argument("--seconds", type=float, default=15.0,
+                        help="the measured window: long enough for ~50 requests a tenant to show the split")
     parser.add_argument("--lines", type=int, default=20000, help="the backlog, split over the open batches")
     parser.add_argument("--no-cluster", action="store_true", help="one Redis only")
     args = parser.parse_args()

@@ -85,7 +85,7 @@ class BatchLane(Lane):
         self.forwarded = Forwarded(r, config.consumer)
         self.summary = GroupSummary(r, config.consumer)  # the prefix groups it ran last, published
         self.adapter_preference: AdapterPreference | None = None  # set by the worker when it serves adapters
-        self.fair_share = FairShare()
+        self.fair_share = FairShare(name=config.consumer)
         self.batch_cache: OrderedDict[str, dict] = OrderedDict()  # LRU, MAX_CACHED_BATCHES
 
     # -- the lane protocol ------------------------------------------------------

@@ -6,9 +6,10 @@ worker started for it, divided by its weight. The next entry comes from the back
 tenant whose clock is furthest behind (start-time fair queuing; deficit round-robin does
 the same in rounds, AIBrix's virtual token counter per request). A clock within SLACK_ENTRIES
 of a tenant's entries of the furthest behind counts as even, and among even tenants the
-earliest deadline goes first: fairness first, then deadlines, so a tight window overtakes a
-loose one of another tenant only while both are at their share. Within a tenant, its
-batches go by deadline.
+earliest deadline goes first (to the minute: then the tenant furthest behind, then an order of
+each worker's own, so that workers do not all reach for the same tenants at once): fairness
+first, then deadlines, so a tight window overtakes a loose one of another tenant only while
+both are at their share. Within a tenant, its batches go by deadline.
 
 Idle time earns no credit: a tenant that becomes backlogged again starts just behind the
 lowest clock among the tenants that stayed backlogged (the slack and one entry), so its first
@@ -22,11 +23,13 @@ fleet does too, with no coordination; a worker that restarts starts even.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from jobs.backlog import Head
 
 SLACK_ENTRIES = 1.0  # a tenant this many of its own entries ahead of the furthest behind is still even
+DEADLINE_GRAIN_SECONDS = 60  # deadlines within one minute are one deadline, between tenants
 DEFAULT_TOKENS_PER_ENTRY = 512.0  # until a tenant's first entry is charged
 
 
@@ -41,8 +44,10 @@ class Candidate:
 
 
 class FairShare:
-    def __init__(self, slack_entries: float = SLACK_ENTRIES, smoothing: float = 0.2) -> None:
-        self.slack_entries, self.smoothing = slack_entries, smoothing
+    def __init__(self, slack_entries: float = SLACK_ENTRIES, smoothing: float = 0.2, name: str = "") -> None:
+        """`name`: the worker's, which orders tenants whose deadlines and clocks tie: workers that
+        start together then reach for different tenants first instead of all the same ones."""
+        self.slack_entries, self.smoothing, self.name = slack_entries, smoothing, name
         self.clock: dict[str, float] = {}  # tenant -> tokens started / weight
         self.tokens_per_entry: dict[str, float] = {}  # tenant -> running estimate
         self.backlogged: set[str] = set()  # tenants with new entries at the last plan
@@ -76,7 +81,12 @@ class FairShare:
         floor = min(clocks[tenant] for tenant in heads)
         even = [tenant for tenant, head in heads.items()
                 if clocks[tenant] <= floor + self.slack_entries * self.expected_tokens(tenant) / head.weight]
-        return min(even, key=lambda tenant: (heads[tenant].queue.deadline, clocks[tenant], tenant))
+        return min(even, key=lambda tenant: (heads[tenant].queue.deadline // DEADLINE_GRAIN_SECONDS, clocks[tenant],
+                                             self._order(tenant)))
+
+    def _order(self, tenant: str) -> bytes:
+        """This worker's own order of the tenants (rendezvous hashing)."""
+        return hashlib.blake2b(f"{self.name}\n{tenant}".encode(), digest_size=8).digest()
 
     def _start_clocks(self, weights: dict[str, float]) -> None:
         """Tenants backlogged anew (`weights`: every backlogged tenant's) start just past the slack

@@ -56,8 +56,10 @@ def test_a_tenant_back_from_idle_gets_its_share_not_a_burst():
     a, b = Candidate(queue("a"), "acme", 1.0, 10_000), Candidate(queue("b"), "globex", 1.0, 10_000)
     serve(share, [b], 5)
     assert serve(share, [a], 100) == {"acme": 100}  # globex had nothing queued: acme takes the fleet
-    # globex returns with 5 entries' clock against acme's 100: it does not get 95 in a row.
-    assert serve(share, [a, b], 20) == {"acme": 10, "globex": 10}
+    # globex returns with 5 entries' clock against acme's 100: it does not get 95 in a row, only
+    # the one entry a tenant backlogged anew goes first with, then its share.
+    served = serve(share, [a, b], 20)
+    assert served["globex"] in (10, 11) and served["acme"] == 20 - served["globex"]
 
 
 def test_earliest_deadline_first_within_a_tenant():
