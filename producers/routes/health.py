@@ -30,12 +30,15 @@ def healthz(r: RedisDep):
     return {"status": "ok"}
 
 
-@router.get("/metrics", response_class=PlainTextResponse, dependencies=[MonitorDep])
+MONITOR_ERRORS = {401: {"description": "Keys are set and this is neither KVFLEET_METRICS_KEY nor the admin key"}}
+
+
+@router.get("/metrics", response_class=PlainTextResponse, dependencies=[MonitorDep], responses=MONITOR_ERRORS)
 def metrics(services: ServicesDep):
     return Response(generate_latest(services.metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.get("/queue/{model}", dependencies=[MonitorDep])
+@router.get("/queue/{model}", dependencies=[MonitorDep], responses=MONITOR_ERRORS)
 def queue_backlog(model: str, r: RedisDep):
     """The model's batch backlog over every batch's queue (jobs/queues.py): `lag`, requests no
     worker was given yet, is what KEDA's metrics-api trigger scales on; `pending`, requests
