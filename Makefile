@@ -71,6 +71,7 @@ bench: $(STAMP) $(BENCH_VENV)/.installed-stamp
 	$(BIN)/python -m benchmarks.tensor_parallel
 	$(BIN)/python -m benchmarks.structured_outputs
 	$(BIN)/python -m benchmarks.broker_cost
+	$(BIN)/python -m benchmarks.control_plane
 	$(BIN)/python -m benchmarks.moe
 	$(BIN)/python -m benchmarks.embeddings
 	$(BIN)/python -m benchmarks.multi_lora
