@@ -58,6 +58,7 @@ from workers.served_streams import ServedStreams
 log = logging.getLogger("kvfleet.worker")
 OUTAGE_ERRORS = stream_ops.OUTAGE_ERRORS  # storage errors are workers/flush.py's
 TRIM_SECONDS = 30.0
+BACKLOG_SECONDS = 5.0  # between two reads of the backlog the metrics show
 DRAIN_MODES = ("finish", "migrate")
 MAX_FAILED_STEPS = 3  # steps in a row that no request explains: the engine is broken; exit for a restart
 
@@ -128,7 +129,7 @@ class Worker:
         self.cold_signal: str | None = None  # the second SIGTERM or SIGINT, once one came
         self.backoff = 0.0
         self.retry_at = 0.0
-        self.last_maintain = self.last_trim = 0.0
+        self.last_maintain = self.last_trim = self.last_backlog = -BACKLOG_SECONDS
         self.started_at = time.time()
         self.is_group_ready = False
         self.is_reclaim_due = True  # look for entries of dead workers: once per maintain interval
@@ -263,10 +264,12 @@ class Worker:
         if now - self.last_trim > TRIM_SECONDS:
             self.last_trim = now
             self.streams.trim()
-        pending, lag, dead_letters = self.streams.backlog()
-        self.metrics.stream_pending.set(pending)
-        self.metrics.stream_lag.set(lag)
-        self.metrics.dead_letters.set(dead_letters)
+        if now - self.last_backlog >= BACKLOG_SECONDS:  # reads grow with the models served (adapters), not work
+            self.last_backlog = now
+            pending, lag, dead_letters = self.streams.backlog()
+            self.metrics.stream_pending.set(pending)
+            self.metrics.stream_lag.set(lag)
+            self.metrics.dead_letters.set(dead_letters)
 
     def _heartbeat(self) -> None:
         stats = self.engine.stats()
