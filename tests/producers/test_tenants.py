@@ -39,6 +39,7 @@ METRICS_KEY = "key-of-prometheus-and-keda"
 def api(r, redis_server, monkeypatch, tmp_path):
     keys_file = tmp_path / "keys.json"
     keys_file.write_text(json.dumps({"key-of-acme": {"tenant": "acme", "weight": 2},
+                                     "key-of-initech": {"tenant": "initech", "max_open_batches": 2},
                                      "key-of-globex": {"tenant": "globex", "max_queued_lines": 5,
                                                        "max_inflight_tokens": 300}}))
     monkeypatch.setenv("KVFLEET_API_KEYS", f"@{keys_file}")
@@ -102,6 +103,20 @@ def test_a_tenant_over_its_queued_lines_gets_a_429_naming_the_quota(api, r):
     assert len(globex.batches.list().data) == 1  # nothing was created
     create_batch(client_for(api, "key-of-acme"), num_lines=9)  # another tenant's lines are its own
     create_batch(globex, num_lines=1)  # within the quota still
+
+
+def test_a_tenant_at_its_max_open_batches_gets_a_429_naming_it_until_one_ends(api, r):
+    initech = client_for(api, "key-of-initech")
+    _, first = create_batch(initech, num_lines=1)
+    create_batch(initech, num_lines=1)
+    with pytest.raises(openai.RateLimitError) as refused:
+        create_batch(initech, num_lines=1)
+    assert refused.value.body["code"] == "quota_exceeded" and refused.value.body["param"] == "max_open_batches"
+    assert "2 batches open" in refused.value.body["message"] and len(initech.batches.list().data) == 2
+    create_batch(client_for(api, "key-of-acme"), num_lines=1)  # the quota is initech's alone
+    act_as_worker(r, first.id)  # one ends
+    assert initech.batches.retrieve(first.id).status == "completed"
+    create_batch(initech, num_lines=1)
 
 
 def test_a_tenants_online_tokens_in_flight_are_bounded_and_its_requests_wait(api, r, monkeypatch):
@@ -298,7 +313,7 @@ def test_an_online_entry_carries_its_tenant():
 
 
 def test_the_api_publishes_the_weights_and_the_queue_backlog_for_scaling(api, r):
-    assert tenants.weights(r) == {"acme": 2.0, "globex": 1.0, DEFAULT_TENANT: 1.0,  # for the workers' fair share
+    assert tenants.weights(r) == {"acme": 2.0, "globex": 1.0, "initech": 1.0, DEFAULT_TENANT: 1.0,  # fair share
                                   ADMIN_TENANT: 1.0}
     acme = client_for(api, "key-of-acme")
     create_batch(acme, num_lines=3)
