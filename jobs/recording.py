@@ -14,6 +14,7 @@ line; whoever comes second finds it there and counts that line's usage, not its 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,13 +120,15 @@ def _script_call(r: redis.Redis, batch_id: str, line: dict[str, Any], usage: Usa
 def _counted(r: redis.Redis, batch_id: str, replies: list) -> list[Recorded]:
     """The record scripts' replies: each tenant's queued line taken away, and finalize enqueued
     if they completed the batch."""
-    is_partition_done = False
+    is_partition_done, by_tenant = False, Counter()
     for added, counted, partition_total, *tenant in replies:
         if tenant and tenant[0]:
-            tenant_backlog.counted(r, tenant[0].decode() if isinstance(tenant[0], bytes) else tenant[0])
+            by_tenant[tenant[0].decode() if isinstance(tenant[0], bytes) else tenant[0]] += 1
         # Not only when new: a script sent again after its reply was lost counted the line the
         # first time, and this call may be the batch's last (request_finalize enqueues once).
         is_partition_done |= added != -1 and counted >= partition_total
+    for tenant, num_lines in by_tenant.items():
+        tenant_backlog.counted(r, tenant, num_lines)
     is_batch_done = False
     if is_partition_done:  # a partition is done: maybe the whole batch is
         fields = batches.load_fields(r, batch_id)

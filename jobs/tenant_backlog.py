@@ -41,9 +41,9 @@ def enqueued(r: redis.Redis, tenant: str, batch_id: str, num_lines: int) -> None
         r.hincrby(keys.tenant_queued(tenant), "lines", num_lines)
 
 
-def counted(r: redis.Redis, tenant: str) -> None:
-    """One line of an open batch of `tenant` has its result."""
-    r.hincrby(keys.tenant_queued(tenant), "lines", -1)
+def counted(r: redis.Redis, tenant: str, num_lines: int = 1) -> None:
+    """Lines of open batches of `tenant` have their results."""
+    r.hincrby(keys.tenant_queued(tenant), "lines", -num_lines)
 
 
 def ended(r: redis.Redis, fields: dict[str, Any]) -> None:
