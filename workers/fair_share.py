@@ -102,8 +102,8 @@ class FairShare:
         for tenant in backlogged - self.backlogged:
             # Behind by more than the slack: not even with the others, so not left to the deadlines.
             behind = (self.slack_entries + 1) * self.expected_tokens(tenant) / weights[tenant]
-            start = 0.0 if floor is None else floor - behind
-            self.clock[tenant] = max(self.clock.get(tenant, 0.0), start)
+            start = 0.0 if floor is None else floor - behind  # below 0 too: clocks are only compared
+            self.clock[tenant] = max(self.clock[tenant], start) if tenant in self.clock else start
         self.backlogged = backlogged
 
     def expected_tokens(self, tenant: str) -> float:

@@ -97,3 +97,15 @@ def test_a_tenant_backlogged_anew_gets_the_next_entry_whatever_the_deadlines_of_
     assert first == newcomer.queue
     served = serve(share, [*early, newcomer], 202)
     assert served["newcomer"] in (2, 3)  # then its share: about one entry in 101
+
+
+def test_a_newcomer_goes_first_also_where_entries_are_cheap():
+    """With entries of a few tokens the clocks stay small: a newcomer's start behind the floor
+    is below zero, and must stay there (clamped at zero it was even with the others, and
+    waited behind their earlier deadlines)."""
+    share = FairShare(name="w0")
+    early = [Candidate(queue(f"b{i}", deadline=TWO_MINUTES + i), f"tenant-{i}", 1.0, 10_000) for i in range(100)]
+    serve(share, early, 100, cost=4)  # one entry each: every clock at 4, one entry above a newcomer at 0
+    newcomer = Candidate(queue("new", deadline=DAY), "newcomer", 1.0, 10_000)
+    plan = share.plan([*early, newcomer], 15)
+    assert newcomer.queue in [queue_ for queue_, _ in plan]
