@@ -58,8 +58,10 @@ local function acked(stream, group, entry_id, delivered_key, info_key)
   if redis.call('XACK', stream, group, entry_id) == 0 then return 0 end
   local info = info_of(info_key, stream)
   if info then redis.call('HINCRBY', backlog_key(stream, info.model), 'pending', -1) end
-  if redis.call('XPENDING', stream, group)[1] == 0 then redis.call('SREM', delivered_key, stream) end
-  return 1
+  return 1  -- a stream left with nothing pending leaves `delivered` at the next reclaim (PRUNE_LUA)
+end
+local function tenant_lines_key(key)
+  return 'kvfleet:tenant-lines:{' .. string.match(key, '{(p%d+)}') .. '}'
 end
 local function make_ready(stream, info, count)
   local tag = '{' .. string.match(stream, '{(p%d+)}') .. '}'
@@ -103,7 +105,8 @@ return found
 
 # KEYS: the stream, the partition's delivered set and stream-info hash, the batch's counts hash
 # in the partition. ARGV: group. What the stream still held leaves the counts, its summary
-# entries go, then the stream; the partition is closed (jobs/tenant_backlog.py).
+# entries go, then the stream; the partition closes, its lines leave its tenant's queued lines
+# (jobs/tenant_backlog.py).
 RETIRE_LUA = ACKED_LUA + """
 local info = info_of(KEYS[3], KEYS[1])
 if info then
@@ -133,8 +136,20 @@ if info then
 end
 redis.call('SREM', KEYS[2], KEYS[1])
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[4], 'closed', 1)
+local c = redis.call('HMGET', KEYS[4], 'total', 'completed', 'failed', 'tenant', 'closed')
+if c[4] and not c[5] then
+  local held = (tonumber(c[1]) or 0) - (tonumber(c[2]) or 0) - (tonumber(c[3]) or 0)
+  if held > 0 then redis.call('HINCRBY', tenant_lines_key(KEYS[4]), c[4], 0 - held) end
+  redis.call('HSET', KEYS[4], 'closed', 1)
+end
 return 1
+"""
+
+# KEYS: a stream, its partition's delivered set. ARGV: group. A stream with nothing pending
+# any more leaves `delivered` (atomically with the look: a read that delivers anew adds it back).
+PRUNE_LUA = """
+if redis.call('XPENDING', KEYS[1], ARGV[1])[1] == 0 then return redis.call('SREM', KEYS[2], KEYS[1]) end
+return 0
 """
 
 
@@ -206,6 +221,17 @@ def read(r: redis.Redis, consumer: str, plan: list[tuple[Head, int]]) -> list[tu
                              keys.CONSUMER_GROUP, consumer, count, head.tenant, head.model)
     return [(_text(stream), _text(entry_id), _fields(flat)) for reply in pipe.execute()
             for stream, entries in reply or [] for entry_id, flat in entries]
+
+
+def prune_delivered(r: redis.Redis, streams: list[str]) -> None:
+    """Drop the streams with nothing pending any more from `delivered` (a worker does, after a
+    reclaim: acks leave the set alone, so that each ack costs no XPENDING)."""
+    pipe = r.pipeline(transaction=False)
+    for stream in streams:
+        pipe.execute_command("EVAL", PRUNE_LUA, 2, stream, keys.delivered(keys.stream_partition(stream)),
+                             keys.CONSUMER_GROUP)
+    if streams:
+        pipe.execute(raise_on_error=False)  # a stream retired meanwhile: the retire dropped it
 
 
 def delivered_streams(r: redis.Redis) -> list[str]:

@@ -12,7 +12,6 @@ racing to finalize a batch cannot both win.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import time
@@ -21,7 +20,7 @@ from typing import Any
 
 import redis
 
-from jobs import keys, outlook, queues, retention, tenant_backlog
+from jobs import keys, outlook, retention, tenant_backlog
 from jobs.storage import result_stores
 from jobs.tenants import DEFAULT_TENANT, Caller
 
@@ -315,14 +314,6 @@ def list_batch_ids(r: redis.Redis, after: str | None = None, limit: int = 20, te
             raise BatchNotFound(after)
         start = rank + 1
     return [b.decode() for b in r.zrevrange(index, start, start + limit - 1)]
-
-
-def close(r: redis.Redis, model: str, batch_id: str) -> None:
-    """An ended batch's streams retired (jobs/queues.py), then what it still held out of its
-    tenant's queued lines (jobs/tenant_backlog.py: after its partitions closed)."""
-    queues.retire(r, model, batch_id)
-    with contextlib.suppress(BatchNotFound):
-        tenant_backlog.ended(r, load_fields(r, batch_id))
 
 
 def delete_batch(r: redis.Redis, batch_id: str) -> None:

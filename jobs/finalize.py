@@ -34,7 +34,7 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from jobs import batches, keys
+from jobs import batches, keys, queues
 from jobs.connection import connect, queue_connection
 from jobs.files import create_file
 from jobs.results import is_error_line
@@ -152,7 +152,7 @@ def _finalize_locked(r: redis.Redis, batch_id: str) -> dict:
         batches.transition(r, batch_id, "cancelled")
     elif status == "in_progress" and time.time() > fields["expires_at"]:
         batches.transition(r, batch_id, "expired")
-    batches.close(r, fields["model"], batch_id)  # every entry is acknowledged: its streams go
+    queues.retire(r, fields["model"], batch_id)  # every entry is acknowledged: its streams go
     return batches.batch_object(r, batch_id)
 
 

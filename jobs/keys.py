@@ -253,13 +253,9 @@ def tenant_open(tenant: str) -> str:
     return f"{PREFIX}:tenant:{{{tenant}}}:open"
 
 
-def tenant_queued(tenant: str) -> str:
-    """A tenant's queued lines: its open batches' lines without a result (jobs/tenant_backlog.py)."""
-    return f"{PREFIX}:tenant:{{{tenant}}}:queued"
-
-
-def tenant_of_queued(key: str) -> str:
-    return key.removeprefix(f"{PREFIX}:tenant:{{").removesuffix("}:queued")
+def tenant_lines(partition: int) -> str:
+    """Tenant -> its open batches' lines in the partition without a result (jobs/tenant_backlog.py)."""
+    return f"{PREFIX}:tenant-lines:{{p{partition}}}"
 
 
 def tokens_freed(tenant: str) -> str:

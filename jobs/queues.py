@@ -66,7 +66,8 @@ def register(r: redis.Redis, model: str, batch_id: str, partitions: Iterable[int
 
 def retire(r: redis.Redis, model: str, batch_id: str) -> None:
     """Forget an ended batch's streams: out of the registry, what they still held out of the
-    backlog's summary (and its partitions closed: jobs/tenant_backlog.py), then deleted."""
+    backlog's summary and of its tenant's queued lines (its partitions close:
+    jobs/tenant_backlog.py), then deleted."""
     streams = keys.batch_streams(model, batch_id, keys.num_partitions(r))
     r.zrem(keys.queues(model), *streams)
     for stream in streams:

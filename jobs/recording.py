@@ -14,13 +14,12 @@ line; whoever comes second finds it there and counts that line's usage, not its 
 from __future__ import annotations
 
 import json
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 import redis
 
-from jobs import backlog, batches, keys, tenant_backlog
+from jobs import backlog, batches, keys
 from jobs.finalize import request_finalize
 from jobs.results import Usage, is_error_line, usage_of
 from jobs.storage import Storage
@@ -50,8 +49,10 @@ if added == 1 then
 end
 if #KEYS == 5 then acked(KEYS[3], ARGV[6], ARGV[7], KEYS[4], KEYS[5]) end
 local f = redis.call('HMGET', KEYS[2], 'completed', 'failed', 'total', 'tenant', 'closed')
-local tenant = (added == 1 and f[4] and not f[5]) and f[4] or ''  -- whose open batch's queued line went
-return {added, (tonumber(f[1]) or 0) + (tonumber(f[2]) or 0), tonumber(f[3]) or 0, tenant}
+if added == 1 and f[4] and not f[5] then  -- a queued line of its tenant's open batch is done
+  redis.call('HINCRBY', tenant_lines_key(KEYS[2]), f[4], -1)
+end
+return {added, (tonumber(f[1]) or 0) + (tonumber(f[2]) or 0), tonumber(f[3]) or 0}
 """
 
 
@@ -118,17 +119,12 @@ def _script_call(r: redis.Redis, batch_id: str, line: dict[str, Any], usage: Usa
 
 
 def _counted(r: redis.Redis, batch_id: str, replies: list) -> list[Recorded]:
-    """The record scripts' replies: each tenant's queued line taken away, and finalize enqueued
-    if they completed the batch."""
-    is_partition_done, by_tenant = False, Counter()
-    for added, counted, partition_total, *tenant in replies:
-        if tenant and tenant[0]:
-            by_tenant[tenant[0].decode() if isinstance(tenant[0], bytes) else tenant[0]] += 1
+    """The record scripts' replies: finalize enqueued if they completed the batch."""
+    is_partition_done = False
+    for added, counted, partition_total in replies:
         # Not only when new: a script sent again after its reply was lost counted the line the
         # first time, and this call may be the batch's last (request_finalize enqueues once).
         is_partition_done |= added != -1 and counted >= partition_total
-    for tenant, num_lines in by_tenant.items():
-        tenant_backlog.counted(r, tenant, num_lines)
     is_batch_done = False
     if is_partition_done:  # a partition is done: maybe the whole batch is
         fields = batches.load_fields(r, batch_id)

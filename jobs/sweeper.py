@@ -29,7 +29,7 @@ from typing import Any
 import redis
 from rq.job import JobStatus
 
-from jobs import backlog, batches, files, heartbeats, keys, retention, tenant_backlog
+from jobs import backlog, batches, files, heartbeats, keys, queues, retention, tenant_backlog
 from jobs.entries import BatchEntry, MalformedEntry
 from jobs.finalize import ACTIVE_JOB_STATUSES, job_status, request_finalize
 from jobs.recording import record_many
@@ -53,7 +53,7 @@ def open_batches(r: redis.Redis) -> list[dict[str, Any]]:
         if fields is None or fields["status"] in batches.TERMINAL:
             r.srem(keys.OPEN_BATCHES, batch_id)  # the hash is gone, or its transition's SREM was lost
             if fields is not None:
-                batches.close(r, fields["model"], batch_id)
+                queues.retire(r, fields["model"], batch_id)
                 retention.schedule_batch_deletion(r, batch_id, time.time())
         else:
             found.append(fields)

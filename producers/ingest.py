@@ -162,14 +162,15 @@ def submit(r: redis.Redis, source: LineSource, *, batch_id: str | None = None, e
         fields["expires_at"], tenant)
     num_enqueued = _enqueue(r, source, batch_id, report, on_progress=on_progress)
     r.hset(keys.batch(batch_id), "estimated_tokens", report.estimated_tokens)
-    if report.invalid:
+    if report.invalid:  # their error lines count in the batch's first partition
+        tenant_backlog.add_lines(r, tenant, batch_id, keys.partition_of(batch_id, 0, num_partitions),
+                                 len(report.invalid))
         storage = open_storage(sink, r)
         for line_number, custom_id in report.invalid.items():
             error = next((e for e in report.errors if e.line_number == line_number), None)
             message = f"line {line_number}: {error.field}: {error.message}" if error else f"line {line_number}: invalid"
             record_result(r, storage, batch_id, error_line(custom_id, "invalid_request", message))
     batches.mark_enqueued(r, batch_id)
-    tenant_backlog.enqueued(r, tenant, batch_id, report.num_lines)  # its invalid lines' results count too
     return Submission(batch_id, report, num_enqueued)
 
 
@@ -191,7 +192,10 @@ for i = 3 + n, #ARGV, n do
 end
 redis.call('HINCRBY', KEYS[2], 'total', count)
 local info = info_of(KEYS[3], KEYS[1])
-if info and count > 0 then make_ready(KEYS[1], info, count) end
+if info and count > 0 then
+  make_ready(KEYS[1], info, count)
+  redis.call('HINCRBY', tenant_lines_key(KEYS[1]), info.tenant, count)  -- jobs/tenant_backlog.py
+end
 return count
 """
 

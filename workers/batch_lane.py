@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import redis
 
 from engine import LLMEngine, ProcessedRequest, RequestOutput
-from jobs import batches, keys
+from jobs import backlog, batches, keys
 from jobs.backlog import Head
 from jobs.entries import BatchEntry, MalformedEntry
 from jobs.results import error_line
@@ -116,7 +116,11 @@ class BatchLane(Lane):
         (jobs/backlog.py)."""
         if count <= 0:
             return []
-        entries = self.reclaim(self.served.with_pending(), count) if reclaim else []
+        entries = []
+        if reclaim:
+            with_pending = self.served.with_pending()
+            entries = self.reclaim(with_pending, count)
+            backlog.prune_delivered(self.r, with_pending)
         plan = self.fair_share.plan(self.candidates(self.served.refresh(), count), count - len(entries))
         entries += [(stream, entry_id, fields, 1) for stream, entry_id, fields in self.served.read(self.config.consumer,
                                                                                                    plan)]

@@ -84,6 +84,7 @@ def test_the_summary_counts_every_path_exactly(r):
     record_result(r, RedisStorage(r), acme, error_line("acme-2", "x", "y"), ack=(stream, keys.CONSUMER_GROUP, read[2][1]))
     stream_ops.ack(r, stream, read[3][1])
     assert summary_matches_the_streams(r) == (0, 7)
+    backlog.prune_delivered(r, backlog.delivered_streams(r))  # what a reclaim does
     assert not r.sismember(keys.delivered(0), stream)  # nothing of it pending any more
     everything = backlog.read(r, "w1", [(acme_head, 100)])
     assert len(everything) == 2 and summary_matches_the_streams(r) == (2, 5)
@@ -109,8 +110,27 @@ def test_a_tenants_quota_counts_are_kept_where_they_change(r):
 
     batches.transition(r, first, "cancelling")
     batches.transition(r, first, "cancelled")
-    batches.close(r, MODEL, first)
+    queues.retire(r, MODEL, first)
     assert tenant_backlog.open_batches(r, "tenant-0") == 1 and tenant_backlog.queued_lines(r, "tenant-0") == 3
     record_result(r, RedisStorage(r), first, error_line("c1", "x", "y"))  # a late result of the ended batch
     assert tenant_backlog.queued_lines(r, "tenant-0") == 3  # counts nothing any more
     assert tenant_backlog.reconcile(r, [batches.load_fields(r, second)]) == 0
+    r.hincrby(keys.tenant_lines(0), "tenant-0", 40)  # off, somehow ...
+    assert tenant_backlog.reconcile(r, [batches.load_fields(r, second)]) == 1  # ... until recounted
+    assert tenant_backlog.queued_lines(r, "tenant-0") == 3
+
+
+def test_invalid_lines_count_once_in_the_queued_lines(r):
+    from jobs import tenant_backlog  # noqa: PLC0415
+
+    lines = [line("a"), b'{"custom_id": "broken"', line("b")]
+    submission = submit(r, lambda: lines, model=MODEL, tenant="acme", skip_invalid=True)
+    assert submission.accepted and tenant_backlog.queued_lines(r, "acme") == 2  # the invalid one has its result
+    [head] = backlog.heads(r, [MODEL])
+    for stream, entry_id, fields in backlog.read(r, "w1", [(head, 10)]):  # as a worker reads
+        record_result(r, RedisStorage(r), submission.batch_id, error_line(json.loads(fields[b"line"])["custom_id"],
+                                                                         "x", "y"), ack=(stream, keys.CONSUMER_GROUP,
+                                                                                         entry_id))
+    assert tenant_backlog.queued_lines(r, "acme") == 0
+    queues.retire(r, MODEL, submission.batch_id)
+    assert tenant_backlog.queued_lines(r, "acme") == 0 and summary_matches_the_streams(r) == (0, 0)
