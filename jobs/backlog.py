@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import redis
 
 from jobs import keys
+from jobs.scripts import LuaScript, run_all
 
 ARRIVALS_MAXLEN = 100  # a signal stream: idle workers only need its newest id
 
@@ -153,6 +154,9 @@ return 0
 """
 
 
+READ, RETIRE, PRUNE = LuaScript(READ_LUA), LuaScript(RETIRE_LUA), LuaScript(PRUNE_LUA)
+
+
 def stream_info(model: str, tenant: str, deadline: float) -> str:
     """What the summary keeps of a batch stream (tenant names hold no tab: jobs/tenants.py)."""
     return f"{model}\t{tenant}\t{int(deadline)}"
@@ -160,8 +164,8 @@ def stream_info(model: str, tenant: str, deadline: float) -> str:
 
 def retire_stream(r: redis.Redis, stream: str) -> None:
     partition = keys.stream_partition(stream)
-    r.execute_command("EVAL", RETIRE_LUA, 4, stream, keys.delivered(partition), keys.stream_info(partition),
-                      keys.partition_counts(keys.batch_of_stream(stream), partition), keys.CONSUMER_GROUP)
+    RETIRE(r, [stream, keys.delivered(partition), keys.stream_info(partition),
+                keys.partition_counts(keys.batch_of_stream(stream), partition)], [keys.CONSUMER_GROUP])
 
 
 def signal_arrival(r: redis.Redis, model: str) -> None:
@@ -211,27 +215,18 @@ def heads(r: redis.Redis, models: list[str]) -> list[Head]:
 def read(r: redis.Redis, consumer: str, plan: list[tuple[Head, int]]) -> list[tuple[str, str, dict]]:
     """Up to `count` never-delivered entries of each planned head, its tenant's earliest
     deadlines first, in one pipelined round trip: [(stream, entry id, fields)]."""
-    if not plan:
-        return []
-    pipe = r.pipeline(transaction=False)
-    for head, count in plan:
-        partition = head.partition
-        pipe.execute_command("EVAL", READ_LUA, 5, head.stream, keys.ready_tenants(partition, head.model),
-                             keys.ready_models(partition), keys.delivered(partition), keys.backlog(partition, head.model),
-                             keys.CONSUMER_GROUP, consumer, count, head.tenant, head.model)
-    return [(_text(stream), _text(entry_id), _fields(flat)) for reply in pipe.execute()
+    calls = [(READ, [head.stream, keys.ready_tenants(head.partition, head.model), keys.ready_models(head.partition),
+                     keys.delivered(head.partition), keys.backlog(head.partition, head.model)],
+              [keys.CONSUMER_GROUP, consumer, count, head.tenant, head.model]) for head, count in plan]
+    return [(_text(stream), _text(entry_id), _fields(flat)) for reply in run_all(r, calls)
             for stream, entries in reply or [] for entry_id, flat in entries]
 
 
 def prune_delivered(r: redis.Redis, streams: list[str]) -> None:
     """Drop the streams with nothing pending any more from `delivered` (a worker does, after a
     reclaim: acks leave the set alone, so that each ack costs no XPENDING)."""
-    pipe = r.pipeline(transaction=False)
-    for stream in streams:
-        pipe.execute_command("EVAL", PRUNE_LUA, 2, stream, keys.delivered(keys.stream_partition(stream)),
-                             keys.CONSUMER_GROUP)
-    if streams:
-        pipe.execute(raise_on_error=False)  # a stream retired meanwhile: the retire dropped it
+    run_all(r, [(PRUNE, [stream, keys.delivered(keys.stream_partition(stream))], [keys.CONSUMER_GROUP])
+                for stream in streams], raise_on_error=False)  # a stream retired meanwhile: the retire dropped it
 
 
 def delivered_streams(r: redis.Redis) -> list[str]:

@@ -22,6 +22,7 @@ import redis
 from jobs import backlog, batches, keys
 from jobs.finalize import request_finalize
 from jobs.results import Usage, is_error_line, usage_of
+from jobs.scripts import LuaScript, run_all
 from jobs.storage import Storage
 
 # KEYS: the partition's done set and counts hash [, the stream, the partition's delivered set and
@@ -31,7 +32,7 @@ from jobs.storage import Storage
 # not pending for the owner any more (another worker took it over): nothing is counted. An
 # entry acked already with its request counted is this same call sent again after a lost
 # reply (or a racer's, equally counted): {0, counted, total}.
-_RECORD_LUA = backlog.ACKED_LUA + """
+_RECORD_LUA = LuaScript(backlog.ACKED_LUA + """
 if ARGV[8] then
   local pending = redis.call('XPENDING', KEYS[3], ARGV[6], ARGV[7], ARGV[7], 1)
   if #pending == 0 or pending[1][2] ~= ARGV[8] then
@@ -53,7 +54,7 @@ if added == 1 and f[4] and not f[5] then  -- a queued line of its tenant's open 
   redis.call('HINCRBY', tenant_lines_key(KEYS[2]), f[4], -1)
 end
 return {added, (tonumber(f[1]) or 0) + (tonumber(f[2]) or 0), tonumber(f[3]) or 0}
-"""
+""")
 
 
 @dataclass
@@ -75,7 +76,7 @@ def record_result(r: redis.Redis, storage: Storage, batch_id: str, line: dict[st
     custom_id = line["custom_id"]
     if not storage.put_result(batch_id, custom_id, encode(line)):
         line, usage = _stored_line(storage, batch_id, line, usage)
-    reply = r.eval(_RECORD_LUA, *_script_call(r, batch_id, line, usage, ack, partition, owner))
+    reply = _RECORD_LUA(r, *_script_call(r, batch_id, line, usage, ack, partition, owner))
     return _counted(r, batch_id, [reply])[0]
 
 
@@ -85,13 +86,13 @@ def record_many(r: redis.Redis, storage: Storage, batch_id: str,
     (storage.put_results: one round trip in Redis) and their count scripts in one pipelined
     round trip. The sweep settles a batch's unfinished lines this way. Returns how many were new."""
     stored = storage.put_results(batch_id, [(line["custom_id"], encode(line)) for line, _ in items])
-    pipe = r.pipeline(transaction=False)
+    calls = []
     for (line, ack), is_first in zip(items, stored):
         usage = usage_of(line)
         if not is_first:
             line, usage = _stored_line(storage, batch_id, line, usage)
-        pipe.execute_command("EVAL", _RECORD_LUA, *_script_call(r, batch_id, line, usage, ack, None, None))
-    return sum(recorded.is_new for recorded in _counted(r, batch_id, pipe.execute() if items else []))
+        calls.append((_RECORD_LUA, *_script_call(r, batch_id, line, usage, ack, None, None)))
+    return sum(recorded.is_new for recorded in _counted(r, batch_id, run_all(r, calls)))
 
 
 def encode(line: dict[str, Any]) -> bytes:
@@ -105,8 +106,8 @@ def _stored_line(storage: Storage, batch_id: str, line: dict[str, Any], usage: U
 
 
 def _script_call(r: redis.Redis, batch_id: str, line: dict[str, Any], usage: Usage | None,
-                 ack: tuple[str, str, str] | None, partition: int | None, owner: str | None) -> list:
-    """_RECORD_LUA's number of keys, keys and arguments for one result."""
+                 ack: tuple[str, str, str] | None, partition: int | None, owner: str | None) -> tuple[list, list]:
+    """_RECORD_LUA's keys and arguments for one result."""
     usage = usage or Usage()
     if partition is None:
         partition = keys.stream_partition(ack[0]) if ack else keys.partition_of(batch_id, 0, keys.num_partitions(r))
@@ -115,7 +116,7 @@ def _script_call(r: redis.Redis, batch_id: str, line: dict[str, Any], usage: Usa
     args = [line["custom_id"], "failed" if is_error_line(line) else "completed", usage.prompt_tokens,
             usage.completion_tokens, usage.cached_tokens, *(ack[1:] if ack else ()),
             *([owner] if ack and owner else [])]
-    return [len(script_keys), *script_keys, *args]
+    return script_keys, args
 
 
 def _counted(r: redis.Redis, batch_id: str, replies: list) -> list[Recorded]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+import uuid
 from array import array
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from jobs.entries import BATCH_ENTRY_FIELDS, BatchEntry
 from jobs.recording import record_result
 from jobs.results import error_line
 from jobs.schemas import COMPLETIONS, ENDPOINTS, MAX_REPORTED_ERRORS, LineError, custom_id_of, parse_line
+from jobs.scripts import LuaScript, run_all
 from jobs.storage import open_storage, validate_sink
 from jobs.tenants import DEFAULT_TENANT, estimated_tokens
 
@@ -174,22 +176,28 @@ def submit(r: redis.Redis, source: LineSource, *, batch_id: str | None = None, e
     return Submission(batch_id, report, num_enqueued)
 
 
-# KEYS: the partition's stream, counts hash and stream-info hash. ARGV: the chunk's marker,
-# the number N of fields an entry has, their N names (BATCH_ENTRY_FIELDS), then N values per
-# entry. The backlog's summary counts them, in the same step (jobs/backlog.py). Returns how
-# many it enqueued.
-_ENQUEUE_CHUNK_LUA = backlog.ACKED_LUA + """
-if redis.call('HSETNX', KEYS[2], ARGV[1], 1) == 0 then return 0 end
-local n = tonumber(ARGV[2])
+# KEYS: the partition's stream, counts hash and stream-info hash. ARGV: the chunk's marker, this
+# submission's id, the number N of fields an entry has, their N names (BATCH_ENTRY_FIELDS), then
+# N values per entry. The backlog's summary counts them, in the same step (jobs/backlog.py).
+# Returns how many it enqueued: a chunk enqueued already is 0, unless by this same submission
+# (the call sent again after its reply was lost: what it enqueued then).
+_ENQUEUE_CHUNK = LuaScript(backlog.ACKED_LUA + """
+local seen = redis.call('HGET', KEYS[2], ARGV[1])
+if seen then
+  local by, enqueued = string.match(seen, '^(.*):(%d+)$')
+  return by == ARGV[2] and tonumber(enqueued) or 0
+end
+local n = tonumber(ARGV[3])
 local entry, count = {}, 0
-for i = 3 + n, #ARGV, n do
+for i = 4 + n, #ARGV, n do
   for j = 0, n - 1 do
-    entry[2 * j + 1] = ARGV[3 + j]
+    entry[2 * j + 1] = ARGV[4 + j]
     entry[2 * j + 2] = ARGV[i + j]
   end
   redis.call('XADD', KEYS[1], '*', unpack(entry))
   count = count + 1
 end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2] .. ':' .. count)
 redis.call('HINCRBY', KEYS[2], 'total', count)
 local info = info_of(KEYS[3], KEYS[1])
 if info and count > 0 then
@@ -197,24 +205,25 @@ if info and count > 0 then
   redis.call('HINCRBY', tenant_lines_key(KEYS[1]), info.tenant, count)  -- jobs/tenant_backlog.py
 end
 return count
-"""
+""")
 
 
 def _enqueue(r: redis.Redis, source: LineSource, batch_id: str, report: Report,
              on_progress: Callable[[int], None] | None) -> int:
     """Pass 2: XADD the valid lines, PARTITION_LINES a script, skipping chunks already enqueued."""
     num_partitions = keys.num_partitions(r)
-    pipe = r.pipeline(transaction=False)
+    calls: list = []
     chunk: list = []
     index = num_enqueued = num_pending = 0
+    submission_id = uuid.uuid4().hex  # tells this call's chunks from an earlier run's
 
     def add_chunk() -> None:
         chunk_index = (index - 1) // keys.PARTITION_LINES
         partition = keys.partition_of(batch_id, chunk_index * keys.PARTITION_LINES, num_partitions)
-        # execute_command: redis-py's cluster pipeline has no eval(), but routes EVAL by its keys
-        pipe.execute_command("EVAL", _ENQUEUE_CHUNK_LUA, 3, keys.batch_stream(report.model, batch_id, partition),
-                             keys.partition_counts(batch_id, partition), keys.stream_info(partition),
-                             f"chunk:{chunk_index}", len(BATCH_ENTRY_FIELDS), *BATCH_ENTRY_FIELDS, *chunk)
+        calls.append((_ENQUEUE_CHUNK, [keys.batch_stream(report.model, batch_id, partition),
+                                       keys.partition_counts(batch_id, partition), keys.stream_info(partition)],
+                      [f"chunk:{chunk_index}", submission_id, len(BATCH_ENTRY_FIELDS), *BATCH_ENTRY_FIELDS,
+                       *chunk]))
         chunk.clear()
 
     for entry in _grouped_entries(source, batch_id, report):
@@ -224,11 +233,11 @@ def _enqueue(r: redis.Redis, source: LineSource, batch_id: str, report: Report,
             add_chunk()
             num_pending += keys.PARTITION_LINES
         if num_pending >= CHUNK_LINES:
-            num_enqueued += _flush(pipe, report.model, on_progress)
+            num_enqueued += _flush(r, calls, report.model, on_progress)
             num_pending = 0
     if chunk:
         add_chunk()
-    return num_enqueued + _flush(pipe, report.model, on_progress)
+    return num_enqueued + _flush(r, calls, report.model, on_progress)
 
 
 def _grouped_entries(source: LineSource, batch_id: str, report: Report) -> Iterator[BatchEntry]:
@@ -257,11 +266,12 @@ def _in_group_order(window: list[tuple[int, bytes]], batch_id: str, report: Repo
                        prefix=prefixes.encode(chains[i])) for i in prefixes.group_order(chains)]
 
 
-def _flush(pipe: redis.client.Pipeline, model: str, on_progress) -> int:
-    count = sum(pipe.execute())
+def _flush(r: redis.Redis, calls: list, model: str, on_progress) -> int:
+    """Run the queued chunk scripts in one round trip (and empty the list)."""
+    count = sum(run_all(r, calls))
+    calls.clear()
     if count:  # idle workers of the model wake (jobs/backlog.py)
-        pipe.xadd(keys.arrivals(model), {"n": count}, maxlen=backlog.ARRIVALS_MAXLEN, approximate=True)
-        pipe.execute()
+        r.xadd(keys.arrivals(model), {"n": count}, maxlen=backlog.ARRIVALS_MAXLEN, approximate=True)
     if on_progress and count:
         on_progress(count)
     return count

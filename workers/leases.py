@@ -22,6 +22,7 @@ from collections import defaultdict
 import redis
 
 from jobs import keys
+from jobs.scripts import LuaScript, run_all
 from workers import stream_ops
 
 log = logging.getLogger("kvfleet.worker")
@@ -44,6 +45,9 @@ return lost
 """
 
 
+TRANSFER_OWNED = LuaScript(TRANSFER_OWNED_LUA)
+
+
 def renew(r: redis.Redis, consumer: str, held: list[tuple[str, str]]) -> set[tuple[str, str]]:
     """Renew the leases of the (stream, entry id) pairs this consumer owns, in one round trip;
     returns the pairs it no longer owns (taken over, or acked by another worker)."""
@@ -52,13 +56,10 @@ def renew(r: redis.Redis, consumer: str, held: list[tuple[str, str]]) -> set[tup
         by_stream[stream].append(entry_id)
     if not by_stream:
         return set()
-    pipe = r.pipeline(transaction=False)
-    for stream, entry_ids in by_stream.items():
-        # execute_command: redis-py's cluster pipeline has no eval(), but routes EVAL by its keys
-        pipe.execute_command("EVAL", TRANSFER_OWNED_LUA, 1, stream, keys.CONSUMER_GROUP, consumer, consumer,
-                             *entry_ids)
+    calls = [(TRANSFER_OWNED, [stream], [keys.CONSUMER_GROUP, consumer, consumer, *entry_ids])
+             for stream, entry_ids in by_stream.items()]
     lost = set()
-    for (stream, entry_ids), reply in zip(by_stream.items(), pipe.execute(raise_on_error=False)):
+    for (stream, entry_ids), reply in zip(by_stream.items(), run_all(r, calls, raise_on_error=False)):
         if isinstance(reply, redis.ResponseError) and stream_ops.is_gone(reply):  # its batch ended
             reply = entry_ids
         elif isinstance(reply, Exception):

@@ -22,6 +22,7 @@ from redis.exceptions import (
 
 from jobs import backlog, keys, queues
 from jobs.entries import REQUEUES_FIELD
+from jobs.scripts import LuaScript
 
 GROUP = keys.CONSUMER_GROUP
 # Redis does not answer. A cluster mid-failover answers CLUSTERDOWN or TRYAGAIN, or has no node
@@ -164,6 +165,9 @@ return acked(KEYS[1], ARGV[1], ARGV[2], KEYS[2], KEYS[3])
 """
 
 
+_MOVE_ONCE, _ACK = LuaScript(_MOVE_ONCE_LUA), LuaScript(_ACK_LUA)
+
+
 def _summary_keys(stream: str) -> list[str]:
     """The backlog summary's keys a script on `stream` updates (online streams have their own tag:
     keys no stream-info names, so the scripts find nothing to count there)."""
@@ -177,7 +181,7 @@ def _summary_keys(stream: str) -> list[str]:
 def _move(r: redis.Redis, stream: str, entry_id: str, target: str, fields: dict) -> None:
     flat = [item for pair in fields.items() for item in pair]
     # execute_command: redis-py's cluster client routes EVAL by its keys
-    r.execute_command("EVAL", _MOVE_ONCE_LUA, 4, stream, target, *_summary_keys(stream), GROUP, entry_id, *flat)
+    _MOVE_ONCE(r, [stream, target, *_summary_keys(stream)], [GROUP, entry_id, *flat])
     if target == stream and keys.is_batch_stream(stream):
         backlog.signal_arrival(r, keys.model_of_stream(stream))
 
@@ -197,7 +201,7 @@ def dead_letter(r: redis.Redis, stream: str, entry_id: str, fields: dict, error:
 
 
 def ack(r: redis.Redis, stream: str, entry_id: str) -> None:
-    r.execute_command("EVAL", _ACK_LUA, 3, stream, *_summary_keys(stream), GROUP, entry_id)
+    _ACK(r, [stream, *_summary_keys(stream)], [GROUP, entry_id])
 
 
 def trim_acknowledged(r: redis.Redis, stream: str) -> None:
