@@ -95,3 +95,15 @@ def test_a_json_schema_of_megabytes_is_refused_naming_its_size(api):
                                                                                            "schema": schema}}})
     assert response.status_code == 400
     assert "more than 100000 characters of text" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_k": 2**64}, "top_k"),
+    ("/v1/completions", {"prompt": "a", "seed": 2**64}, "seed"),
+    ("/v1/completions", {"prompt": [1, 2**64]}, "prompt"),
+    ("/v1/embeddings", {"input": "a", "dimensions": 2**64}, "dimensions"),
+])
+def test_a_number_no_engine_can_take_is_a_400_naming_its_field(api, path, body, param):
+    response = httpx.post(f"{api.url}{path}", timeout=30, headers={"Authorization": f"Bearer {KEY}"},
+                          json={"model": "demo", **body})
+    assert response.status_code == 400 and response.json()["error"]["param"] == param
