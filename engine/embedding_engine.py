@@ -75,10 +75,13 @@ class EmbeddingEngine:
         self.pending: list[_PendingInput] = []
         self._order = itertools.count()
         pooler = self.pooler_config
-        logger.info("embedding model: %s pooling%s from %s, inputs up to %d tokens (%s), %d dimensions%s",
-                    pooler.pooling_type, ", normalized" if pooler.normalize else "", pooler.source,
-                    self.max_model_len, limit_source, self.hidden_size,
-                    ", Matryoshka" if pooler.is_matryoshka else "")
+        runner = self.model_runner
+        logger.info("embedding model: %s pooling%s from %s, inputs up to %d tokens (%s), %d dimensions%s; "
+                    "%s on %s%s, %s attention", pooler.pooling_type, ", normalized" if pooler.normalize else "",
+                    pooler.source, self.max_model_len, limit_source, self.hidden_size,
+                    ", Matryoshka" if pooler.is_matryoshka else "", str(runner.dtype).removeprefix("torch."),
+                    runner.device, " (LayerNorms and residual in fp32)" if runner.is_mixed_precision else "",
+                    runner.backend.name)
 
     def _input_limit(self) -> tuple[int, str]:
         """The longest input, and why: sentence-transformers' max_seq_length, else the model's

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -28,6 +29,8 @@ from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
 from engine.structured_outputs import StructuredOutputs
+
+logger = logging.getLogger(__name__)
 
 
 class ContextLengthExceeded(ValueError):
@@ -107,6 +110,22 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.model_runner.num_kv_blocks, self.model_runner.kv_pools,
                                    self.model_runner.long_rope_after)
         self.requests: dict[str, _Request] = {}
+        logger.info("%s", self.describe())
+
+    def describe(self) -> str:
+        """What the engine chose, in one line for the start-up log: where a user sees which
+        dtype, attention path and generation defaults their run took."""
+        runner, config = self.model_runner, self.config
+        architecture = (getattr(self.hf_config, "architectures", None) or [self.hf_config.model_type])[0]
+        source = {"auto": "the checkpoint's generation_config.json", "vllm": "--generation-config vllm"}.get(
+            config.generation_config, config.generation_config)
+        defaults = (f"{self.default_sampling_params} (from {source}; a request's own values win)"
+                    if self.default_sampling_params else f"none (none from {source})")
+        dtype = str(runner.dtype).removeprefix("torch.")
+        return (f"engine: {architecture}, {self.num_params / 1e6:,.0f}M parameters, {dtype} on {runner.device}, "
+                f"{runner.backend.name} attention, {self.num_total_blocks} KV blocks of {config.block_size} tokens, "
+                f"max_model_len {self.max_model_len}, tensor parallel {config.tensor_parallel_size}; "
+                f"generation defaults: {defaults}")
 
     # -- capacity, for admission by the worker -------------------------------
     @property

@@ -24,6 +24,7 @@ if __name__ == "__main__":  # a CLI start: restart on the chosen malloc before t
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import logging  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
@@ -60,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--resume", action="store_true", help="skip custom ids already in OUTPUT; append the rest")
     parser.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
                         help="LoRA adapters (with --enable-lora) a line may name as its body.model")
+    parser.add_argument("--log-level", default="INFO",
+                        help="INFO (default) says what the engine chose: dtype, attention, generation defaults")
     add_engine_args(parser)
     return parser
 
@@ -173,6 +176,14 @@ class Runner:
                 self.write(to_result_line(custom_id, work, output, model, self.engine.tokenizer)[0])
 
 
+def start_engine(args: argparse.Namespace) -> tuple[Adapters | None, object]:
+    """The adapters and the engine, its start-up log (what it chose) on stderr; ValueError for a
+    configuration that cannot run."""
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    pin_threads(args.device, args.tensor_parallel_size)  # on the CPU: one pinned thread per core
+    return lora_adapters(args), create_engine(engine_config_from_args(args))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -192,8 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(errors)} of {num_lines} lines invalid; nothing ran", file=sys.stderr)
         return 1
     try:
-        pin_threads(args.device, args.tensor_parallel_size)  # on the CPU: one pinned thread per core
-        adapters, engine = lora_adapters(args), create_engine(engine_config_from_args(args))
+        adapters, engine = start_engine(args)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

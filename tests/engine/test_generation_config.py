@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -77,3 +80,20 @@ def test_every_eos_id_of_a_list_ends_a_sequence(with_generation_config, tiny_lla
     out = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
     first = next(i for i, token in enumerate(free[0].token_ids) if token in (2, stopper))
     assert out.token_ids == free[0].token_ids[: first + 1] and out.finish_reason == "stop"
+
+
+def test_run_batch_says_what_the_engine_chose_where_its_user_sees_it(with_generation_config, tmp_path):
+    """One line on stderr at start-up: the dtype, the attention path and the defaults taken."""
+    model = with_generation_config(eos_token_id=2, temperature=0.3, max_new_tokens=5)
+    lines = tmp_path / "in.jsonl"
+    lines.write_text(json.dumps({"custom_id": "a", "prompt": "The river rose", "ignore_eos": True}) + "\n")
+    done = subprocess.run([sys.executable, "-m", "workers.run_batch", str(lines), "-o", str(tmp_path / "out.jsonl"),
+                           "--model", model, "--dtype", "float32", "--attention-backend", "torch",
+                           "--num-kv-blocks", "64"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    chosen = next(line for line in done.stderr.splitlines() if "engine: LlamaForCausalLM" in line)
+    assert "float32 on cpu, torch attention, 64 KV blocks of 16 tokens" in chosen
+    assert "generation defaults: {'temperature': 0.3, 'max_tokens': 5} (from the checkpoint's " \
+           "generation_config.json; a request's own values win)" in chosen
+    assert json.loads((tmp_path / "out.jsonl").read_text())["response"]["body"]["usage"]["completion_tokens"] == 5
