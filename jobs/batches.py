@@ -182,6 +182,12 @@ def set_total(r: redis.Redis, batch_id: str, total: int) -> None:
     r.hset(keys.batch(batch_id), "total", total)
 
 
+def set_estimated_tokens(r: redis.Redis, batch_id: str, estimated_tokens: int) -> None:
+    """The fair-share tokens of the batch's valid lines (jobs/tenants.py), which its ETA reads
+    before it has results (jobs/outlook.py)."""
+    r.hset(keys.batch(batch_id), "estimated_tokens", estimated_tokens)
+
+
 def mark_enqueued(r: redis.Redis, batch_id: str) -> None:
     """Every request of the batch is in its streams (or recorded as invalid): until then the
     sweep may fail a batch whose producer died halfway (jobs/sweeper.py)."""

@@ -163,7 +163,7 @@ def submit(r: redis.Redis, source: LineSource, *, batch_id: str | None = None, e
         keys.partition_of(batch_id, start, num_partitions) for start in range(0, num_valid, keys.PARTITION_LINES)},
         fields["expires_at"], tenant)
     num_enqueued = _enqueue(r, source, batch_id, report, on_progress=on_progress)
-    r.hset(keys.batch(batch_id), "estimated_tokens", report.estimated_tokens)
+    batches.set_estimated_tokens(r, batch_id, report.estimated_tokens)
     if report.invalid:  # their error lines count in the batch's first partition
         tenant_backlog.add_lines(r, tenant, batch_id, keys.partition_of(batch_id, 0, num_partitions),
                                  len(report.invalid))
