@@ -60,11 +60,15 @@ def demo_config() -> LlamaConfig:
                        architectures=["LlamaForCausalLM"])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m engine.demo_model", description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir")
     parser.add_argument("--force", action="store_true", help="rewrite even if OUT_DIR holds a model")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     out = Path(args.out_dir)
     if (out / "model.safetensors").exists() and not args.force:
         print(f"demo model already at {out}")

@@ -22,7 +22,7 @@ torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 # Folders whose tests start workers, APIs or browsers as processes (and time them): they run
 # one after another in one xdist process, so two fleets never compete for the cores.
-PROCESS_FOLDERS = ("chaos", "e2e", "online", "console", "scripts", "test_cli.py")
+PROCESS_FOLDERS = ("chaos", "e2e", "online", "console", "scripts", "docs", "test_cli.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -1,9 +1,11 @@
-"""The README says what the code does: every CLI flag it names after `python -m MODULE`
-exists in that module's argparse, and every `kvfleet:` metric the code registers is
-listed in it."""
+"""The docs say what the code does: every CLI flag the README and the guides in docs/ name
+after `python -m MODULE` exists in that module's argparse, every flag of every CLI is named
+there, every `kvfleet:` metric the code registers is listed, and the README stays a short
+front page whose map reaches every guide."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import re
 from pathlib import Path
@@ -12,11 +14,14 @@ from kvfleet.cli import COMMANDS
 from producers.api import create_app
 from workers.metrics import WorkerMetrics
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+ROOT = Path(__file__).resolve().parents[2]
+DOC_PATHS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+README = "\n\n".join(path.read_text() for path in DOC_PATHS)  # every page, each passage its own
 MODULE = re.compile(r"python -m ([a-z_.]+)|kvfleet ([a-z][a-z-]*)")
 FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*|-[a-z])\b")
 KVFLEET_COMMANDS = {name: module.removesuffix(".__main__") for name, (module, _) in COMMANDS.items()}
-CLIS = {"workers", "workers.serve", "workers.run_batch", "workers.finalizer", "producers.submit", "producers.status", "producers.api"}
+CLIS = {"workers", "workers.serve", "workers.run_batch", "workers.finalizer", "producers.submit", "producers.status",
+        "producers.api", "workers.demo", "engine.demo_model"}
 
 
 def passages(text: str) -> list[str]:
@@ -63,7 +68,7 @@ def test_every_flag_the_readme_names_exists_in_its_modules_parser():
     found = flags_by_module()
     assert set(found) >= CLIS, f"CLIs the README never shows: {sorted(CLIS - set(found))}"
     for module, flags in found.items():
-        if not flags:
+        if not flags or module.startswith("benchmarks."):  # the benchmarks' own --help is their reference
             continue
         missing = flags - option_strings(module)
         assert not missing, f"README names {sorted(missing)} for python -m {module}, which has no such flag"
@@ -110,3 +115,68 @@ def test_every_flag_of_every_module_cli_is_in_the_readme():
             if not any(flag in found.get(owner, set()) for owner in owners):
                 missing.setdefault(module, []).append(flag)
     assert not missing, f"flags the README never names, by module: {missing}"
+
+
+def test_the_readme_is_a_short_front_page_whose_map_reaches_every_guide():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250
+    linked = set(re.findall(r"\]\(docs/([a-z-]+\.md)\)", readme))
+    assert linked == {path.name for path in (ROOT / "docs").glob("*.md")}
+
+
+def test_every_relative_link_in_the_docs_reaches_a_file():
+    for path in DOC_PATHS:
+        for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", path.read_text()):
+            if "://" not in target:
+                assert (path.parent / target).exists(), f"{path.name} links to {target}, which does not exist"
+
+
+CODE = re.compile(r"^[a-z]+(_[a-z]+)+$")
+# (the call's name, the index of the code among its positional arguments)
+CODE_ARGUMENTS = {"APIError": 2, "Error": 1, "error_line": 1, "fail": 2, "_failed_output": 2}
+
+
+def error_codes_in_the_code() -> set[str]:
+    """Every error code the API, the workers and the engine can answer with: the code argument of
+    the calls that make errors, `error_code=` keywords, module constants `(code, message)`, the
+    codes `error_code()` returns and the API's own table of Starlette's."""
+    found = set()
+    for package in ("producers", "workers", "jobs", "engine"):
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                found |= codes_of(node)
+    return {code for code in found if CODE.match(code)}
+
+
+def codes_of(node: ast.AST) -> set[str]:
+    def text(value) -> set[str]:
+        return {value.value} if isinstance(value, ast.Constant) and isinstance(value.value, str) else set()
+
+    if isinstance(node, ast.Call):
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        index = CODE_ARGUMENTS.get(name)
+        found = text(node.args[index]) if index is not None and len(node.args) > index else set()
+        found |= {code for keyword in node.keywords if keyword.arg in ("code", "error_code") for code in text(keyword.value)}
+        if name in ("get",) and isinstance(node.func.value, ast.Dict):  # {404: "not_found", ...}.get(status)
+            found |= {code for value in node.func.value.values for code in text(value)}
+        return found
+    if isinstance(node, ast.Assign) and isinstance(node.value, ast.Tuple) and len(node.value.elts) == 2 and \
+            all(isinstance(target, ast.Name) and target.id.isupper() for target in node.targets):
+        message = text(node.value.elts[1])
+        return text(node.value.elts[0]) if message and " " in next(iter(message)) else set()  # NAME = ("code", "A message.")
+    if isinstance(node, ast.FunctionDef) and node.name == "error_code":
+        return {code for child in ast.walk(node) if isinstance(child, ast.Return) for code in text(child.value)}
+    if isinstance(node, ast.BoolOp) and any(isinstance(value, ast.Attribute) and value.attr == "error_code"
+                                            for value in node.values):  # output.error_code or "request_failed"
+        return {code for value in node.values for code in text(value)}
+    return set()
+
+
+def test_every_error_code_users_can_meet_is_in_the_troubleshooting_table():
+    codes = error_codes_in_the_code()
+    assert {"invalid_api_key", "model_not_found", "worker_lost", "batch_expired", "cannot_fit", "engine_error",
+            "storage_error", "quota_exceeded", "not_found", "request_failed"} <= codes  # the collection works
+    table = (ROOT / "docs" / "operations.md").read_text().split("## Troubleshooting", 1)[1]
+    documented = set(re.findall(r"^\| (.+?) \|", table, re.MULTILINE))
+    named = {code for cell in documented for code in re.findall(r"`([a-z_]+)`", cell)}
+    assert not codes - named, f"codes missing from docs/operations.md's troubleshooting table: {sorted(codes - named)}"

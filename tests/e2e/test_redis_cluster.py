@@ -139,8 +139,8 @@ def test_online_requests_through_the_cluster(cluster, redis_cluster, demo_model)
     assert whole.choices[0].text == streamed == reference
 
 
-def test_the_readme_acl_with_cluster_slots_is_enough_on_a_cluster(cluster, redis_cluster):
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+def test_the_documented_acl_with_cluster_slots_is_enough_on_a_cluster(cluster, redis_cluster):
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "deployment.md").read_text()
     rule = re.search(r"^user kvfleet (.*)$", readme, re.MULTILINE).group(1).replace(">PASSWORD", ">secret").split()
     for port in [node.port for node in redis_cluster.nodes]:
         redis.Redis(port=port).execute_command("ACL", "SETUSER", "kvfleet", "reset", *rule, "+cluster|slots")

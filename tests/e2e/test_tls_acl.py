@@ -1,5 +1,5 @@
 """Every process over TLS (mutual, with certificates the test makes) as an ACL user
-restricted to kvfleet's and RQ's keys: the README's minimal ACL, checked for real."""
+restricted to kvfleet's and RQ's keys: the deployment guide's minimal ACL, checked for real."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from tests.services import ThreadedUvicorn, free_port, make_tls_files
 from tests.workers.helpers import MODEL, read_lines
 from workers.worker import Worker, WorkerOptions
 
-# The README's ACL for every kvfleet process, word for word.
+# The deployment guide's ACL for every kvfleet process, word for word.
 KVFLEET_ACL = ("kvfleet on >s3cret-pass resetkeys ~kvfleet:* ~rq:* resetchannels &rq:* -@all +@read +@write "
                "+@stream +@scripting +@transaction +@connection +@pubsub -@dangerous +info +time +client|setname "
                "+client|getname")
@@ -55,8 +55,8 @@ def tls_redis(tmp_path, monkeypatch):
     process.wait(timeout=10)
 
 
-def test_the_readme_documents_this_acl():
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+def test_the_deployment_guide_documents_this_acl():
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "deployment.md").read_text()
     documented = next(line for line in readme.splitlines() if line.startswith("user kvfleet on"))
     assert documented == "user " + KVFLEET_ACL.replace(">s3cret-pass", ">PASSWORD")
 

@@ -29,26 +29,6 @@ def start_serve(arguments: list[str], tmp_path, env: dict | None = None) -> tupl
     return serve, port
 
 
-def test_the_quick_start_serves_the_real_demo_model_to_the_openai_client(tmp_path):
-    """README's online quick start: `--model demo` is SmolLM2-135M-Instruct, served as "demo"."""
-    env = {**os.environ, "KVFLEET_REDIS_URL": ""}
-    serve, port = start_serve(["--model", "demo", "--num-kv-blocks", "256"], tmp_path, env)
-    try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-        assert [m.id for m in client.models.list()] == ["demo"]
-        question = [{"role": "user", "content": "What is the capital of France?"}]
-        answer = client.chat.completions.create(model="demo", messages=question, max_tokens=32, temperature=0)
-        assert answer.choices[0].message.content == "The capital of France is Paris."
-        assert answer.choices[0].finish_reason == "stop"
-        chunks = client.chat.completions.create(model="demo", messages=question, max_tokens=32, temperature=0,
-                                                stream=True)
-        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
-            "The capital of France is Paris."
-    finally:
-        serve.send_signal(signal.SIGTERM)
-        assert serve.wait(timeout=60) == 0, (tmp_path / "serve.log").read_text()
-
-
 def test_serve_starts_answers_and_stops_on_sigterm_leaving_nothing(demo_model, tmp_path):
     serve, port = start_serve(["--model", demo_model, "--served-model-name", "demo", "--num-kv-blocks", "128"],
                               tmp_path)
