@@ -57,7 +57,10 @@ def test_a_workers_redis_work_is_flat_from_a_hundred_to_a_thousand_open_batches(
     few_turn, few_upkeep = commands(redis_server, r, num_batches=100)
     r.flushall()
     many_turn, many_upkeep = commands(redis_server, r, num_batches=1000)
-    assert many_upkeep == few_upkeep, (few_upkeep, many_upkeep)  # it read every open batch's stream
+    # Ten times the open batches: a pass that read each open batch's stream would take ten times the
+    # commands. The counts wobble by a few with what the worker holds at that moment (leases to renew,
+    # results to flush: 81 against 73 in one run), so they are bounded, not equal.
+    assert all(many <= few * 1.25 + 4 for few, many in zip(few_upkeep, many_upkeep)), (few_upkeep, many_upkeep)
     assert many_turn <= few_turn * 1.2, (few_turn, many_turn)
 
 
