@@ -92,6 +92,7 @@ def test_embed_search_ranks_the_folder_as_sentence_transformers_does(fleets):
 
 def test_stream_chat_prints_the_greedy_answer_and_the_demo_knows_paris(fleets):
     fleet = fleets.get(DEMO_FLEET)
+    assert "engine: LlamaForCausalLM, 135M parameters" in fleet.log.read_text()  # serve shows what was chosen
     question = [{"role": "user", "content": "What is the capital of France?"}]
     whole = client_of(fleet).chat.completions.create(model="demo", messages=question, max_tokens=32, temperature=0)
     assert whole.choices[0].message.content == "The capital of France is Paris."  # the README's demo answer
