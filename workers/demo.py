@@ -23,8 +23,8 @@ import httpx
 from engine.checkpoint import DEMO_MODEL
 from jobs import batches
 from jobs.connection import connect
-from jobs.local_redis import RedisServer, free_port
-from workers.processes import ProcessGroup, reachable_redis
+from jobs.local_redis import free_port
+from workers.processes import ProcessGroup, reachable_redis, start_own_redis
 
 MODEL_NAME = "demo"
 
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         redis_url = reachable_redis(None)
         if redis_url is None:
-            own_redis = RedisServer(out / "redis").start()
+            own_redis = start_own_redis(out / "redis")
             redis_url = own_redis.url
         print(f"redis: {redis_url}", flush=True)
         worker_metrics, api_port = free_port(), free_port()

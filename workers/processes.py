@@ -17,6 +17,7 @@ import redis
 
 from jobs import heartbeats
 from jobs.connection import connect
+from jobs.local_redis import RedisServer
 
 PR_SET_PDEATHSIG = 1
 
@@ -32,6 +33,15 @@ def reachable_redis(url: str | None) -> str | None:
     except redis.RedisError:
         print(f"{url} does not answer; starting a local redis-server", flush=True)
         return None
+
+
+def start_own_redis(folder: Path):
+    """A redis-server of this command's own in `folder`; SystemExit with one line when there is
+    none to start (a machine without Redis installed), saying both ways out."""
+    try:
+        return RedisServer(folder).start()
+    except RuntimeError as error:
+        raise SystemExit(f"{error}; or point KVFLEET_REDIS_URL (--redis-url) at a running Redis") from None
 
 
 def _die_with_parent() -> None:

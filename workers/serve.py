@@ -23,9 +23,8 @@ from pathlib import Path
 
 from engine.cpu_runtime import core_plan
 from jobs.connection import connect
-from jobs.local_redis import RedisServer
 from workers import __main__ as worker_cli
-from workers.processes import ProcessGroup, reachable_redis
+from workers.processes import ProcessGroup, reachable_redis, start_own_redis
 
 SERVE_ONLY = ("--host", "--port", "--redis-url")
 
@@ -77,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         worker_cpus, service_cpus = core_plan(os.sched_getaffinity(0))
         redis_url = reachable_redis(args.redis_url)
         if redis_url is None:
-            own_redis = RedisServer(Path(tempfile.mkdtemp(prefix="kvfleet-redis-"))).start()
+            own_redis = start_own_redis(Path(tempfile.mkdtemp(prefix="kvfleet-redis-")))
             os.sched_setaffinity(own_redis.process.pid, service_cpus)
             redis_url = own_redis.url
         group.start("worker", ["workers", *worker_argv(argv), "--redis-url", redis_url], cpus=worker_cpus)

@@ -48,3 +48,13 @@ def test_serve_starts_answers_and_stops_on_sigterm_leaving_nothing(demo_model, t
     finally:
         if serve.poll() is None:
             serve.kill()
+
+
+def test_serve_on_a_machine_without_redis_says_so_in_one_line(tmp_path):
+    """No Redis answers and none is installed: one line naming both ways out, no traceback."""
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable), "KVFLEET_REDIS_URL": ""}
+    done = subprocess.run([sys.executable, "-m", "workers.serve", "--model", "demo", "--port", str(free_port())],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert "redis-server is not installed (apt-get install redis-server); or point KVFLEET_REDIS_URL" in done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
