@@ -2,9 +2,11 @@
 
 A guide marks a fenced block ```` ```bash fleet ```` for the command that starts the fleet its
 examples talk to (`python -m workers.serve ... --port 8000`), and ```` ```bash runnable ```` or
-```` ```python runnable ```` for a block a reader runs against it. The tests start each fleet
-command once a session, exactly as written but on a free port, and run every runnable block
-with the port it names replaced by its fleet's."""
+```` ```python runnable ```` for a block a reader runs against it. A test starts each fleet
+command once, exactly as written but on a free port, and runs every runnable block of the pages
+that start it, with the port a block names replaced by its fleet's. (One test a fleet, not one a
+block: pytest-xdist 3.8's xdist_group marks do nothing under pytest 9, so blocks spread over the
+test processes would start the fleet once in each.)"""
 
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from tests.services import free_port
@@ -73,40 +77,50 @@ class Fleet:
             self.process.kill()
 
 
-@dataclass
-class Fleets:
-    """Every fleet command the docs name, started once a session, on a free port each."""
-
-    folder: Path
-    running: dict[str, Fleet] = field(default_factory=dict)
-
-    def get(self, command: str) -> Fleet:
-        if command not in self.running:
-            port = free_port()
-            argv = command.replace(f"--port {documented_port(command)}", f"--port {port}").split()
-            assert argv[:2] == ["python", "-m"], command
-            log = self.folder / f"fleet-{len(self.running)}.log"
-            env = {**os.environ, "KVFLEET_REDIS_URL": "", "OMP_NUM_THREADS": "1"}  # its own Redis; one core
-            process = subprocess.Popen([sys.executable, *argv[1:], "--drain-seconds", "5"], env=env,
-                                       stdout=log.open("w"), stderr=subprocess.STDOUT)
-            self.running[command] = fleet = Fleet(command, log, process)
-            fleet.wait_until_serving()
-        return self.running[command]
+@contextmanager
+def started(command: str, folder: Path) -> Iterator[Fleet]:
+    """The fleet `command` starts, exactly as written but on a free port, until the block ends."""
+    port = free_port()
+    argv = command.replace(f"--port {documented_port(command)}", f"--port {port}").split()
+    assert argv[:2] == ["python", "-m"], command
+    log = folder / "fleet.log"
+    env = {**os.environ, "KVFLEET_REDIS_URL": "", "OMP_NUM_THREADS": "1"}  # its own Redis; one core
+    process = subprocess.Popen([sys.executable, *argv[1:], "--drain-seconds", "5"], env=env, stdout=log.open("w"),
+                               stderr=subprocess.STDOUT)
+    fleet = Fleet(command, log, process)
+    try:
+        fleet.wait_until_serving()
+        yield fleet
+    finally:
+        fleet.stop()
 
 
-def run_block(block: Block, fleets: Fleets, workdir: Path) -> subprocess.CompletedProcess:
+def fleet_of(doc: Path) -> str | None:
+    """The fleet command a page starts (at most one a page), or None."""
+    commands = [block.code.strip() for block in blocks(doc) if block.kind == "fleet"]
+    assert len(commands) <= 1, f"{doc.name} starts {len(commands)} fleets; its blocks would not know which"
+    return commands[0] if commands else None
+
+
+def run_block(block: Block, fleet: Fleet | None, workdir: Path) -> subprocess.CompletedProcess:
     """Run a runnable block as a reader would after `source .venv/bin/activate`, in `workdir`
-    (which holds the repository's examples/), against its page's fleets."""
+    (which holds the repository's examples/), against its page's fleet."""
     code = block.code
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}
-    doc_fleets = [fleets.get(other.code.strip()) for other in blocks(block.doc) if other.kind == "fleet"]
-    for fleet in doc_fleets:
+    if fleet is not None:  # the guides say: the Redis the fleet prints; the examples default to its port
         code = re.sub(rf"(127\.0\.0\.1|localhost):{documented_port(fleet.command)}\b", f"127.0.0.1:{fleet.port}",
                       code)
-    if doc_fleets:  # the guides say: the Redis the fleet prints; the examples default to its port
-        env["KVFLEET_REDIS_URL"] = doc_fleets[0].redis_url
-        env["OPENAI_BASE_URL"] = f"http://127.0.0.1:{doc_fleets[0].port}/v1"
+        env["KVFLEET_REDIS_URL"] = fleet.redis_url
+        env["OPENAI_BASE_URL"] = f"http://127.0.0.1:{fleet.port}/v1"
     if not (workdir / "examples").exists():
         (workdir / "examples").symlink_to(ROOT / "examples")
     argv = ["bash", "-euo", "pipefail", "-c", code] if block.language == "bash" else [sys.executable, "-c", code]
     return subprocess.run(argv, cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
+
+
+def failure(block: Block, done: subprocess.CompletedProcess) -> str | None:
+    """What went wrong with a block's run, or None: it must exit 0 and print something."""
+    if done.returncode == 0 and done.stdout.strip():
+        return None
+    return (f"{block.name} (exit {done.returncode}):\n{block.code}\nstdout:\n{done.stdout[-2000:]}\n"
+            f"stderr:\n{done.stderr[-2000:]}")

@@ -1,6 +1,7 @@
-"""The scripts in examples/ do what their docs say, checked against the fleets the guides start:
-labels equal the online answers, extractions validate against their schema, search ranks as
-sentence-transformers does, and a stream prints the greedy answer."""
+"""The scripts in examples/ do what their docs say, each checked on the fleet its guide starts
+(tests/docs/test_documented_commands.py runs them there): labels equal the online answers,
+extractions validate against their schema, search ranks as sentence-transformers does, and a
+stream prints the greedy answer."""
 
 from __future__ import annotations
 
@@ -17,17 +18,11 @@ import openai
 from sentence_transformers import SentenceTransformer
 
 from engine.checkpoint import embedding_demo_path
-from tests.docs.fleets import ROOT, Fleet, blocks
+from tests.docs.fleets import ROOT, Fleet
 
 DEMO_FLEET = "python -m workers.serve --model demo --port 8000"
 EMBEDDING_FLEET = "python -m workers.serve --model demo-embedding --port 8001"
 DOCUMENTS = ROOT / "examples" / "documents"
-
-
-def test_the_fleets_here_are_the_ones_the_guides_start():
-    fleets = {block.code.strip() for doc in (ROOT / "README.md", ROOT / "docs" / "embeddings.md")
-              for block in blocks(doc) if block.kind == "fleet"}
-    assert fleets == {DEMO_FLEET, EMBEDDING_FLEET}
 
 
 def run_example(fleet: Fleet, script: str, *args: str) -> str:
@@ -49,8 +44,8 @@ def load_example(name: str):
     return module
 
 
-def test_classify_folder_labels_every_file_as_the_same_request_online(fleets, tmp_path):
-    fleet, labels = fleets.get(DEMO_FLEET), ["invoice", "contract", "support", "other"]
+def classify_folder_labels_every_file_as_the_same_request_online(fleet: Fleet, tmp_path) -> None:
+    labels = ["invoice", "contract", "support", "other"]
     run_example(fleet, "classify_folder.py", str(DOCUMENTS), "--labels", ",".join(labels), "--out",
                 str(tmp_path / "labels.csv"))
     rows = list(csv.DictReader((tmp_path / "labels.csv").open()))
@@ -66,19 +61,19 @@ def test_classify_folder_labels_every_file_as_the_same_request_online(fleets, tm
         assert row["label"] in labels
 
 
-def test_extract_json_answers_validate_against_the_schema(fleets):
+def extract_json_answers_validate_against_the_schema(fleet: Fleet, tmp_path) -> None:
     schema_path = ROOT / "examples" / "invoice_schema.json"
     invoices = sorted(DOCUMENTS.glob("invoice-*.txt"))
-    lines = [json.loads(line) for line in run_example(fleets.get(DEMO_FLEET), "extract_json.py",
+    lines = [json.loads(line) for line in run_example(fleet, "extract_json.py",
                                                       *map(str, invoices), "--schema", str(schema_path)).splitlines()]
     assert [line["file"] for line in lines] == [path.name for path in invoices]
     for line in lines:
         jsonschema.validate(line["fields"], json.loads(schema_path.read_text()))
 
 
-def test_embed_search_ranks_the_folder_as_sentence_transformers_does(fleets):
+def embed_search_ranks_the_folder_as_sentence_transformers_does(fleet: Fleet, tmp_path) -> None:
     query = "When must the invoice be paid?"
-    printed = run_example(fleets.get(EMBEDDING_FLEET), "embed_search.py", str(DOCUMENTS), query, "--top", "20")
+    printed = run_example(fleet, "embed_search.py", str(DOCUMENTS), query, "--top", "20")
     found = [(float(line.split()[0]), line.split()[1].rstrip(":")) for line in printed.splitlines()]
     chunks = load_example("embed_search").chunks(DOCUMENTS)
     model = SentenceTransformer(str(embedding_demo_path()), device="cpu")
@@ -90,8 +85,7 @@ def test_embed_search_ranks_the_folder_as_sentence_transformers_does(fleets):
     assert np.allclose([score for score, _ in found], scores[order], atol=1.5e-3)  # printed to 3 decimals
 
 
-def test_stream_chat_prints_the_greedy_answer_and_the_demo_knows_paris(fleets):
-    fleet = fleets.get(DEMO_FLEET)
+def stream_chat_prints_the_greedy_answer_and_the_demo_knows_paris(fleet: Fleet, tmp_path) -> None:
     assert "engine: LlamaForCausalLM, 135M parameters" in fleet.log.read_text()  # serve shows what was chosen
     question = [{"role": "user", "content": "What is the capital of France?"}]
     whole = client_of(fleet).chat.completions.create(model="demo", messages=question, max_tokens=32, temperature=0)
@@ -100,3 +94,9 @@ def test_stream_chat_prints_the_greedy_answer_and_the_demo_knows_paris(fleets):
     answer, usage = printed.rsplit("\n[", 1)
     assert answer == whole.choices[0].message.content
     assert usage == f"{whole.usage.prompt_tokens} prompt tokens, {whole.usage.completion_tokens} generated]\n"
+
+
+CHECKS = {DEMO_FLEET: [classify_folder_labels_every_file_as_the_same_request_online,
+                       extract_json_answers_validate_against_the_schema,
+                       stream_chat_prints_the_greedy_answer_and_the_demo_knows_paris],
+          EMBEDDING_FLEET: [embed_search_ranks_the_folder_as_sentence_transformers_does]}
