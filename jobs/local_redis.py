@@ -16,9 +16,18 @@ import redis
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port free now, below Linux's ephemeral range (32768-60999): a port the kernel hands out
+    for port 0 is also the source port of any outgoing connection, so between this check and the
+    listener's bind a client connection could take it (a worker's metrics port was lost so)."""
+    for _ in range(1000):
+        port = random.randrange(20000, 32768)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port between 20000 and 32767")
 
 
 def free_cluster_port() -> int:
