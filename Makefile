@@ -33,11 +33,10 @@ fleet-deps:
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		$$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q redis-server; }
 
-# What the tests need from Debian: redis-server (real Redis, local clusters) and chromium with
-# its driver (the console's browser test). Installed only where missing.
-system-deps:
+# What the tests need from Debian beyond the fleet's: chromium with its driver (the console's
+# browser test) and tcmalloc. Installed only where missing.
+system-deps: fleet-deps
 	@missing=""; \
-	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
 	command -v chromium >/dev/null || missing="$$missing chromium"; \
 	command -v chromedriver >/dev/null || missing="$$missing chromium-driver"; \
 	ls /usr/lib/*/libtcmalloc_minimal.so.4 >/dev/null 2>&1 || missing="$$missing libtcmalloc-minimal4"; \
