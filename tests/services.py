@@ -3,6 +3,9 @@ tests can kill and restart it) and moto's S3-compatible HTTP server."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -132,3 +135,21 @@ def is_alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def start_serve(arguments: list[str], tmp_path, env: dict | None = None,
+                timeout: float = 120) -> tuple[subprocess.Popen, int]:
+    """`workers.serve` with `arguments` on a free port, once it prints its base URL; its log is
+    tmp_path / "serve.log"."""
+    port = free_port()
+    env = env or {**os.environ, "OMP_NUM_THREADS": "1", "KVFLEET_REDIS_URL": ""}  # no Redis: it starts its own
+    log = open(tmp_path / "serve.log", "w+")  # noqa: SIM115
+    serve = subprocess.Popen([sys.executable, "-m", "workers.serve", *arguments, "--port", str(port),
+                              "--drain-seconds", "5"], stdout=log, stderr=subprocess.STDOUT, env=env, text=True)
+    deadline = time.monotonic() + timeout
+    while f"http://127.0.0.1:{port}/v1" not in (tmp_path / "serve.log").read_text():
+        if serve.poll() is not None or time.monotonic() > deadline:
+            serve.kill()
+            raise AssertionError((tmp_path / "serve.log").read_text())
+        time.sleep(0.2)
+    return serve, port

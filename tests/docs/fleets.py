@@ -15,13 +15,12 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.services import free_port
+from tests.services import start_serve
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC_PATHS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -58,41 +57,27 @@ class Fleet:
     command: str
     log: Path
     process: subprocess.Popen
-    port: int = 0
-    redis_url: str = ""
-
-    def wait_until_serving(self) -> None:
-        deadline = time.monotonic() + START_SECONDS
-        while not (match := BANNER.search(self.log.read_text())):
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"`{self.command}` did not come up:\n{self.log.read_text()[-4000:]}")
-            time.sleep(0.2)
-        self.port, self.redis_url = int(match.group(1)), match.group(2)
-
-    def stop(self) -> None:
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
+    port: int
+    redis_url: str
 
 
 @contextmanager
 def started(command: str, folder: Path) -> Iterator[Fleet]:
     """The fleet `command` starts, exactly as written but on a free port, until the block ends."""
-    port = free_port()
-    argv = command.replace(f"--port {documented_port(command)}", f"--port {port}").split()
-    assert argv[:2] == ["python", "-m"], command
-    log = folder / "fleet.log"
-    env = {**os.environ, "KVFLEET_REDIS_URL": "", "OMP_NUM_THREADS": "1"}  # its own Redis; one core
-    process = subprocess.Popen([sys.executable, *argv[1:], "--drain-seconds", "5"], env=env, stdout=log.open("w"),
-                               stderr=subprocess.STDOUT)
-    fleet = Fleet(command, log, process)
+    prefix = "python -m workers.serve "
+    assert command.startswith(prefix), command
+    arguments = command.removeprefix(prefix).replace(f"--port {documented_port(command)}", "").split()
+    process, port = start_serve(arguments, folder, timeout=START_SECONDS)  # its own Redis; one core
     try:
-        fleet.wait_until_serving()
+        log = folder / "serve.log"
+        fleet = Fleet(command, log, process, port, BANNER.search(log.read_text()).group(2))
         yield fleet
     finally:
-        fleet.stop()
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
 
 
 def fleet_of(doc: Path) -> str | None:

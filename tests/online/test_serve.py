@@ -10,23 +10,7 @@ import time
 
 import openai
 
-from tests.services import descendants, free_port, is_alive
-
-
-def start_serve(arguments: list[str], tmp_path, env: dict | None = None) -> tuple[subprocess.Popen, int]:
-    """`workers.serve` with `arguments`, once it prints its base URL; its log in tmp_path."""
-    port = free_port()
-    env = env or {**os.environ, "OMP_NUM_THREADS": "1", "KVFLEET_REDIS_URL": ""}  # no Redis: it starts its own
-    log = open(tmp_path / "serve.log", "w+")  # noqa: SIM115
-    serve = subprocess.Popen([sys.executable, "-m", "workers.serve", *arguments, "--port", str(port),
-                              "--drain-seconds", "5"], stdout=log, stderr=subprocess.STDOUT, env=env, text=True)
-    deadline = time.monotonic() + 120
-    while f"http://127.0.0.1:{port}/v1" not in (tmp_path / "serve.log").read_text():
-        if serve.poll() is not None or time.monotonic() > deadline:
-            serve.kill()
-            raise AssertionError((tmp_path / "serve.log").read_text())
-        time.sleep(0.2)
-    return serve, port
+from tests.services import descendants, free_port, is_alive, start_serve
 
 
 def test_serve_starts_answers_and_stops_on_sigterm_leaving_nothing(demo_model, tmp_path):
