@@ -5,6 +5,8 @@ carry a kilobyte of shared functions (jobs/backlog.py), which EVAL would send ea
 A server that does not know the script yet (a fresh start, SCRIPT FLUSH, another node of a
 cluster) answers NOSCRIPT and ran nothing: the call is sent again with EVAL, which also
 caches it there. In a pipeline, the calls that got NOSCRIPT are sent again, one by one.
+(redis-py's own `Script` loads scripts before a pipeline runs them, which its cluster
+pipeline does not implement: `script_load_for_pipeline` raises there.)
 """
 
 from __future__ import annotations
