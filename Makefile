@@ -46,7 +46,14 @@ system-deps: fleet-deps
 		$$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q $$missing; \
 	fi
 
-test: $(STAMP) system-deps
+# Real checkpoints' chat templates (Qwen3, gpt-oss, DeepSeek-R1, Llama 3, Mistral), as llama.cpp's
+# source tree keeps them: the reasoning and tool-call tests render prompts with them.
+CHAT_TEMPLATES := $(VENV)/share/chat-templates
+$(CHAT_TEMPLATES)/.stamp: scripts/chat_templates.py | $(STAMP)
+	$(BIN)/python -m scripts.chat_templates $(CHAT_TEMPLATES)
+	touch $@
+
+test: $(STAMP) $(CHAT_TEMPLATES)/.stamp system-deps
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q

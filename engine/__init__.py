@@ -10,10 +10,15 @@ from engine.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOu
 from engine.parallel import ParallelGroupError
 from engine.pooling import PoolingParams
 from engine.resume import SampleProgress
-from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from engine.sampling_params import (
+           ReasoningMarkers,
+           RequestOutputKind,
+           SamplingParams,
+           StructuredOutputsParams,
+)
 from engine.tasks import create_engine, resolve_task
 
-__all__ = ["LLM", "LLMEngine", "ContextLengthExceeded", "EngineConfig", "EngineStats", "SamplingParams", "RequestOutputKind",
+__all__ = ["LLM", "LLMEngine", "ContextLengthExceeded", "EngineConfig", "EngineStats", "SamplingParams", "ReasoningMarkers", "RequestOutputKind",
            "ProcessedRequest", "SampleProgress",
            "RequestOutput", "CompletionOutput", "ParallelGroupError", "StepFailed",
            "StructuredOutputsParams", "EmbeddingEngine", "ProcessedEmbeddingRequest", "EmbeddingOutput",

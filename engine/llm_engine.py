@@ -216,7 +216,7 @@ class LLMEngine:
         seq = Sequence(request.request_id, request.prompt_token_ids, params, request.arrival_time,
                        priority=request.priority, lora_request=request.lora_request, cache_salt=request.cache_salt)
         if params.structured_outputs is not None:
-            seq.grammar = self._structured().start(params.structured_outputs)  # compiles in the background
+            seq.grammar = self._structured().start(params.structured_outputs, params.reasoning)  # compiles now
         seqs = [seq]
         if resume:
             check_progress(resume, params.n, params.max_tokens, self.hf_config.vocab_size)

@@ -39,7 +39,7 @@ class StopChecker:
         """Re-decode the output and look for a stop string in its new tail; on a hit,
         cut the text just before it."""
         previous_len = len(seq.text)
-        seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
         longest = max(len(s) for s in seq.params.stop)
         search_from = max(0, previous_len - longest + 1)
         hits = [(index, stop) for stop in seq.params.stop if (index := seq.text.find(stop, search_from)) >= 0]
@@ -53,7 +53,7 @@ class StopChecker:
 def final_text(seq: Sequence, tokenizer) -> str:
     """A finished sample's text: cut before its stop string, else its decoded output."""
     if tokenizer is not None and seq.params.detokenize and not isinstance(seq.stop_reason, str):
-        seq.text = tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        seq.text = tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
     return seq.text
 
 
@@ -116,7 +116,7 @@ class DeltaTracker:
         if seq.is_finished:
             return final_text(seq, tokenizer)
         # With stop strings the stop checker keeps seq.text decoded; else decode here.
-        text = seq.text if seq.params.stop else tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        text = seq.text if seq.params.stop else tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
         if seq.params.stop:
             text = text[: max(0, len(text) - (max(len(stop) for stop in seq.params.stop) - 1))]
         return text.rstrip("\ufffd")

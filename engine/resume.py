@@ -89,7 +89,7 @@ def resumed_sequence(first: Sequence, sample: SampleProgress, tokenizer) -> Sequ
     if seq.grammar is not None:
         seq.grammar.replay(sample.token_ids)
     if seq.params.stop and tokenizer is not None:  # the stop checker searches the text it keeps
-        seq.text = tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+        seq.text = tokenizer.decode(sample.token_ids, skip_special_tokens=seq.params.skip_special_tokens)
     seq.status = SequenceStatus.WAITING  # a fork copies its parent's status, which may be finished
     if sample.finish_reason is not None:
         seq.status, seq.finish_reason, seq.stop_reason = SequenceStatus.FINISHED, sample.finish_reason, sample.stop_reason

@@ -54,6 +54,28 @@ class StructuredOutputsParams:
         return "root ::= " + " | ".join(json.dumps(option) for option in self.choice)
 
 
+@dataclass(frozen=True)
+class ReasoningMarkers:
+    """A thinking model's reasoning, as token ids (vLLM's reasoning parsers know the markers by
+    name; the engine knows only the ids). A constraint waits for the answer: it applies from the
+    first token after `end`. `initial` is where the output begins, which the prompt's template
+    decided: "reasoning" (DeepSeek-R1's generation prompt opens <think>), "answer" (Qwen3's
+    enable_thinking=False closed it) or "undecided": the model may open its reasoning with
+    `start` (Qwen3's <think>) or answer at once, so a constrained first token is the grammar's
+    or `start`."""
+
+    end: tuple[int, ...]
+    start: int | None = None
+    initial: str = "undecided"
+
+    def __post_init__(self) -> None:
+        if not self.end:
+            raise ValueError("reasoning: the end marker needs at least one token id")
+        if self.initial not in ("reasoning", "answer", "undecided") or self.initial == "undecided" and self.start is None:
+            raise ValueError(f"reasoning: initial must be reasoning, answer, or undecided with a start token; "
+                             f"got {self.initial!r}")
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -83,6 +105,10 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
     structured_outputs: StructuredOutputsParams | None = None
     """Constrain the output to a JSON schema, regex, choice or grammar (engine/structured_outputs.py)."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the text (vLLM's); gpt-oss's harmony channels need them kept."""
+    reasoning: ReasoningMarkers | None = None
+    """A thinking model's markers: the constraint applies to the answer after its reasoning."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

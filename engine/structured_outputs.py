@@ -12,6 +12,9 @@
     accept      every sampled token advances the sequence's matcher; the request stops
                 when the grammar is complete (the matcher accepted a stop token)
 
+A thinking model's constraint (SamplingParams.reasoning) waits for the answer: its reasoning is
+sampled freely, the grammar starts at the first token after the end marker, as vLLM's does.
+
 Preemption by recompute keeps a sequence's output tokens, so its matcher state stays
 valid; a forked sample (n > 1) starts its own matcher at the same (empty) state.
 """
@@ -27,7 +30,7 @@ from typing import Any
 
 import torch
 
-from engine.sampling_params import StructuredOutputsParams
+from engine.sampling_params import ReasoningMarkers, StructuredOutputsParams
 from grammar_support.json_schema import unsupported_features
 
 COMPILE_TIMEOUT_SECONDS = 30.0
@@ -43,11 +46,15 @@ def clean_error(error: Exception) -> str:
 class SequenceGrammar:
     """One sequence's constraint state: its compiled grammar (maybe still compiling) and matcher."""
 
-    def __init__(self, compiled: Future, is_json: bool, started_at: float | None = None) -> None:
+    def __init__(self, compiled: Future, is_json: bool, started_at: float | None = None,
+                 reasoning: ReasoningMarkers | None = None) -> None:
         self.compiled = compiled
         self.is_json = is_json  # JSON output: no raw control characters in it
         self.started_at = time.monotonic() if started_at is None else started_at
         self._matcher = None
+        self.reasoning = reasoning
+        self.phase = "answer" if reasoning is None else reasoning.initial  # or "reasoning", "undecided"
+        self._recent: list[int] = []  # the last tokens of the reasoning, matched against its end marker
 
     def is_ready(self) -> bool:
         return self.compiled.done() and self.compiled.exception() is None
@@ -78,18 +85,36 @@ class SequenceGrammar:
         except Exception as error:  # noqa: BLE001 (a failed or slow compile: the request fails as a fresh one would)
             raise ValueError(f"structured_outputs: the grammar did not compile: {clean_error(error)}") from None
         for token_id in token_ids:
-            if not self.matcher.accept_token(token_id):
+            if not self.accept(token_id):
                 raise ValueError(f"resume: generated token {token_id} does not follow the grammar")
 
     def accept(self, token_id: int) -> bool:
+        """Advance past a sampled token: the reasoning's are only watched for its end; the
+        answer's go through the grammar (False: it rejected the token)."""
+        if self.phase == "undecided":
+            if token_id == self.reasoning.start:
+                self.phase = "reasoning"
+                return True
+            self.phase = "answer"
+        if self.phase == "reasoning":
+            end = self.reasoning.end
+            self._recent = (self._recent + [token_id])[-len(end):]
+            if tuple(self._recent) == end:
+                self.phase = "answer"
+            return True
         return self.matcher.accept_token(token_id)
 
+    @property
+    def is_masked(self) -> bool:
+        """Whether this step's token is constrained: not while the model reasons."""
+        return self.phase != "reasoning"
+
     def is_terminated(self) -> bool:
-        return self.matcher.is_terminated()
+        return self.phase == "answer" and self.matcher.is_terminated()
 
     def fork(self) -> SequenceGrammar:
         """A sibling sample's state: forks happen before any output token, so a fresh matcher."""
-        return SequenceGrammar(self.compiled, self.is_json, self.started_at)
+        return SequenceGrammar(self.compiled, self.is_json, self.started_at, self.reasoning)
 
 
 class StructuredOutputs:
@@ -132,7 +157,7 @@ class StructuredOutputs:
         except (RuntimeError, ValueError, TypeError) as error:
             raise ValueError(f"structured_outputs.{params.kind}: {clean_error(error)}") from None
 
-    def start(self, params: StructuredOutputsParams) -> SequenceGrammar:
+    def start(self, params: StructuredOutputsParams, reasoning: ReasoningMarkers | None = None) -> SequenceGrammar:
         """The sequence's state; its grammar compiles in the background (once per constraint)."""
         key = params.cache_key()
         compiled = self.compiled.get(key)
@@ -141,7 +166,7 @@ class StructuredOutputs:
         self.compiled.move_to_end(key)
         while len(self.compiled) > MAX_CACHED_GRAMMARS:  # a hard bound, compiling or not: a sequence
             self.compiled.popitem(last=False)  # holds its own future, so evicting one never loses it
-        return SequenceGrammar(compiled, params.json is not None or params.json_object)
+        return SequenceGrammar(compiled, params.json is not None or params.json_object, reasoning=reasoning)
 
     def _compile(self, params: StructuredOutputsParams):
         compiler = self.compiler
@@ -159,17 +184,26 @@ class StructuredOutputs:
 
     def apply_masks(self, logits: torch.Tensor, grammars: list[SequenceGrammar | None]) -> None:
         """logits [R, vocab], in place: each constrained row keeps only the tokens its grammar allows."""
-        rows = [row for row, grammar in enumerate(grammars) if grammar is not None]
+        rows = [row for row, grammar in enumerate(grammars) if grammar is not None and grammar.is_masked]
         if not rows:
             return
         bitmask = self.xgrammar.allocate_token_bitmask(len(grammars), self.vocab_size)  # [R, ceil(vocab / 32)]
         self.batch_matcher.batch_fill_next_token_bitmask([grammars[row].matcher for row in rows], bitmask,
                                                          indices=rows)
+        for row in rows:  # an undecided first token may also open the reasoning
+            if grammars[row].phase == "undecided":
+                allow_token(bitmask, row, grammars[row].reasoning.start)
         self.xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
         json_rows = [row for row in rows if grammars[row].is_json]
         if json_rows and len(self.control_token_ids):
             json_index = torch.tensor(json_rows, device=logits.device)[:, None]
             logits[json_index, self.control_token_ids.to(logits.device)[None, :]] = float("-inf")
+
+
+def allow_token(bitmask: torch.Tensor, row: int, token_id: int) -> None:
+    """Set one token's bit in an xgrammar bitmask row (int32 words, 32 tokens each)."""
+    word, bit = divmod(token_id, 32)
+    bitmask[row, word] |= torch.tensor(1 << bit, dtype=torch.int64).to(torch.int32)
 
 
 def _schema_dict(schema: str | dict[str, Any]) -> Any:

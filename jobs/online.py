@@ -135,6 +135,7 @@ class Delta:
     choices: list[ChoiceDelta]
     attempt: int = 1
     seq: int = 0  # 1, 2, 3, ... within the attempt (0: unnumbered); the reader drops repeats, sees gaps
+    output: dict[str, Any] | None = None  # how a chat answer is read (jobs/chat_output.OutputFormat); None: as text
     is_last: ClassVar[bool] = False
 
 
@@ -173,6 +174,8 @@ def encode_event(event: ReplyEvent) -> str:
         for choice in payload["choices"]:
             if choice["token_ids"] is None:
                 del choice["token_ids"]
+        if event.output is None:
+            del payload["output"]
     if isinstance(event, Done) and event.body is None:
         del payload["body"]
     return json.dumps(payload, separators=(",", ":"))
@@ -182,7 +185,8 @@ def decode_event(text: str | bytes) -> ReplyEvent:
     payload = json.loads(text)
     cls = _EVENT_TYPES[payload.pop("type")]
     if cls is Delta:
-        return Delta([ChoiceDelta(**choice) for choice in payload["choices"]], payload["attempt"], payload["seq"])
+        return Delta([ChoiceDelta(**choice) for choice in payload["choices"]], payload["attempt"], payload["seq"],
+                     payload.get("output"))
     return cls(**payload)
 
 

@@ -27,11 +27,14 @@ CHUNK_CHARS = 256
 MAX_CHUNKS = 16
 
 
-def prompt_text(body: dict[str, Any]) -> str:
+def prompt_text(body: dict[str, Any], url: str | None = None) -> str:
     """The text a request's prompt is made of, as a producer sees it (a batch line's or an
-    online request's body); empty when it has none (embeddings)."""
+    online request's body, of endpoint `url`); empty when it has none (embeddings)."""
     if "messages" in body:
         return json.dumps(body["messages"], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    if url == "/v1/responses":  # its instructions come first
+        return json.dumps([body.get("instructions"), body["input"]], sort_keys=True, separators=(",", ":"),
+                          ensure_ascii=False)
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return prompt

@@ -10,17 +10,23 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from jobs.chat_output import OutputFormat, chat_message
+
 
 @dataclass
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    reasoning_tokens: int | None = None  # set where a reasoning parser reads the output
 
     def as_openai(self) -> dict[str, Any]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                 "total_tokens": self.prompt_tokens + self.completion_tokens,
+                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        if self.reasoning_tokens is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
+        return usage
 
 
 @dataclass
@@ -41,12 +47,21 @@ def completion_body(model: str, choices: list[Choice], usage: Usage) -> dict[str
                          **c.extra()} for i, c in enumerate(choices)]}
 
 
-def chat_completion_body(model: str, choices: list[Choice], usage: Usage) -> dict[str, Any]:
+def chat_choice(index: int, choice: Choice, output: OutputFormat) -> dict[str, Any]:
+    """One chat choice: its message read by the request's parsers; a stop that called tools
+    ends with finish_reason tool_calls, as OpenAI's."""
+    message, calls_tools = chat_message(output, choice.text)
+    finish_reason = "tool_calls" if calls_tools and choice.finish_reason == "stop" else choice.finish_reason
+    return {"index": index, "message": message, "finish_reason": finish_reason, "logprobs": choice.logprobs,
+            **choice.extra()}
+
+
+def chat_completion_body(model: str, choices: list[Choice], usage: Usage,
+                         output: OutputFormat | None = None) -> dict[str, Any]:
+    output = output or OutputFormat()
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": model, "usage": usage.as_openai(),
-            "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
-                         "finish_reason": c.finish_reason, "logprobs": c.logprobs, **c.extra()}
-                        for i, c in enumerate(choices)]}
+            "choices": [chat_choice(i, c, output) for i, c in enumerate(choices)]}
 
 
 def encode_embedding(embedding: list[float], encoding_format: str | None) -> list[float] | str:
@@ -77,9 +92,14 @@ def error_line(custom_id: str, code: str, message: str) -> dict[str, Any]:
 
 def usage_of(line: dict[str, Any]) -> Usage:
     """The usage a result line reports (none for an error line)."""
-    usage = ((line.get("response") or {}).get("body") or {}).get("usage") or {}
+    return usage_of_body(((line.get("response") or {}).get("body") or {}).get("usage") or {})
+
+
+def usage_of_body(usage: dict[str, Any]) -> Usage:
+    """OpenAI's usage object (chat and completions) as a Usage."""
     return Usage(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0),
-                 (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+                 (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+                 (usage.get("completion_tokens_details") or {}).get("reasoning_tokens"))
 
 
 def is_error_line(line: dict[str, Any]) -> bool:

@@ -13,13 +13,15 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, Field, StrictBool, ValidationError, field_validator
+from pydantic import BaseModel, Field, StrictBool, ValidationError, field_validator, model_validator
 
 from jobs.constraints import ConstraintFields
 from jobs.constraints import StrictModel as _Strict
+from jobs.responses import RESPONSES, ResponsesBody
+from jobs.tools import MAX_TOOL_CALLS, AssistantToolCall, ToolFields
 
 COMPLETIONS, CHAT_COMPLETIONS, EMBEDDINGS = "/v1/completions", "/v1/chat/completions", "/v1/embeddings"
-ENDPOINTS = (COMPLETIONS, CHAT_COMPLETIONS, EMBEDDINGS)
+ENDPOINTS = (COMPLETIONS, CHAT_COMPLETIONS, EMBEDDINGS, RESPONSES)
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on the inputs of one embeddings request
 MAX_PROMPT_CHARS = 1_000_000
 MAX_PROMPT_TOKENS = 1_000_000
@@ -123,15 +125,45 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | Annotated[list[TextPart], Field(max_length=64)]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | Annotated[list[TextPart], Field(max_length=64)] \
+        | None = None
     name: ShortStr | None = None
+    tool_calls: Annotated[list[AssistantToolCall], Field(max_length=MAX_TOOL_CALLS)] | None = None  # assistant's
+    tool_call_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # a tool result's
+    reasoning_content: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | None = None  # an assistant's, vLLM's
+
+    @model_validator(mode="after")
+    def _check_role_fields(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content: required, except in an assistant message with tool_calls")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls: only in an assistant message")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("tool_call_id: required in a tool message")
+        if self.reasoning_content is not None and self.role != "assistant":
+            raise ValueError("reasoning_content: only in an assistant message")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
+    def template_form(self) -> dict[str, Any]:
+        """The message as chat templates read it (Hugging Face's convention)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.reasoning_content is not None:  # gpt-oss's template reads it as `thinking`
+            message["thinking"] = self.reasoning_content
+        for name in ("name", "tool_call_id", "reasoning_content"):
+            if getattr(self, name) is not None:
+                message[name] = getattr(self, name)
+        if self.tool_calls:
+            message["tool_calls"] = [call.template_form() for call in self.tool_calls]
+        return message
 
-class ChatBody(SamplingFields):
+
+class ChatBody(SamplingFields, ToolFields):
     model: ShortStr | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     logprobs: StrictBool | None = None
@@ -146,11 +178,25 @@ class ChatBody(SamplingFields):
             raise ValueError(f"the messages hold {total} characters together; at most {MAX_PROMPT_CHARS}")
         return messages
 
+    @model_validator(mode="after")
+    def _check_tools(self):
+        self.check_tool_choice()
+        if self.forced_tool() is not None and super().constraint() is not None:
+            raise ValueError("tool_choice: a forced tool choice is a constraint of its own; "
+                             "give it without response_format or structured_outputs")
+        return self
+
+    def constraint(self) -> dict[str, Any] | None:
+        """A forced tool choice's grammar, or the body's response_format / structured_outputs."""
+        if self.forced_tool() is not None:
+            return {"json": self.forced_schema()}
+        return super().constraint()
+
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def template_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.template_form() for m in self.messages]
 
 
 NonEmptyText = Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS)]
@@ -201,7 +247,7 @@ class EmbeddingBody(_Strict):
 class BatchLine(_Strict):
     custom_id: Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]
     method: Literal["POST"]
-    url: Literal[COMPLETIONS, CHAT_COMPLETIONS, EMBEDDINGS]  # ENDPOINTS
+    url: Literal[COMPLETIONS, CHAT_COMPLETIONS, EMBEDDINGS, RESPONSES]  # ENDPOINTS
     body: dict[str, Any]
 
 
@@ -253,6 +299,13 @@ class OnlineChatBody(OnlineFields, ChatBody):
     """POST /v1/chat/completions."""
 
 
+class OnlineResponsesBody(OnlineFields, ResponsesBody):
+    """POST /v1/responses."""
+
+    def batch_body(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True, by_alias=True, exclude={"stream", "stream_options", "priority"})
+
+
 class Request(BaseModel):
     """A validated request, as it travels through the stream."""
 
@@ -260,12 +313,18 @@ class Request(BaseModel):
     url: str
     body: dict[str, Any]
 
-    def parsed_body(self) -> CompletionBody | ChatBody | EmbeddingBody:
+    def parsed_body(self) -> CompletionBody | ChatBody | EmbeddingBody | ResponsesBody:
         return body_model(self.url).model_validate(self.body)
 
 
-def body_model(url: str) -> type[CompletionBody | ChatBody | EmbeddingBody]:
-    return {CHAT_COMPLETIONS: ChatBody, EMBEDDINGS: EmbeddingBody}.get(url, CompletionBody)
+def body_model(url: str) -> type[CompletionBody | ChatBody | EmbeddingBody | ResponsesBody]:
+    return {CHAT_COMPLETIONS: ChatBody, EMBEDDINGS: EmbeddingBody, RESPONSES: ResponsesBody}.get(url, CompletionBody)
+
+
+def chat_body_of(body: ResponsesBody) -> ChatBody:
+    """The chat request a Responses body stands for (ValidationError: what does not fit one,
+    such as a tool_choice naming no tool)."""
+    return ChatBody.model_validate(body.chat_fields())
 
 
 def field_path(loc: tuple) -> list[str]:
@@ -277,7 +336,7 @@ def field_path(loc: tuple) -> list[str]:
     return [part for index, part in enumerate(path) if index == 0 or part != path[index - 1]]
 
 
-def _first_error(error: ValidationError, prefix: str = "") -> tuple[str, str]:
+def first_error(error: ValidationError, prefix: str = "") -> tuple[str, str]:
     detail = error.errors()[0]
     path = field_path(detail["loc"])
     return prefix + ".".join(path) if path else prefix.rstrip(".") or "line", detail["msg"].removeprefix("Value error, ")
@@ -298,12 +357,15 @@ def parse_line(text: str | bytes, line_number: int) -> Request:
             line = BatchLine.model_validate(record)
             try:
                 body = body_model(line.url).model_validate(line.body)
+                if line.url == RESPONSES:
+                    chat_body_of(body)
             except ValidationError as error:
-                raise LineError(line_number, *_first_error(error, "body.")) from None
-            return Request(custom_id=line.custom_id, url=line.url, body=body.model_dump(exclude_none=True))
+                raise LineError(line_number, *first_error(error, "body.")) from None
+            return Request(custom_id=line.custom_id, url=line.url,
+                           body=body.model_dump(exclude_none=True, by_alias=True))
         short = ShortLine.model_validate(record)
     except ValidationError as error:
-        raise LineError(line_number, *_first_error(error)) from None
+        raise LineError(line_number, *first_error(error)) from None
     body = short.model_dump(exclude_none=True, exclude={"custom_id"})
     return Request(custom_id=short.custom_id or f"line-{line_number}", url=COMPLETIONS, body=body)
 

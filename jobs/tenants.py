@@ -201,7 +201,8 @@ return total
 def estimated_tokens(prompt_text: str, body: dict[str, Any], default_max_tokens: int = 1024) -> int:
     """What an online request may hold, without a tokenizer (the API loads none): its prompt
     at 4 characters a token, plus max_tokens (DEFAULT when unset) for each of its n choices."""
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or default_max_tokens
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens") \
+        or default_max_tokens
     return -(-len(prompt_text) // 4) + int(max_tokens) * int(body.get("n") or 1)
 
 

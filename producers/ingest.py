@@ -258,7 +258,7 @@ def _in_group_order(window: list[tuple[int, bytes]], batch_id: str, report: Repo
     for _, raw in window:
         line = json.loads(raw)  # valid: pass 1 parsed it
         body = line.get("body", line)
-        text = prefixes.prompt_text(body)
+        text = prefixes.prompt_text(body, line.get("url"))
         chains.append(prefixes.prefix_hashes(text, prefixes.salt_of(report.tenant, body)))
         report.estimated_tokens += estimated_tokens(text, body)
     now = time.time()

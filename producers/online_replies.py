@@ -21,8 +21,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from jobs.online import WORKER_LOST, ChoiceDelta, Done, Error, OnlineEntry, ReplyEvent
-from jobs.results import Choice, Usage, chat_completion_body, completion_body
+from jobs.chat_output import OutputFormat, StreamedMessage
+from jobs.online import WORKER_LOST, ChoiceDelta, Delta, Done, Error, OnlineEntry, ReplyEvent
+from jobs.results import Choice, chat_completion_body, completion_body, usage_of_body
 from jobs.schemas import CHAT_COMPLETIONS, OnlineFields
 from producers.errors import APIError, error_body
 
@@ -92,6 +93,7 @@ class Accumulator:
         self.logprobs: list[dict | None] = [None] * self.num_choices
         self.token_ids: list[list[int] | None] = [None] * self.num_choices
         self.usage: dict[str, Any] = {}
+        self.output = OutputFormat()
 
     def add(self, events: list[ReplyEvent]) -> bool:
         """True once the request has ended (done, or an error that raises)."""
@@ -108,6 +110,7 @@ class Accumulator:
             if isinstance(event, Done):
                 self.usage = event.usage
                 return True
+            self.output = OutputFormat.from_json(event.output)
             for choice in event.choices:
                 self._add_choice(choice)
         return False
@@ -123,10 +126,9 @@ class Accumulator:
     def body(self, entry: OnlineEntry, model: str, url: str) -> dict[str, Any]:
         choices = [Choice(text, reason or "stop", logprobs, ids) for text, reason, logprobs, ids in
                    zip(self.texts, self.finish_reasons, self.logprobs, self.token_ids)]
-        usage = Usage(self.usage.get("prompt_tokens", 0), self.usage.get("completion_tokens", 0),
-                      self.usage.get("prompt_tokens_details", {}).get("cached_tokens", 0))
-        build = chat_completion_body if url == CHAT_COMPLETIONS else completion_body
-        response = build(model, choices, usage)
+        usage = usage_of_body(self.usage)
+        response = chat_completion_body(model, choices, usage, self.output) if url == CHAT_COMPLETIONS \
+            else completion_body(model, choices, usage)
         response["id"] = response_id(entry, url)
         return response
 
@@ -209,6 +211,8 @@ class ChunkWriter:
         self.opened_choices: set[int] = set()  # chat choices whose role chunk went out
         self.order = EventOrder()
         self.sent: dict[int, SentChoice] = {}  # choice index -> what the client has of it
+        self.output = OutputFormat()  # how the answer's text is read (the worker says, with each delta)
+        self.messages: dict[int, StreamedMessage] = {}  # choice index -> what the client has of its parse
         self.is_ended = False  # the last event went out: a done, an error, or worker_lost
         self.is_complete = False  # the request itself ended (nothing left to cancel)
 
@@ -225,27 +229,41 @@ class ChunkWriter:
             return []  # a worker that lost the request, or a repeat
         if place == EventOrder.GAP:
             self.is_ended = True  # never skip text
-            return [error_body(REPLY_LOST[1], "server_error", REPLY_LOST[0])]
+            return self.error_chunks(APIError(500, REPLY_LOST[1], REPLY_LOST[0], kind="server_error"))
         if place == EventOrder.NEW_ATTEMPT:  # a worker took the request over: it repeats each choice first
             for sent in self.sent.values():
                 sent.restart()
         if event.is_last:
             self.is_ended = self.is_complete = True
         if isinstance(event, Error):
-            error = event_error(event)
-            return [error_body(error.message, error.kind, error.code)]
+            return self.error_chunks(event_error(event))
         if isinstance(event, Done):
-            return [self._chunk([], usage=event.usage)] if self.include_usage else []
+            return self.done_chunks(event)
         chunks = []
+        if isinstance(event, Delta):
+            self.output = OutputFormat.from_json(event.output)
         for choice in event.choices:
             try:
                 new = self.sent.setdefault(choice.index, SentChoice()).take(choice)
             except Diverged:  # never join another run's text to what was sent
                 self.is_ended = True
-                return [error_body(WORKER_LOST[1], "server_error", WORKER_LOST[0])]
+                return chunks + self.error_chunks(APIError(500, WORKER_LOST[1], WORKER_LOST[0], kind="server_error"))
             if new is not None:
                 chunks += self._choice_chunks(new)
         return chunks
+
+    def error_chunks(self, error: APIError) -> list[dict[str, Any]]:
+        return [error_body(error.message, error.kind, error.code)]
+
+    def done_chunks(self, event: Done) -> list[dict[str, Any]]:
+        return [self._chunk([], usage=event.usage)] if self.include_usage else []
+
+    def encode(self, chunk: dict[str, Any] | str) -> bytes:
+        return sse(chunk)
+
+    def end(self) -> list[bytes]:
+        """What closes the stream: OpenAI's [DONE]."""
+        return [sse("[DONE]")]
 
     def _choice_chunks(self, choice: ChoiceDelta) -> list[dict[str, Any]]:
         extra = {"token_ids": choice.token_ids} if choice.token_ids is not None else {}
@@ -257,6 +275,23 @@ class ChunkWriter:
             self.opened_choices.add(choice.index)
             chunks.append(self._chunk([{"index": choice.index, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}]))
-        chunks.append(self._chunk([{"index": choice.index, "delta": {"content": choice.text},
-                                    "logprobs": choice.logprobs, "finish_reason": choice.finish_reason, **extra}]))
-        return chunks
+        if self.output.is_plain:
+            chunks.append(self._chunk([{"index": choice.index, "delta": {"content": choice.text},
+                                        "logprobs": choice.logprobs, "finish_reason": choice.finish_reason,
+                                        **extra}]))
+            return chunks
+        return chunks + self._parsed_chunks(choice, extra)
+
+    def _parsed_chunks(self, choice: ChoiceDelta, extra: dict) -> list[dict[str, Any]]:
+        """A parsed choice's deltas (reasoning_content, content, whole tool calls) from the text the
+        client has; this event's logprobs ride on the first, the finish reason on the last."""
+        message = self.messages.setdefault(choice.index, StreamedMessage())
+        is_final = choice.finish_reason is not None
+        deltas = message.delta(self.output, self.sent[choice.index].text, is_final) or (
+            [{"content": ""}] if is_final or choice.logprobs else [])
+        finish_reason = "tool_calls" if choice.finish_reason == "stop" and message.num_calls else choice.finish_reason
+        return [self._chunk([{"index": choice.index, "delta": delta,
+                              "logprobs": choice.logprobs if position == 0 else None,
+                              "finish_reason": finish_reason if position == len(deltas) - 1 else None,
+                              **(extra if position == 0 else {})}])
+                for position, delta in enumerate(deltas)]

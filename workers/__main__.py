@@ -32,6 +32,7 @@ from jobs.preflight import StartupError, check_startup  # noqa: E402
 from workers.adapter_downloads import DEFAULT_CACHE_BYTES, DEFAULT_MAX_ADAPTER_BYTES  # noqa: E402
 from workers.adapters import Adapters, parse_lora_modules  # noqa: E402
 from workers.allocator import preloaded_allocator  # noqa: E402
+from workers.chat_parsers import add_parser_arguments  # noqa: E402
 from workers.health import DEFAULT_STALL_SECONDS, Health, serve, stop_serving  # noqa: E402
 from workers.metrics import WorkerMetrics  # noqa: E402
 from workers.worker import DRAIN_MODES, Worker, WorkerOptions  # noqa: E402
@@ -77,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     fleet.add_argument("--heartbeat-seconds", type=float, default=1.0,
                        help="how often to heartbeat, renew in-flight leases and check batch status")
     fleet.add_argument("--log-level", default="INFO")
+    add_parser_arguments(parser.add_argument_group("chat answers"))
     lora = parser.add_argument_group("LoRA adapters (with --enable-lora)")
     lora.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
                       help="adapters served by name, each a PEFT folder or s3:// URI; a request names one as its "
@@ -153,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
                             online_reserve=args.online_reserve,
                             checkpoint_tokens=args.checkpoint_tokens, prefix_affinity_wait=args.prefix_affinity_wait,
                             maintain_seconds=args.heartbeat_seconds, adapters=adapters,
-                            lora_wait_seconds=args.lora_wait_seconds, shared_prefix_cache=args.shared_prefix_cache)
+                            lora_wait_seconds=args.lora_wait_seconds, shared_prefix_cache=args.shared_prefix_cache,
+                            reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser)
     worker = Worker(engine, r, options, metrics, health)
     worker.install_signal_handlers()
     capacity = (f"{engine.num_total_blocks} KV blocks" if engine.task == "generate"

@@ -316,7 +316,8 @@ class BatchLane(Lane):
     def prepare(self, request_id: str, line: Request, stream: str,
                 tenant: str) -> tuple[EngineRequest, ProcessedRequest]:
         """The engine's request for a line, validated (ValueError if it can never run here)."""
-        request = to_engine_request(line, self.engine.tokenizer, self.engine.default_sampling_params)
+        request = to_engine_request(line, self.engine.tokenizer, self.engine.default_sampling_params,
+                                    self.config.parsers)
         processed = self.engine.process_request(request_id, request.prompt_token_ids, request.params,
                                                 priority=BATCH_PRIORITY,
                                                 lora_request=self.config.lora_request(stream, tenant),

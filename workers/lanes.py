@@ -41,6 +41,7 @@ from jobs import keys
 from workers import checkpoints, stream_ops
 from workers.adapters import Adapters
 from workers.admission import Admission, TokenBudget
+from workers.chat_parsers import ChatParsers
 from workers.metrics import WorkerMetrics
 from workers.translate import EngineRequest
 
@@ -64,6 +65,7 @@ class LaneConfig:
     checkpoint_tokens: int = 0  # generated tokens between checkpoints; 0: none (embedding workers)
     adapters: Adapters | None = None  # the LoRA adapters served (workers/adapters.py)
     shared_prefix_cache: bool = False  # tenants share cached prompt blocks (--shared-prefix-cache)
+    parsers: ChatParsers = ChatParsers()  # how chat answers are read (--reasoning-parser, --tool-call-parser)
 
     def lora_request(self, stream: str, tenant: str) -> LoRARequest | None:
         """The adapter a request of `tenant` from `stream` runs with: its model's, if that is an

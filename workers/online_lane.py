@@ -38,6 +38,7 @@ from jobs.online import (
 from jobs.results import Usage
 from jobs.schemas import LineError, Request
 from workers import stream_ops
+from workers.chat_parsers import reasoning_tokens
 from workers.lanes import Lane, LaneConfig, Work, engine_request_id, suppress_outages
 from workers.translate import (
     EngineRequest,
@@ -58,6 +59,7 @@ class OnlineWork(Work):
     finish_reasons: list[str] = field(default_factory=list)
     text_offsets: dict[int, int] = field(default_factory=dict)  # choice -> characters of its logprob tokens
     has_output: bool = False  # the first token was produced
+    token_ids: dict[int, list[int]] = field(default_factory=dict)  # choice -> its tokens, to count reasoning
 
 
 class OnlineLane(Lane):
@@ -99,13 +101,15 @@ class OnlineLane(Lane):
         if work.has_output and not had_output:
             self.first_tokens.append(work.entry.request_id)
         if choices:
-            self.emit(work.entry.request_id, Delta(choices), work)
+            output_format = None if work.request.output.is_plain else work.request.output.to_json()
+            self.emit(work.entry.request_id, Delta(choices, output=output_format), work)
         if not output.finished:
             return
         self.forget(work)
         self.count(work, work.completion_tokens)
         self.config.metrics.observe_finished(output, work.enqueued_at, "online", work.finish_reasons)
-        usage = Usage(len(output.prompt_token_ids), work.completion_tokens, output.num_cached_tokens)
+        usage = Usage(len(output.prompt_token_ids), work.completion_tokens, output.num_cached_tokens,
+                      self._reasoning_tokens(work))
         self.emit(work.entry.request_id, Done(usage.as_openai()), work)
         self.acks.append((work.stream, work.entry_id))
 
@@ -214,7 +218,7 @@ class OnlineLane(Lane):
         """The engine's request for an entry, validated (ValueError if it can never run here);
         its tokens come out step by step (DELTA)."""
         request = to_engine_request(Request(custom_id=entry.request_id, url=entry.url, body=entry.body),
-                                    self.engine.tokenizer, self.engine.default_sampling_params)
+                                    self.engine.tokenizer, self.engine.default_sampling_params, self.config.parsers)
         params = dataclasses.replace(request.params, output_kind=RequestOutputKind.DELTA)
         return request, self.engine.process_request(request_id, request.prompt_token_ids, params,
                                                     priority=entry.priority,
@@ -243,8 +247,15 @@ class OnlineLane(Lane):
         self.emit(work.entry.request_id, error, work)
         self.acks.append((work.stream, work.entry_id))
 
+    def _reasoning_tokens(self, work: OnlineWork) -> int | None:
+        if not work.request.output.reasoning:
+            return None
+        return sum(reasoning_tokens(work.request.output, ids, self.engine.tokenizer) for ids in work.token_ids.values())
+
     def _choice_delta(self, work: OnlineWork, delta) -> ChoiceDelta:
         work.has_output = work.has_output or bool(delta.token_ids)
+        if work.request.output.reasoning:
+            work.token_ids.setdefault(delta.index, []).extend(delta.token_ids)
         work.completion_tokens += len(delta.token_ids)
         if delta.finish_reason is not None:
             work.finish_reasons.append(delta.finish_reason)

@@ -39,6 +39,7 @@ from jobs.results import error_line, success_line  # noqa: E402
 from jobs.schemas import MAX_REPORTED_ERRORS, LineError, custom_id_of, parse_line  # noqa: E402
 from jobs.tenants import DEFAULT_TENANT  # noqa: E402
 from workers.adapters import Adapters, parse_lora_modules  # noqa: E402
+from workers.chat_parsers import ChatParsers, add_parser_arguments  # noqa: E402
 from workers.translate import (  # noqa: E402
     EmbeddingRequest,
     EngineRequest,
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--resume", action="store_true", help="skip custom ids already in OUTPUT; append the rest")
     parser.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
                         help="LoRA adapters (with --enable-lora) a line may name as its body.model")
+    add_parser_arguments(parser)
     parser.add_argument("--log-level", default="INFO",
                         help="INFO (default) says what the engine chose: dtype, attention, generation defaults")
     add_engine_args(parser)
@@ -115,7 +117,9 @@ def finished_custom_ids(path: str) -> set[str]:
 class Runner:
     """Feeds requests to the engine as it has room, and writes each result when it finishes."""
 
-    def __init__(self, engine: LLMEngine | EmbeddingEngine, model: str, out, adapters: Adapters | None = None) -> None:
+    def __init__(self, engine: LLMEngine | EmbeddingEngine, model: str, out, adapters: Adapters | None = None,
+                 parsers: ChatParsers | None = None) -> None:
+        self.parsers = parsers or ChatParsers()
         self.engine, self.model, self.out, self.adapters = engine, model, out, adapters
         self.is_embedding = engine.task == "embed"
         # engine request id -> (custom_id, request)
@@ -146,7 +150,8 @@ class Runner:
                 work = to_embedding_request(request)
                 self.engine.add_request(str(line_number), work.inputs, work.params)
             else:
-                work = to_engine_request(request, self.engine.tokenizer, self.engine.default_sampling_params)
+                work = to_engine_request(request, self.engine.tokenizer, self.engine.default_sampling_params,
+                                         self.parsers)
                 model = work.body.model
                 lora = self.adapters.request_for(model, DEFAULT_TENANT) if self.adapters and model else None
                 self.engine.add_request(str(line_number), work.prompt_token_ids, work.params, lora_request=lora)
@@ -210,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     done = finished_custom_ids(args.output_file) if args.resume and args.output_file != "-" else set()
     to_stdout = args.output_file == "-"
     with nullcontext(sys.stdout) if to_stdout else open(args.output_file, "a" if done else "w", encoding="utf-8") as out:
-        runner = Runner(engine, args.served_model_name or args.model, out, adapters)
+        runner = Runner(engine, args.served_model_name or args.model, out, adapters,
+                        ChatParsers.of_engine(engine, args.reasoning_parser, args.tool_call_parser))
         runner.stop_on_signals()
         progress = tqdm(total=num_lines - len(done), unit="req", file=sys.stderr,
                         disable=to_stdout or not sys.stderr.isatty())

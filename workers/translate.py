@@ -14,8 +14,19 @@ from engine import (
     SamplingParams,
     StructuredOutputsParams,
 )
+from jobs.chat_output import OutputFormat
+from jobs.responses import RESPONSES, ResponsesBody, finished_response
 from jobs.results import Choice, Usage, chat_completion_body, completion_body, embedding_body, success_line
-from jobs.schemas import CHAT_COMPLETIONS, EMBEDDINGS, ChatBody, CompletionBody, EmbeddingBody, Request
+from jobs.schemas import (
+    CHAT_COMPLETIONS,
+    EMBEDDINGS,
+    ChatBody,
+    CompletionBody,
+    EmbeddingBody,
+    Request,
+    chat_body_of,
+)
+from workers.chat_parsers import ChatParsers, reasoning_tokens, render_chat
 
 
 class RequestRejected(ValueError):
@@ -48,6 +59,8 @@ class EngineRequest:
     params: SamplingParams
     body: CompletionBody | ChatBody
     url: str
+    output: OutputFormat = OutputFormat()  # how a chat answer's text is read
+    responses: ResponsesBody | None = None  # a /v1/responses request (`body` is the chat request it stands for)
 
 
 @dataclass
@@ -76,37 +89,38 @@ def to_embedding_response(request: EmbeddingRequest, output: EmbeddingRequestOut
     return body, usage
 
 
-def to_engine_request(request: Request, tokenizer, defaults: dict | None = None) -> EngineRequest:
+def to_engine_request(request: Request, tokenizer, defaults: dict | None = None,
+                      parsers: ChatParsers | None = None) -> EngineRequest:
     """`tokenizer` is None on a worker started with --skip-tokenizer-init: then only
     completions with token-id prompts can run. `defaults` (the engine's
     default_sampling_params, from the model's generation_config.json) fill what the
-    request leaves unset; the request always wins."""
+    request leaves unset; the request always wins. `parsers`: how chat answers are read."""
     if request.url == EMBEDDINGS:
         raise RequestRejected("invalid_request", f"url: this model generates text; {EMBEDDINGS} needs a worker "
                                                  "serving an embedding model")
-    body = request.parsed_body()
-    try:
-        constraint = body.constraint()
-        params = SamplingParams(**{**(defaults or {}), **body.sampling_kwargs()},
-                                structured_outputs=StructuredOutputsParams(**constraint)
-                                if constraint is not None else None)
-    except (ValueError, TypeError) as error:
-        raise RequestRejected("invalid_request", str(error)) from None
-    if tokenizer is None and (request.url == CHAT_COMPLETIONS or isinstance(body.prompt, str)):
-        field = "messages" if request.url == CHAT_COMPLETIONS else "prompt"
+    body, responses = request.parsed_body(), None
+    is_chat = request.url in (CHAT_COMPLETIONS, RESPONSES)
+    if tokenizer is None and (is_chat or isinstance(body.prompt, str)):
+        field = "messages" if request.url == CHAT_COMPLETIONS else "input" if is_chat else "prompt"
         raise RequestRejected("invalid_request", f"{field}: this worker runs without a tokenizer "
                                                  "(--skip-tokenizer-init); send completions with token-id prompts")
-    if request.url == CHAT_COMPLETIONS:
-        try:
-            prompt = tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=True,
-                                                   tokenize=True, return_dict=False)
-        except Exception as error:  # noqa: BLE001 (a template error is the request's fault)
-            raise RequestRejected("invalid_request", f"messages: the chat template failed: {error}") from None
-    elif isinstance(body.prompt, str):
-        prompt = tokenizer.encode(body.prompt)
-    else:
-        prompt = list(body.prompt)
-    return EngineRequest(list(prompt), params, body, request.url)
+    output, extra = OutputFormat(), {}
+    try:
+        if request.url == RESPONSES:
+            body, responses = chat_body_of(body), body
+        if is_chat:
+            chat = render_chat(body, tokenizer, parsers or ChatParsers())
+            prompt, output = chat.prompt_token_ids, chat.output
+            extra = {"reasoning": chat.reasoning, "skip_special_tokens": chat.skip_special_tokens}
+        else:
+            prompt = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        constraint = body.constraint()
+        params = SamplingParams(**{**(defaults or {}), **body.sampling_kwargs()}, **extra,
+                                structured_outputs=StructuredOutputsParams(**constraint)
+                                if constraint is not None else None)
+    except (ValueError, TypeError) as error:  # a pydantic ValidationError is a ValueError
+        raise RequestRejected("invalid_request", str(error)) from None
+    return EngineRequest(list(prompt), params, body, request.url, output, responses)
 
 
 def prefix_cache_salt(tenant: str, body: CompletionBody | ChatBody, is_shared: bool) -> str | None:
@@ -144,14 +158,25 @@ def openai_logprobs(output_logprobs, token_ids: list[int], num_top: int, tokeniz
     return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops, "text_offset": offsets}
 
 
+def to_usage(request: EngineRequest, output: RequestOutput, tokenizer) -> Usage:
+    return Usage(prompt_tokens=len(output.prompt_token_ids),
+                 completion_tokens=sum(len(c.token_ids) for c in output.outputs),
+                 cached_tokens=output.num_cached_tokens,
+                 reasoning_tokens=sum(reasoning_tokens(request.output, c.token_ids, tokenizer) for c in output.outputs)
+                 if request.output.reasoning else None)
+
+
 def to_result_line(custom_id: str, request: EngineRequest, output: RequestOutput, model: str,
                    tokenizer) -> tuple[dict, Usage]:
-    usage = Usage(prompt_tokens=len(output.prompt_token_ids),
-                  completion_tokens=sum(len(c.token_ids) for c in output.outputs),
-                  cached_tokens=output.num_cached_tokens)
+    usage = to_usage(request, output, tokenizer)
     choices = [Choice(c.text, c.finish_reason or "stop",
                       openai_logprobs(c.logprobs, c.token_ids, request.params.logprobs or 0, tokenizer,
                                        request.url),
                       token_ids=c.token_ids if tokenizer is None else None) for c in output.outputs]
-    build = chat_completion_body if request.url == CHAT_COMPLETIONS else completion_body
-    return success_line(custom_id, build(model, choices, usage)), usage
+    if request.responses is not None:  # one choice: Responses have no n
+        body = chat_completion_body(model, choices, usage, request.output)["choices"][0]
+        return success_line(custom_id, finished_response(request.responses, model, body["message"],
+                                                         body["finish_reason"], usage)), usage
+    if request.url == CHAT_COMPLETIONS:
+        return success_line(custom_id, chat_completion_body(model, choices, usage, request.output)), usage
+    return success_line(custom_id, completion_body(model, choices, usage)), usage

@@ -46,6 +46,7 @@ from workers.adapters import AdapterPreference, Adapters
 from workers.admission import Admission, TokenBudget, default_online_reserve
 from workers.affinity import Affinity
 from workers.batch_lane import BatchLane
+from workers.chat_parsers import ChatParsers
 from workers.embeddings_lane import EmbeddingBatchLane, EmbeddingOnlineLane
 from workers.flush import ResultFlusher
 from workers.health import Health
@@ -90,6 +91,8 @@ class WorkerOptions:
     adapters: Adapters | None = None  # LoRA adapters served (workers/adapters.py)
     lora_wait_seconds: float = 10.0  # an adapter's queue waits this long for a worker holding it
     shared_prefix_cache: bool = False  # tenants share cached prompt blocks (default: each its own)
+    reasoning_parser: str | None = None  # None: the model type's (workers/chat_parsers.py); "none": off
+    tool_call_parser: str | None = None
 
 
 class Worker:
@@ -110,7 +113,8 @@ class Worker:
         token_budget = TokenBudget(engine.config.max_num_batched_tokens) if self.task == "embed" else None
         config = LaneConfig(options.name, int(options.lease_seconds * 1000), options.max_deliveries, admission,
                             self.metrics, token_budget, options.checkpoint_tokens if self.task == "generate" else 0,
-                            adapters, options.shared_prefix_cache)
+                            adapters, options.shared_prefix_cache,
+                            ChatParsers.of_engine(engine, options.reasoning_parser, options.tool_call_parser))
         online_cls, batch_cls = (EmbeddingOnlineLane, EmbeddingBatchLane) if self.task == "embed" else (OnlineLane,
                                                                                                          BatchLane)
         self.online_lane = online_cls(r, engine, self.streams.online, config)

@@ -1,4 +1,4 @@
-"""Online `POST /v1/completions` and `POST /v1/chat/completions`, through the queue.
+"""Online `POST /v1/completions`, `POST /v1/chat/completions` and `POST /v1/responses`, through the queue.
 
     validate -> the model has a live worker (else 404 model_not_found)
              -> its online backlog is under KVFLEET_MAX_ONLINE_QUEUE (else 429, Retry-After)
@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 import redis
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from jobs import adapters, heartbeats, keys, online, prefixes, tenants
@@ -30,14 +31,19 @@ from jobs.schemas import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
     EMBEDDINGS,
+    RESPONSES,
     OnlineChatBody,
     OnlineCompletionBody,
     OnlineFields,
+    OnlineResponsesBody,
+    chat_body_of,
+    first_error,
 )
 from jobs.tenants import OPEN, Tenant
 from producers.dependencies import Services, ServicesDep, Settings, SettingsDep
 from producers.errors import APIError, error_body
-from producers.online_replies import Accumulator, ChunkWriter, event_error, sse
+from producers.online_replies import Accumulator, ChunkWriter, event_error
+from producers.responses_stream import ResponseEventWriter, finished_body
 from producers.routes import v1_router
 from producers.routes.models import model_not_found, resolve_adapter
 from producers.token_waits import ClientGone
@@ -63,6 +69,18 @@ async def create_chat_completion(body: OnlineChatBody, request: Request, service
     return await answer(CHAT_COMPLETIONS, body, request, services, settings)
 
 
+@router.post("/responses", summary="Create a model response (OpenAI's Responses API; streams with stream=true; "
+                                   "not stored)")
+async def create_response(body: OnlineResponsesBody, request: Request, services: ServicesDep,
+                          settings: SettingsDep):
+    try:
+        chat_body_of(body)  # what does not fit a chat request (a tool_choice naming no tool) is a 400 here
+    except ValidationError as error:
+        field, message = first_error(error)
+        raise APIError(400, f"{field}: {message}", "invalid_request", field) from None
+    return await answer(RESPONSES, body, request, services, settings)
+
+
 def enqueue(services: Services, settings: Settings, url: str, body: OnlineFields,
             tenant: Tenant = OPEN.tenant, is_admin: bool = True) -> tuple[OnlineEntry, bool]:
     """Checks that need Redis, then XADD; runs in the thread pool (redis-py is blocking).
@@ -85,7 +103,7 @@ def enqueue(services: Services, settings: Settings, url: str, body: OnlineFields
     batch_body = body.batch_body()
     entry = OnlineEntry(online.new_request_id(), url, batch_body, bool(body.stream), body.priority,
                         now + settings.request_timeout, now,
-                        prefixes.encode(prefixes.prefix_hashes(prefixes.prompt_text(batch_body),
+                        prefixes.encode(prefixes.prefix_hashes(prefixes.prompt_text(batch_body, url),
                                                                prefixes.salt_of(tenant.name, batch_body))),
                         tenant.name)
     tokens = tokens_of(entry)
@@ -144,7 +162,7 @@ def tokens_of(entry: OnlineEntry) -> int:
     jobs/tenants.py); an embeddings request generates none."""
     if entry.url == EMBEDDINGS:
         return tenants.estimated_tokens(json.dumps(entry.body.get("input", "")), {}, default_max_tokens=0)
-    return tenants.estimated_tokens(prefixes.prompt_text(entry.body), entry.body)
+    return tenants.estimated_tokens(prefixes.prompt_text(entry.body, entry.url), entry.body)
 
 
 async def next_events(services: Services, entry: OnlineEntry, last_id: str, request: Request | None,
@@ -222,13 +240,16 @@ async def answer(url: str, body: OnlineFields, request: Request, services: Servi
         services.online_stats.first_token(time.time() - entry.enqueued_at)
         if body.stream:
             is_handed_over = True  # the stream takes the request over, with its own cleanup
-            chunks = ChunkWriter(entry, body.model, url, body.include_usage)
+            chunks = ResponseEventWriter(entry, body.model, body) if url == RESPONSES \
+                else ChunkWriter(entry, body.model, url, body.include_usage)
             return ReplyStream(stream_chunks(services, entry, chunks, last_id, events),
                                lambda: finish(services.redis, entry, chunks.is_complete))
         response = Accumulator(body)
         while not response.add(events):
             last_id, events = await next_events(services, entry, last_id, request)
         is_complete = True
+        if url == RESPONSES:
+            return finished_body(response, entry, body.model, body)
         return response.body(entry, body.model, url)
     except Cancelled:
         return client_closed()
@@ -242,14 +263,16 @@ async def stream_chunks(services: Services, entry: OnlineEntry, chunks: ChunkWri
     while True:
         for event in events:
             for chunk in chunks.of(event):
-                yield sse(chunk)
+                yield chunks.encode(chunk)
             if chunks.is_ended:
-                yield sse("[DONE]")
+                for end in chunks.end():
+                    yield end
                 return
         try:
             last_id, events = await next_events(services, entry, last_id, None)  # Starlette watches the client
         except APIError as error:  # past the deadline: end the stream (its cleanup cancels the request)
-            timeout = event_error(Error(error.status, error.code, error.message))
-            yield sse(error_body(timeout.message, timeout.kind, timeout.code))
-            yield sse("[DONE]")
+            for chunk in chunks.error_chunks(event_error(Error(error.status, error.code, error.message))):
+                yield chunks.encode(chunk)
+            for end in chunks.end():
+                yield end
             return

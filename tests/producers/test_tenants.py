@@ -245,6 +245,7 @@ NO_OBJECT_ROUTES = {
     ("POST", "/v1/completions"): "answers the caller's own request",
     ("POST", "/v1/chat/completions"): "answers the caller's own request",
     ("POST", "/v1/embeddings"): "answers the caller's own request",
+    ("POST", "/v1/responses"): "answers the caller's own request (responses are not stored)",
     ("GET", "/v1/models"): "the fleet's models",
     ("GET", "/v1/models/{model}"): "one of the fleet's models",
     ("POST", "/v1/files"): "makes the caller's own file",

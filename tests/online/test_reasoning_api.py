@@ -1,0 +1,185 @@
+"""Thinking and tool-calling models through the queue, with the official `openai` client: a
+tiny Qwen3 (qwen3 + hermes parsers) and gpt-oss (gpt_oss + openai) whose outputs are forced to
+think, answer and call a tool (tests/chat_models.ScriptedSampler); the parsed fields equal
+what the text says, streaming and not, in chat completions and the Responses API."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from engine import EngineConfig, LLMEngine
+from tests.chat_models import ScriptedSampler, write_thinking_model
+from tests.online.conftest import WorkerThread
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                   "required": ["city"], "additionalProperties": False}}}
+SCRIPTS = {
+    "qwen3": ({"river": '<think>\nThe river is wide\n</think>\n\nAnswer: yes\n<tool_call>\n'
+                        '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+               "capital": "<think>\nEasy.\n</think>\n\nParis.", "Anything": ("<think>\nOK.\n</think>\n\n", None)},
+              "<|im_end|>", "<think>\nThe river is wide\n</think>"),
+    "gpt_oss": ({"river": "<|channel|>analysis<|message|>The river is wide<|end|><|start|>assistant<|channel|>final"
+                          "<|message|>Answer: yes<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather"
+                          ' <|constrain|>json<|message|>{"city": "Paris"}<|call|>',
+                 "capital": "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final"
+                            "<|message|>Paris.<|return|>",
+                 "Anything": ("<|channel|>analysis<|message|>OK.<|end|><|start|>assistant<|channel|>final<|message|>",
+                              None)}, "<|return|>",
+                "<|channel|>analysis<|message|>The river is wide<|end|>"),
+}
+CITY_TOOL = {"type": "function", "function": {  # short outputs: a forced call ends well within max_tokens
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Lyon"]},
+                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                   "required": ["city", "days"], "additionalProperties": False}}}
+EXPECTED = {"reasoning": "The river is wide", "content": "Answer: yes", "call": ("get_weather", {"city": "Paris"})}
+
+
+@pytest.fixture(scope="module", params=["qwen3", "gpt_oss"])
+def thinking_engine(request, tmp_path_factory):
+    kind = request.param
+    path = write_thinking_model(kind, tmp_path_factory.mktemp(kind))
+    engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=256, max_num_seqs=8))
+    scripts, end, reasoning_text = SCRIPTS[kind]
+    engine.model_runner.sampler = ScriptedSampler(engine.model_runner.sampler, engine.tokenizer, scripts, end)
+    engine.kind = kind
+    engine.expected_reasoning_tokens = len(engine.tokenizer.encode(reasoning_text, add_special_tokens=False))
+    return engine
+
+
+@pytest.fixture
+def thinker(thinking_engine, redis_server, r, api):
+    with WorkerThread(thinking_engine, redis_server.url, name="thinker", served_model_names=["thinker"]) as worker:
+        worker._heartbeat()
+        yield thinking_engine
+
+
+def ask(client, question: str, **fields):
+    fields = {"max_tokens": 120, "temperature": 0, **fields}
+    return client.chat.completions.create(model="thinker", messages=[{"role": "user", "content": question}],
+                                          **fields)
+
+
+def content_of(text: str | None) -> str | None:
+    return text.strip() if text else text
+
+
+def test_a_thinking_answer_with_a_tool_call(thinker, client):
+    response = ask(client, "Is the river wide?", tools=[WEATHER_TOOL])
+    choice = choice_fields(response.choices[0].message)
+    assert choice == (EXPECTED["reasoning"], EXPECTED["content"], [EXPECTED["call"]])
+    assert response.choices[0].finish_reason == "tool_calls"
+    assert response.choices[0].message.tool_calls[0].id.startswith("call_")
+    assert response.usage.completion_tokens_details.reasoning_tokens == thinker.expected_reasoning_tokens
+
+
+def choice_fields(message):
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
+    return getattr(message, "reasoning_content", None), content_of(message.content), calls
+
+
+def test_the_stream_says_the_same_in_deltas(thinker, client):
+    stream = ask(client, "Is the river wide?", tools=[WEATHER_TOOL], stream=True,
+                 stream_options={"include_usage": True})
+    reasoning, content, calls, finish, usage = "", "", [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            reasoning += getattr(choice.delta, "reasoning_content", None) or ""  # vLLM's field, beside OpenAI's
+            content += choice.delta.content or ""
+            for call in choice.delta.tool_calls or []:
+                assert call.id.startswith("call_") and call.type == "function" and call.index == len(calls)
+                calls.append((call.function.name, json.loads(call.function.arguments)))
+            finish = choice.finish_reason or finish
+    assert (reasoning, content.strip(), calls) == (EXPECTED["reasoning"], EXPECTED["content"], [EXPECTED["call"]])
+    assert finish == "tool_calls"
+    assert usage.completion_tokens_details.reasoning_tokens == thinker.expected_reasoning_tokens
+
+
+def test_without_tools_the_call_is_text_and_an_answer_alone_is_content(thinker, client):
+    plain = ask(client, "What is the capital of France?")
+    assert (plain.choices[0].message.reasoning_content, plain.choices[0].message.content) == ("Easy.", "Paris.")
+    assert plain.choices[0].finish_reason == "stop" and plain.choices[0].message.tool_calls is None
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_tool_choice_is_a_call_valid_for_its_schema(thinker, client, tool_choice):
+    response = ask(client, "Anything at all?", tools=[CITY_TOOL], tool_choice=tool_choice,
+                   parallel_tool_calls=False, max_tokens=300)
+    message = response.choices[0].message  # the model thinks (forced), then the grammar writes the call
+    assert getattr(message, "reasoning_content", None) == "OK."
+    assert message.content is None and len(message.tool_calls) == 1
+    assert message.tool_calls[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(message.tool_calls[0].function.arguments), CITY_TOOL["function"]["parameters"])
+    assert response.choices[0].finish_reason == "tool_calls"
+
+
+def test_a_conversation_with_tool_results_and_template_options(thinker, client):
+    messages = [{"role": "user", "content": "Is the river wide?"},
+                {"role": "assistant", "content": None, "reasoning_content": "Check the weather.",
+                 "tool_calls": [{"id": "call_1", "type": "function",
+                                 "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"}]
+    extra = {"reasoning_effort": "high"} if thinker.kind == "gpt_oss" else \
+        {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}
+    response = client.chat.completions.create(model="thinker", messages=messages, tools=[WEATHER_TOOL],
+                                              max_tokens=120, temperature=0, **extra)
+    prompts = [thinker.tokenizer.decode(list(ids), skip_special_tokens=False)
+               for ids in thinker.model_runner.sampler.by_prompt]
+    prompt = next(prompt for prompt in prompts if "Sunny" in prompt)
+    reasoning, content, calls = choice_fields(response.choices[0].message)
+    assert calls == [EXPECTED["call"]]
+    if thinker.kind == "gpt_oss":
+        assert "Reasoning: high" in prompt and "<|start|>functions.get_weather to=assistant<|channel|>commentary" \
+            '<|message|>"Sunny, 21 C"<|end|>' in prompt
+        assert (reasoning, content) == (EXPECTED["reasoning"], EXPECTED["content"])
+    else:  # enable_thinking false: the template closed the reasoning; what the model says is all answer
+        assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+        assert "<tool_response>\nSunny, 21 C\n</tool_response>" in prompt
+        assert reasoning is None and content.startswith("<think>\nThe river is wide\n</think>")
+
+
+def test_the_responses_api_answers_in_output_items(thinker, client):
+    response = client.responses.create(model="thinker", input="Is the river wide?", instructions="Be brief.",
+                                       tools=[{"type": "function", **WEATHER_TOOL["function"]}],
+                                       max_output_tokens=120, temperature=0)
+    assert [item.type for item in response.output] == ["reasoning", "message", "function_call"]
+    assert response.output[0].content[0].text == EXPECTED["reasoning"]
+    assert response.output_text.strip() == EXPECTED["content"]
+    call = response.output[2]
+    assert (call.name, json.loads(call.arguments)) == EXPECTED["call"] and call.call_id.startswith("call_")
+    assert response.status == "completed" and response.instructions == "Be brief."
+    assert response.usage.output_tokens_details.reasoning_tokens == thinker.expected_reasoning_tokens
+    assert response.usage.total_tokens == response.usage.input_tokens + response.usage.output_tokens
+
+
+def test_the_responses_stream_builds_the_same_response(thinker, client):
+    events = list(client.responses.create(model="thinker", input="Is the river wide?", stream=True,
+                                          tools=[{"type": "function", **WEATHER_TOOL["function"]}],
+                                          max_output_tokens=120, temperature=0))
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    final = events[-1].response
+    assert [item.type for item in final.output] == ["reasoning", "message", "function_call"]
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == final.output[1].content[0].text and deltas.strip() == EXPECTED["content"]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == EXPECTED["reasoning"]
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert [(e.name, json.loads(e.arguments)) for e in done] == [EXPECTED["call"]]
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    assert added == ["reasoning", "message", "function_call"]
+
+
+def test_the_responses_api_refuses_what_it_cannot_honour(thinker, client):
+    with pytest.raises(openai.BadRequestError, match="does not store responses"):
+        client.responses.create(model="thinker", input="Hi", previous_response_id="resp_1")
+    with pytest.raises(openai.BadRequestError, match="no tool named 'nope'"):
+        client.responses.create(model="thinker", input="Hi", tools=[{"type": "function", **WEATHER_TOOL["function"]}],
+                                tool_choice={"type": "function", "name": "nope"})
