@@ -6,14 +6,22 @@ what the text says, streaming and not, in chat completions and the Responses API
 from __future__ import annotations
 
 import json
+import time
 
 import jsonschema
 import openai
 import pytest
+from openai.types.chat import ChatCompletion
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
 
 from engine import EngineConfig, LLMEngine
+from jobs import batches
+from producers.ingest import submit
 from tests.chat_models import ScriptedSampler, write_thinking_model
 from tests.online.conftest import WorkerThread
+from tests.services import run_finalize_jobs
+from tests.workers.helpers import read_lines
 
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -150,6 +158,7 @@ def test_the_responses_api_answers_in_output_items(thinker, client):
     response = client.responses.create(model="thinker", input="Is the river wide?", instructions="Be brief.",
                                        tools=[{"type": "function", **WEATHER_TOOL["function"]}],
                                        max_output_tokens=120, temperature=0)
+    Response.model_validate(response.to_dict())  # strictly OpenAI's type (the client's parse is lenient)
     assert [item.type for item in response.output] == ["reasoning", "message", "function_call"]
     assert response.output[0].content[0].text == EXPECTED["reasoning"]
     assert response.output_text.strip() == EXPECTED["content"]
@@ -164,6 +173,8 @@ def test_the_responses_stream_builds_the_same_response(thinker, client):
     events = list(client.responses.create(model="thinker", input="Is the river wide?", stream=True,
                                           tools=[{"type": "function", **WEATHER_TOOL["function"]}],
                                           max_output_tokens=120, temperature=0))
+    for event in events:  # each strictly one of OpenAI's stream event types
+        TypeAdapter(ResponseStreamEvent).validate_python(event.to_dict())
     assert [event.sequence_number for event in events] == list(range(len(events)))
     assert events[0].type == "response.created" and events[-1].type == "response.completed"
     final = events[-1].response
@@ -183,3 +194,49 @@ def test_the_responses_api_refuses_what_it_cannot_honour(thinker, client):
     with pytest.raises(openai.BadRequestError, match="no tool named 'nope'"):
         client.responses.create(model="thinker", input="Hi", tools=[{"type": "function", **WEATHER_TOOL["function"]}],
                                 tool_choice={"type": "function", "name": "nope"})
+
+
+def wait_for_batch(r, batch_id: str) -> dict:
+    deadline = time.monotonic() + 120
+    while batches.batch_object(r, batch_id)["status"] not in batches.TERMINAL:
+        assert time.monotonic() < deadline, "the batch did not end"
+        run_finalize_jobs(r)  # the finalizer's job, here in the test process
+        time.sleep(0.1)
+    return batches.batch_object(r, batch_id)
+
+
+def test_responses_lines_through_the_batches_api_and_chat_lines_through_submit(thinker, client, r):
+    tool = {"type": "function", **WEATHER_TOOL["function"]}
+    lines = [{"custom_id": "river", "method": "POST", "url": "/v1/responses",
+              "body": {"model": "thinker", "input": [{"role": "user", "content": "Is the river wide?"}],
+                       "tools": [tool], "max_output_tokens": 120, "temperature": 0}},
+             {"custom_id": "capital", "method": "POST", "url": "/v1/responses",
+              "body": {"model": "thinker", "input": "What is the capital of France?", "instructions": "Be brief.",
+                       "max_output_tokens": 120, "temperature": 0}}]
+    upload = client.files.create(file=("responses.jsonl", "\n".join(map(json.dumps, lines)).encode()),
+                                 purpose="batch")
+    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/responses", completion_window="24h")
+    done = wait_for_batch(r, batch.id)
+    assert done["status"] == "completed" and done["request_counts"]["completed"] == 2, done
+    results = {line["custom_id"]: line for line in map(json.loads, client.files.content(
+        done["output_file_id"]).text.splitlines())}
+    river = Response.model_validate(results["river"]["response"]["body"])  # OpenAI's own type
+    assert [item.type for item in river.output] == ["reasoning", "message", "function_call"]
+    assert (river.output[0].content[0].text, river.output_text.strip()) == (EXPECTED["reasoning"],
+                                                                            EXPECTED["content"])
+    assert (river.output[2].name, json.loads(river.output[2].arguments)) == EXPECTED["call"]
+    assert river.usage.output_tokens_details.reasoning_tokens == thinker.expected_reasoning_tokens
+    capital = Response.model_validate(results["capital"]["response"]["body"])
+    assert (capital.output[0].content[0].text, capital.output_text, capital.instructions) == (
+        "Easy.", "Paris.", "Be brief.")
+    chat_lines = [json.dumps({"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions", "body": {
+        "model": "thinker", "messages": [{"role": "user", "content": "Is the river wide?"}], "tools": [WEATHER_TOOL],
+        "max_tokens": 120, "temperature": 0}}).encode()]
+    submission = submit(r, lambda: chat_lines)
+    assert submission.accepted
+    chat_done = wait_for_batch(r, submission.batch_id)
+    body = read_lines(r, chat_done["output_file_id"])[0]["response"]["body"]
+    completion = ChatCompletion.model_validate(body)
+    assert choice_fields(completion.choices[0].message) == (EXPECTED["reasoning"], EXPECTED["content"],
+                                                            [EXPECTED["call"]])
+    assert completion.choices[0].finish_reason == "tool_calls"
