@@ -75,13 +75,18 @@ class ReasoningItem(_Strict):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
-def _item_type(value) -> str:
-    return value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", "message")
+def _item_type(value) -> str | None:
+    kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", "message")
+    # Tags with "-" stay out of error paths (schemas.field_path): body.input.0.content, not ....message.content
+    return f"item-{kind}" if kind in ("message", "function_call", "function_call_output", "reasoning") else None
 
 
-InputItem = Annotated[Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
-                      | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
-                      | Annotated[ReasoningItem, Tag("reasoning")], Discriminator(_item_type)]
+InputItem = Annotated[Annotated[MessageItem, Tag("item-message")] | Annotated[FunctionCallItem, Tag("item-function_call")]
+                      | Annotated[FunctionCallOutputItem, Tag("item-function_call_output")]
+                      | Annotated[ReasoningItem, Tag("item-reasoning")],
+                      Discriminator(_item_type, custom_error_type="invalid_item",
+                                    custom_error_message="type: must be message, function_call, "
+                                                         "function_call_output or reasoning")]
 
 
 class FunctionTool(_Strict):
@@ -97,22 +102,32 @@ class NamedFunction(_Strict):
     name: FunctionName
 
 
-class TextFormat(_Strict):
-    type: Literal["text", "json_object", "json_schema"]
-    name: Annotated[str, Field(min_length=1, max_length=64)] | None = None
-    schema_: JsonSchema | None = Field(None, alias="schema")
+class TextFormatText(_Strict):
+    type: Literal["text"]
+
+    def response_format(self) -> dict[str, Any]:
+        return {"type": self.type}
+
+
+class TextFormatJsonObject(TextFormatText):
+    type: Literal["json_object"]
+
+
+class TextFormatJsonSchema(_Strict):
+    type: Literal["json_schema"]
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    schema_: JsonSchema = Field(alias="schema")
     description: Annotated[str, Field(max_length=100_000)] | None = None
     strict: StrictBool | None = None
 
     def response_format(self) -> dict[str, Any]:
         """As a chat body's response_format."""
-        if self.type != "json_schema":
-            return {"type": self.type}
-        if self.schema_ is None or self.name is None:
-            raise ValueError("text.format: json_schema needs a name and a schema")
         schema = {"name": self.name, "schema": self.schema_,
                   **{key: value for key in ("description", "strict") if (value := getattr(self, key)) is not None}}
         return {"type": "json_schema", "json_schema": schema}
+
+
+TextFormat = Annotated[TextFormatText | TextFormatJsonObject | TextFormatJsonSchema, Field(discriminator="type")]
 
 
 class TextConfig(_Strict):
@@ -129,8 +144,10 @@ class ResponsesBody(_Strict):
     """POST /v1/responses, OpenAI's fields that a self-hosted model can honour."""
 
     model: Annotated[str, Field(max_length=256)] | None = None
-    input: Annotated[str, Field(min_length=1, max_length=MAX_TEXT_CHARS)] \
-        | Annotated[list[InputItem], Field(min_length=1, max_length=MAX_INPUT_ITEMS)]
+    input: Annotated[Annotated[Annotated[str, Field(min_length=1, max_length=MAX_TEXT_CHARS)], Tag("input-text")]
+                     | Annotated[Annotated[list[InputItem], Field(min_length=1, max_length=MAX_INPUT_ITEMS)],
+                                 Tag("input-items")],
+                     Discriminator(lambda value: "input-items" if isinstance(value, list) else "input-text")]
     instructions: Text | None = None
     max_output_tokens: int | None = Field(None, ge=1, le=1_000_000)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -140,7 +157,7 @@ class ResponsesBody(_Strict):
     tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: StrictBool | None = None
-    previous_response_id: str | None = None
+    previous_response_id: None = Field(None, description="not supported: responses are not stored")
     store: StrictBool | None = None
     metadata: Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
                         Field(max_length=16)] | None = None
@@ -148,7 +165,7 @@ class ResponsesBody(_Strict):
     truncation: Literal["disabled"] | None = None
     stream: Literal[False] | None = None  # a batch cannot stream
 
-    @field_validator("previous_response_id")
+    @field_validator("previous_response_id", mode="before")
     @classmethod
     def _not_stored(cls, value):
         if value is not None:

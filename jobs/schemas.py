@@ -13,7 +13,16 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, Field, StrictBool, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    Discriminator,
+    Field,
+    StrictBool,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from jobs.constraints import ConstraintFields
 from jobs.constraints import StrictModel as _Strict
@@ -124,26 +133,12 @@ class TextPart(_Strict):
     text: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
 
 
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | Annotated[list[TextPart], Field(max_length=64)] \
-        | None = None
-    name: ShortStr | None = None
-    tool_calls: Annotated[list[AssistantToolCall], Field(max_length=MAX_TOOL_CALLS)] | None = None  # assistant's
-    tool_call_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # a tool result's
-    reasoning_content: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | None = None  # an assistant's, vLLM's
+MessageContent = Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | Annotated[list[TextPart], Field(max_length=64)]
 
-    @model_validator(mode="after")
-    def _check_role_fields(self):
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError("content: required, except in an assistant message with tool_calls")
-        if self.tool_calls and self.role != "assistant":
-            raise ValueError("tool_calls: only in an assistant message")
-        if self.role == "tool" and self.tool_call_id is None:
-            raise ValueError("tool_call_id: required in a tool message")
-        if self.reasoning_content is not None and self.role != "assistant":
-            raise ValueError("reasoning_content: only in an assistant message")
-        return self
+
+class _Message(_Strict):
+    content: MessageContent
+    name: ShortStr | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -153,14 +148,52 @@ class ChatMessage(_Strict):
     def template_form(self) -> dict[str, Any]:
         """The message as chat templates read it (Hugging Face's convention)."""
         message: dict[str, Any] = {"role": self.role, "content": self.text()}
-        if self.reasoning_content is not None:  # gpt-oss's template reads it as `thinking`
-            message["thinking"] = self.reasoning_content
-        for name in ("name", "tool_call_id", "reasoning_content"):
-            if getattr(self, name) is not None:
-                message[name] = getattr(self, name)
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class InstructionMessage(_Message):
+    role: Literal["system", "developer", "user"]
+
+
+class AssistantMessage(_Message):
+    role: Literal["assistant"]
+    content: MessageContent | None = None  # none beside tool_calls
+    tool_calls: Annotated[list[AssistantToolCall], Field(max_length=MAX_TOOL_CALLS)] | None = None
+    reasoning_content: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | None = None  # vLLM's
+
+    def template_form(self) -> dict[str, Any]:
+        message = super().template_form()
+        if self.reasoning_content is not None:  # Qwen3's templates read it so; gpt-oss's as `thinking`
+            message["reasoning_content"] = message["thinking"] = self.reasoning_content
         if self.tool_calls:
             message["tool_calls"] = [call.template_form() for call in self.tool_calls]
         return message
+
+
+class ToolMessage(_Message):
+    role: Literal["tool"]
+    tool_call_id: Annotated[str, Field(min_length=1, max_length=256)]
+
+    def template_form(self) -> dict[str, Any]:
+        return {**super().template_form(), "tool_call_id": self.tool_call_id}
+
+
+def _role_tag(value) -> str | None:
+    role = value.get("role") if isinstance(value, dict) else getattr(value, "role", None)
+    if not isinstance(role, str):
+        return None  # pydantic names the field
+    kind = {"system": "instruction", "developer": "instruction", "user": "instruction"}.get(role, role)
+    return f"role-{kind}" if kind in ("instruction", "assistant", "tool") else None
+
+
+# One model per role, so the OpenAPI schema says which fields go with which (a tool result names
+# its call; an assistant message may carry calls instead of content).
+ChatMessage = Annotated[Annotated[InstructionMessage, Tag("role-instruction")]
+                        | Annotated[AssistantMessage, Tag("role-assistant")] | Annotated[ToolMessage, Tag("role-tool")],
+                        Discriminator(_role_tag, custom_error_type="invalid_role",
+                                      custom_error_message="role: must be system, developer, user, assistant or tool")]
 
 
 class ChatBody(SamplingFields, ToolFields):

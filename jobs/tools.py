@@ -10,9 +10,10 @@ chat template shows the tools and its tool parser reads the calls (jobs/tool_cal
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, StrictBool, field_validator
+from pydantic import BeforeValidator, Field, StrictBool, WithJsonSchema, field_validator
 
 from jobs.constraints import StrictModel, check_json_schema, check_schema_size
 
@@ -21,6 +22,9 @@ MAX_TOOL_CALLS = 128  # in one assistant message of a conversation
 MAX_ARGUMENTS_CHARS = 1_000_000
 MAX_TEMPLATE_KWARGS = 32
 MAX_TEMPLATE_KWARGS_CHARS = 100_000
+TEMPLATE_KWARGS_SCHEMA = {"type": "object", "maxProperties": MAX_TEMPLATE_KWARGS,
+                          "propertyNames": {"pattern": "^[A-Za-z_][A-Za-z0-9_]{0,63}$"},
+                          "description": "variables for the chat template, such as enable_thinking"}
 FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
 ToolSchema = Annotated[dict[str, Any], BeforeValidator(check_schema_size)]
 
@@ -71,11 +75,11 @@ class AssistantToolCall(StrictModel):
 
 def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
     """Extra variables for the chat template (enable_thinking, ...): names, and bounded."""
-    if kwargs is None:
-        return None
+    if not isinstance(kwargs, dict):
+        return kwargs  # pydantic names what it should be
     if len(kwargs) > MAX_TEMPLATE_KWARGS:
         raise ValueError(f"at most {MAX_TEMPLATE_KWARGS} variables")
-    bad = [name for name in kwargs if not name.isidentifier()]
+    bad = [name for name in kwargs if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,63}", name)]
     if bad:
         raise ValueError(f"variable names must be identifiers; got {bad[:3]}")
     if len(json.dumps(kwargs)) > MAX_TEMPLATE_KWARGS_CHARS:
@@ -90,7 +94,8 @@ class ToolFields(StrictModel):
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
-    chat_template_kwargs: Annotated[dict[str, Any] | None, BeforeValidator(check_template_kwargs)] = None
+    chat_template_kwargs: Annotated[dict[str, Any], BeforeValidator(check_template_kwargs),
+                                    WithJsonSchema(TEMPLATE_KWARGS_SCHEMA)] | None = None
     reasoning_effort: Literal["low", "medium", "high"] | None = None
 
     @field_validator("tools")

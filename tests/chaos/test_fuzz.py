@@ -32,12 +32,25 @@ def live_api(redis_server):
 
 def semantic_exceptions(body) -> list:
     """Output constraints carry rules no OpenAPI schema can state: a JSON Schema must be valid
-    against its own metaschema, a regex must compile, and one request takes one constraint.
+    against its own metaschema, a regex must compile, and one request takes one constraint;
+    tools and Responses inputs have their own (CROSS_FIELD_RULES, responses_input_rules).
     Refusing such a body is right, so for those bodies only, "schema-valid data is accepted"
     is not checked (every other check still is)."""
-    if isinstance(body, dict) and ("structured_outputs" in body or "response_format" in body):
+    if isinstance(body, dict) and (set(body) & CROSS_FIELD_RULES or responses_input_rules(body)):
         return [positive_data_acceptance]
     return []
+
+
+# Fields whose rules span fields: a constraint or text.format is a valid, supported JSON Schema;
+# tool names are unique, a forced tool_choice names one of the tools (and its parameters
+# compile as a grammar).
+CROSS_FIELD_RULES = {"structured_outputs", "response_format", "text", "tools", "tool_choice"}
+
+
+def responses_input_rules(body: dict) -> bool:
+    """A Responses input of only reasoning items holds no message to answer."""
+    items = body.get("input")
+    return isinstance(items, list) and any(isinstance(i, dict) and i.get("type") == "reasoning" for i in items)
 
 
 def test_every_route_answers_in_its_schema_and_never_5xx(live_api):
@@ -79,10 +92,11 @@ JSON_VALUES = st.recursive(
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=5),
     max_leaves=20)
 FIELDS = ["custom_id", "method", "url", "body", "prompt", "messages", "model", "max_tokens", "temperature", "n",
-          "stop", "logprobs", "top_logprobs", "seed", "stream", "role", "content"]
+          "stop", "logprobs", "top_logprobs", "seed", "stream", "role", "content", "input", "instructions", "tools",
+          "tool_choice", "tool_calls", "tool_call_id", "chat_template_kwargs", "text", "type"]
 LINE_LIKE = st.dictionaries(st.sampled_from(FIELDS), JSON_VALUES, max_size=6)
 BODY_LIKE = st.fixed_dictionaries({"custom_id": st.text(max_size=8), "method": st.just("POST"),
-                                   "url": st.sampled_from(["/v1/completions", "/v1/chat/completions", "/x"]),
+                                   "url": st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/responses", "/x"]),
                                    "body": LINE_LIKE})
 
 
