@@ -48,7 +48,8 @@ INT_FIELDS = ("created_at", "expires_at", *TIMESTAMP_FIELDS.values(), "total")
 JSON_FIELDS = ("metadata", "errors")
 
 FINALIZE_REQUESTED = "finalize_requested"  # set once, by whoever enqueues the batch's finalize job
-COUNT_FIELDS = ("completed", "failed", "prompt_tokens", "completion_tokens", "cached_tokens")  # per partition
+COUNT_FIELDS = ("completed", "failed", "prompt_tokens", "completion_tokens", "cached_tokens",
+                "reasoning_tokens")  # per partition
 
 # KEYS: the batch hash. ARGV: new status, its timestamp field, this call's id, then the legal
 # source statuses. The call's id is kept with the status: the same call sent again (redis-py
@@ -293,7 +294,7 @@ def as_openai(f: dict[str, Any]) -> dict[str, Any]:
         prompt, completion = f.get("prompt_tokens", 0), f.get("completion_tokens", 0)
         usage = {"input_tokens": prompt, "output_tokens": completion, "total_tokens": prompt + completion,
                  "input_tokens_details": {"cached_tokens": f.get("cached_tokens", 0)},
-                 "output_tokens_details": {"reasoning_tokens": 0}}
+                 "output_tokens_details": {"reasoning_tokens": f.get("reasoning_tokens", 0)}}
     return {
         "id": batch_id, "object": "batch", "endpoint": f["endpoint"], "model": f["model"],
         "input_file_id": f["input_file_id"] or None, "completion_window": f["completion_window"],

@@ -27,15 +27,15 @@ from jobs.storage import Storage
 
 # KEYS: the partition's done set and counts hash [, the stream, the partition's delivered set and
 # stream-info hash (the backlog's summary: jobs/backlog.py)]. ARGV: custom id, "completed"
-# or "failed", prompt, completion and cached tokens [, group, entry id [, owner]]. Returns
+# or "failed", prompt, completion, cached and reasoning tokens [, group, entry id [, owner]]. Returns
 # {added, counted in the partition, the partition's total}, or {-1, 0, 0} when the entry is
 # not pending for the owner any more (another worker took it over): nothing is counted. An
 # entry acked already with its request counted is this same call sent again after a lost
 # reply (or a racer's, equally counted): {0, counted, total}.
 _RECORD_LUA = LuaScript(backlog.ACKED_LUA + """
-if ARGV[8] then
-  local pending = redis.call('XPENDING', KEYS[3], ARGV[6], ARGV[7], ARGV[7], 1)
-  if #pending == 0 or pending[1][2] ~= ARGV[8] then
+if ARGV[9] then
+  local pending = redis.call('XPENDING', KEYS[3], ARGV[7], ARGV[8], ARGV[8], 1)
+  if #pending == 0 or pending[1][2] ~= ARGV[9] then
     if #pending > 0 or redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 0 then return {-1, 0, 0} end
     local f = redis.call('HMGET', KEYS[2], 'completed', 'failed', 'total')
     return {0, (tonumber(f[1]) or 0) + (tonumber(f[2]) or 0), tonumber(f[3]) or 0}
@@ -47,8 +47,9 @@ if added == 1 then
   redis.call('HINCRBY', KEYS[2], 'prompt_tokens', ARGV[3])
   redis.call('HINCRBY', KEYS[2], 'completion_tokens', ARGV[4])
   redis.call('HINCRBY', KEYS[2], 'cached_tokens', ARGV[5])
+  if ARGV[6] ~= '0' then redis.call('HINCRBY', KEYS[2], 'reasoning_tokens', ARGV[6]) end
 end
-if #KEYS == 5 then acked(KEYS[3], ARGV[6], ARGV[7], KEYS[4], KEYS[5]) end
+if #KEYS == 5 then acked(KEYS[3], ARGV[7], ARGV[8], KEYS[4], KEYS[5]) end
 local f = redis.call('HMGET', KEYS[2], 'completed', 'failed', 'total', 'tenant', 'closed')
 if added == 1 and f[4] and not f[5] then  -- a queued line of its tenant's open batch is done
   redis.call('HINCRBY', tenant_lines_key(KEYS[2]), f[4], -1)
@@ -114,7 +115,7 @@ def _script_call(r: redis.Redis, batch_id: str, line: dict[str, Any], usage: Usa
     script_keys = [keys.partition_done(batch_id, partition), keys.partition_counts(batch_id, partition),
                    *([ack[0], keys.delivered(partition), keys.stream_info(partition)] if ack else [])]
     args = [line["custom_id"], "failed" if is_error_line(line) else "completed", usage.prompt_tokens,
-            usage.completion_tokens, usage.cached_tokens, *(ack[1:] if ack else ()),
+            usage.completion_tokens, usage.cached_tokens, usage.reasoning_tokens or 0, *(ack[1:] if ack else ()),
             *([owner] if ack and owner else [])]
     return script_keys, args
 

@@ -15,10 +15,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
-    Discriminator,
     Field,
     StrictBool,
-    Tag,
     ValidationError,
     field_validator,
     model_validator,
@@ -26,16 +24,15 @@ from pydantic import (
 
 from jobs.constraints import ConstraintFields
 from jobs.constraints import StrictModel as _Strict
+from jobs.messages import MAX_MESSAGES, MAX_PROMPT_CHARS, ChatMessage
 from jobs.responses import RESPONSES, ResponsesBody
-from jobs.tools import MAX_TOOL_CALLS, AssistantToolCall, ToolFields
+from jobs.tools import ToolFields
 
 COMPLETIONS, CHAT_COMPLETIONS, EMBEDDINGS = "/v1/completions", "/v1/chat/completions", "/v1/embeddings"
 ENDPOINTS = (COMPLETIONS, CHAT_COMPLETIONS, EMBEDDINGS, RESPONSES)
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on the inputs of one embeddings request
-MAX_PROMPT_CHARS = 1_000_000
 MAX_PROMPT_TOKENS = 1_000_000
 MAX_OUTPUT_TOKENS = 1_000_000
-MAX_MESSAGES = 1024
 MAX_EMBEDDING_CHARS = 4_000_000  # all of an embeddings request's text inputs together
 MAX_STOP = 16
 MAX_ID_CHARS = 512
@@ -126,74 +123,6 @@ class CompletionBody(SamplingFields):
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
-
-
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
-
-
-MessageContent = Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | Annotated[list[TextPart], Field(max_length=64)]
-
-
-class _Message(_Strict):
-    content: MessageContent
-    name: ShortStr | None = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
-
-    def template_form(self) -> dict[str, Any]:
-        """The message as chat templates read it (Hugging Face's convention)."""
-        message: dict[str, Any] = {"role": self.role, "content": self.text()}
-        if self.name is not None:
-            message["name"] = self.name
-        return message
-
-
-class InstructionMessage(_Message):
-    role: Literal["system", "developer", "user"]
-
-
-class AssistantMessage(_Message):
-    role: Literal["assistant"]
-    content: MessageContent | None = None  # none beside tool_calls
-    tool_calls: Annotated[list[AssistantToolCall], Field(max_length=MAX_TOOL_CALLS)] | None = None
-    reasoning_content: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | None = None  # vLLM's
-
-    def template_form(self) -> dict[str, Any]:
-        message = super().template_form()
-        if self.reasoning_content is not None:  # Qwen3's templates read it so; gpt-oss's as `thinking`
-            message["reasoning_content"] = message["thinking"] = self.reasoning_content
-        if self.tool_calls:
-            message["tool_calls"] = [call.template_form() for call in self.tool_calls]
-        return message
-
-
-class ToolMessage(_Message):
-    role: Literal["tool"]
-    tool_call_id: Annotated[str, Field(min_length=1, max_length=256)]
-
-    def template_form(self) -> dict[str, Any]:
-        return {**super().template_form(), "tool_call_id": self.tool_call_id}
-
-
-def _role_tag(value) -> str | None:
-    role = value.get("role") if isinstance(value, dict) else getattr(value, "role", None)
-    if not isinstance(role, str):
-        return None  # pydantic names the field
-    kind = {"system": "instruction", "developer": "instruction", "user": "instruction"}.get(role, role)
-    return f"role-{kind}" if kind in ("instruction", "assistant", "tool") else None
-
-
-# One model per role, so the OpenAPI schema says which fields go with which (a tool result names
-# its call; an assistant message may carry calls instead of content).
-ChatMessage = Annotated[Annotated[InstructionMessage, Tag("role-instruction")]
-                        | Annotated[AssistantMessage, Tag("role-assistant")] | Annotated[ToolMessage, Tag("role-tool")],
-                        Discriminator(_role_tag, custom_error_type="invalid_role",
-                                      custom_error_message="role: must be system, developer, user, assistant or tool")]
 
 
 class ChatBody(SamplingFields, ToolFields):

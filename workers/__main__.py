@@ -79,7 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="how often to heartbeat, renew in-flight leases and check batch status")
     fleet.add_argument("--log-level", default="INFO")
     add_parser_arguments(parser.add_argument_group("chat answers"))
-    lora = parser.add_argument_group("LoRA adapters (with --enable-lora)")
+    add_lora_arguments(parser.add_argument_group("LoRA adapters (with --enable-lora)"))
+    return parser
+
+
+def add_lora_arguments(lora: argparse._ArgumentGroup) -> None:
     lora.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
                       help="adapters served by name, each a PEFT folder or s3:// URI; a request names one as its "
                            "model (it is listed by GET /v1/models with this model as its parent)")
@@ -98,7 +102,6 @@ def build_parser() -> argparse.ArgumentParser:
     lora.add_argument("--lora-wait-seconds", type=float, default=10.0,
                       help="an adapter's queued work waits this long for a worker that holds the adapter before "
                            "any worker loads it (workers/adapters.py)")
-    return parser
 
 
 def adapters_from_args(args: argparse.Namespace, base_names: list[str]) -> Adapters | None:

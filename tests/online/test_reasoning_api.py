@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import time
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -205,7 +206,7 @@ def wait_for_batch(r, batch_id: str) -> dict:
     return batches.batch_object(r, batch_id)
 
 
-def test_responses_lines_through_the_batches_api_and_chat_lines_through_submit(thinker, client, r):
+def test_responses_lines_through_the_batches_api_and_chat_lines_through_submit(thinker, client, r, api):
     tool = {"type": "function", **WEATHER_TOOL["function"]}
     lines = [{"custom_id": "river", "method": "POST", "url": "/v1/responses",
               "body": {"model": "thinker", "input": [{"role": "user", "content": "Is the river wide?"}],
@@ -226,6 +227,11 @@ def test_responses_lines_through_the_batches_api_and_chat_lines_through_submit(t
                                                                             EXPECTED["content"])
     assert (river.output[2].name, json.loads(river.output[2].arguments)) == EXPECTED["call"]
     assert river.usage.output_tokens_details.reasoning_tokens == thinker.expected_reasoning_tokens
+    reasoning_tokens = sum(line["response"]["body"]["usage"]["output_tokens_details"]["reasoning_tokens"]
+                           for line in results.values())
+    assert client.batches.retrieve(batch.id).usage.output_tokens_details.reasoning_tokens == reasoning_tokens
+    page = httpx.get(f"{api.url}/ui/batches/{batch.id}").text  # the console's batch page says it too
+    assert f"({reasoning_tokens} reasoning)" in page
     capital = Response.model_validate(results["capital"]["response"]["body"])
     assert (capital.output[0].content[0].text, capital.output_text, capital.instructions) == (
         "Easy.", "Paris.", "Be brief.")
