@@ -246,3 +246,14 @@ def test_responses_lines_through_the_batches_api_and_chat_lines_through_submit(t
     assert choice_fields(completion.choices[0].message) == (EXPECTED["reasoning"], EXPECTED["content"],
                                                             [EXPECTED["call"]])
     assert completion.choices[0].finish_reason == "tool_calls"
+
+
+def test_a_responses_text_format_constrains_the_answer_after_the_reasoning(thinker, client):
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Lyon"]}}, "required": ["city"],
+              "additionalProperties": False}
+    response = client.responses.create(model="thinker", input="Anything at all?", max_output_tokens=200,
+                                       temperature=0, text={"format": {"type": "json_schema", "name": "city",
+                                                                       "schema": schema, "strict": True}})
+    assert response.output[0].type == "reasoning" and response.output[0].content[0].text == "OK."
+    jsonschema.validate(json.loads(response.output_text), schema)
+    assert response.text.format.type == "json_schema" and response.text.format.name == "city"

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from jobs.chat_output import OutputFormat
 from jobs.online import ChoiceDelta, Delta, Done, Error, OnlineEntry
-from jobs.schemas import COMPLETIONS, OnlineCompletionBody
+from jobs.schemas import CHAT_COMPLETIONS, COMPLETIONS, OnlineChatBody, OnlineCompletionBody
 from producers.errors import APIError
 from producers.online_replies import Accumulator, ChunkWriter
 
@@ -154,3 +155,33 @@ def test_a_stream_s_cleanup_runs_when_the_client_leaves_before_its_first_chunk()
 
     asyncio.run(scenario())
     assert cleaned.wait(5) and not started
+
+
+THINKING = OutputFormat("qwen3", "hermes", phase="undecided").to_json()
+ANSWER = ('<think>\nThe river is wide\n</think>\n\nYes.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n'
+          "</tool_call>")
+
+
+def parsed_delta(text: str, attempt: int, finish_reason: str | None = None) -> Delta:
+    return Delta([ChoiceDelta(0, text, finish_reason)], attempt, output=THINKING)
+
+
+@pytest.mark.parametrize("cut", [3, 12, 40, 60, 80])
+def test_a_taken_over_stream_keeps_its_parse(cut):
+    """A worker dies after `cut` characters; the heir repeats the text from the start and goes on.
+    The client reads each of reasoning, content and tool call once, as one run would give them."""
+    chunks = ChunkWriter(OnlineEntry("r1", CHAT_COMPLETIONS, {}, True, 0, 2e9, 1.7e9), "m", CHAT_COMPLETIONS,
+                         include_usage=False)
+    sent = chunks.of(parsed_delta(ANSWER[:cut], 1))
+    sent += chunks.of(parsed_delta(ANSWER[:cut // 2], 2)) + chunks.of(parsed_delta(ANSWER[cut // 2:], 2, "stop"))
+    deltas = [chunk["choices"][0]["delta"] for chunk in sent]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "The river is wide"
+    assert "".join(d.get("content") or "" for d in deltas) == "Yes.\n"
+    calls = [call for d in deltas for call in d.get("tool_calls", [])]
+    assert [(c["index"], c["function"]["name"], c["function"]["arguments"]) for c in calls] == [(0, "f", '{"x": 1}')]
+    assert sent[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    answer = Accumulator(OnlineChatBody(model="m", messages=[{"role": "user", "content": "q"}]))
+    answer.add([parsed_delta(ANSWER[:cut], 1), parsed_delta(ANSWER, 2, "stop"), Done(USAGE, 2)])
+    message = answer.body(ENTRY, "m", CHAT_COMPLETIONS)["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"], message["tool_calls"][0]["function"]["name"]) == (
+        "The river is wide", "Yes.\n", "f")

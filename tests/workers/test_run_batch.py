@@ -13,8 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
+from openai.types.responses import Response
 
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from engine import LLM, EngineConfig, LLMEngine, SamplingParams, create_engine
+from tests.chat_models import ScriptedSampler, write_thinking_model
 from workers.run_batch import Runner, main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -253,3 +255,37 @@ def test_a_value_no_engine_can_take_is_named_and_never_breaks_the_run(tiny_llama
     lines = {line["custom_id"]: line for line in read_jsonl(out)}
     assert lines["poisoned"]["error"]["code"] == "engine_error"
     assert lines["fine"]["response"]["body"]["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("parsers, reasoning", [([], "The river is wide"), (["--reasoning-parser", "none"], None)])
+def test_responses_and_tool_lines_read_by_the_parsers(tmp_path, monkeypatch, parsers, reasoning):
+    """A thinking model's lines (forced to think and call a tool: tests/chat_models.py), read by the
+    model type's parsers, or, with --reasoning-parser none, its thinking left in the text."""
+    path = write_thinking_model("qwen3", tmp_path / "qwen3")
+    script = ('<think>\nThe river is wide\n</think>\n\nYes.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n'
+              "</tool_call>")
+
+    def scripted_engine(config):
+        engine = create_engine(config)
+        engine.model_runner.sampler = ScriptedSampler(engine.model_runner.sampler, engine.tokenizer,
+                                                      {"river": script}, "<|im_end|>")
+        return engine
+
+    monkeypatch.setattr("workers.run_batch.create_engine", scripted_engine)
+    tool = {"name": "f", "description": "F", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}
+    source = write_jsonl(tmp_path / "in.jsonl", [
+        {"custom_id": "r", "method": "POST", "url": "/v1/responses",
+         "body": {"input": "Is the river wide?", "tools": [{"type": "function", **tool}], "max_output_tokens": 80}},
+        {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "Is the river wide?"}], "max_tokens": 80,
+                  "tools": [{"type": "function", "function": tool}]}}])
+    out = tmp_path / "out.jsonl"
+    assert main([str(source), "-o", str(out), "--model", path, "--num-kv-blocks", "64", *parsers]) == 0
+    lines = {line["custom_id"]: line["response"]["body"] for line in read_jsonl(out)}
+    response = Response.model_validate(lines["r"])
+    message = lines["c"]["choices"][0]["message"]
+    assert message.get("reasoning_content") == reasoning
+    assert message["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"x": 1}'}
+    assert [item.type for item in response.output] == (["reasoning"] if reasoning else []) + [
+        "message", "function_call"]
+    assert (message["content"] == "Yes.\n") == (reasoning is not None)
