@@ -6,6 +6,7 @@ marker tokens, the special tokens kept in the text)."""
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import logging
 from dataclasses import dataclass
@@ -71,11 +72,17 @@ class RenderedChat:
     skip_special_tokens: bool
 
 
+@functools.cache
+def template_parameters(tokenizer_class: type) -> frozenset[str]:
+    """The arguments apply_chat_template takes itself (once per tokenizer class)."""
+    return frozenset(inspect.signature(tokenizer_class.apply_chat_template).parameters)
+
+
 def template_kwargs(body: ChatBody, tokenizer) -> dict:
     """The request's template variables; a name apply_chat_template takes itself is refused
     (it would change how the prompt is made, not what the template sees)."""
     kwargs = dict(body.chat_template_kwargs or {})
-    taken = sorted(set(kwargs) & set(inspect.signature(tokenizer.apply_chat_template).parameters))
+    taken = sorted(set(kwargs) & template_parameters(type(tokenizer)))
     if taken:
         raise ValueError(f"chat_template_kwargs: {', '.join(taken)} cannot be set here")
     if body.reasoning_effort is not None:
@@ -105,8 +112,10 @@ def render_chat(body: ChatBody, tokenizer, parsers: ChatParsers) -> RenderedChat
     if parsers.reasoning and body.constraint() is not None and phase != "answer":
         start, end = markers(parsers.reasoning)
         start_ids = token_ids_of(tokenizer, start) if start else ()
+        # A tokenizer without <think> as one token cannot offer it beside the grammar's first token:
+        # such a model is no thinking model, and its answer is constrained from the start.
         gate = ReasoningMarkers(token_ids_of(tokenizer, end), start_ids[0] if len(start_ids) == 1 else None,
-                                phase if phase != "undecided" or len(start_ids) == 1 else "reasoning")
+                                phase if phase != "undecided" or len(start_ids) == 1 else "answer")
     keep_special = parsers.reasoning == "gpt_oss" or tool in SPECIAL_TOKEN_PARSERS
     return RenderedChat(list(token_ids_of(tokenizer, prompt)), output, gate, not keep_special)
 
