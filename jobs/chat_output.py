@@ -11,6 +11,8 @@ so a worker that took a request over and repeats its text reads it the same way.
 from __future__ import annotations
 
 import json
+import secrets
+import string
 import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -71,12 +73,16 @@ def parse_message(output: OutputFormat, text: str, is_final: bool = True) -> Par
     return ParsedMessage(split.reasoning, content, calls)
 
 
-def new_call_id() -> str:
+def new_call_id(parser: str | None = None) -> str:
+    """A tool call's id. Mistral's templates take back only ids of 9 letters and digits (as vLLM
+    writes them for that parser); others get OpenAI's call_ form."""
+    if parser == "mistral":
+        return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def openai_tool_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
-    return [{"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+def openai_tool_calls(calls: list[ToolCall], parser: str | None = None) -> list[dict[str, Any]]:
+    return [{"id": new_call_id(parser), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
             for c in calls]
 
 
@@ -90,7 +96,7 @@ def chat_message(output: OutputFormat, text: str) -> tuple[dict[str, Any], bool]
     if parsed.reasoning is not None:
         message["reasoning_content"] = parsed.reasoning
     if parsed.tool_calls:
-        message["tool_calls"] = openai_tool_calls(parsed.tool_calls)
+        message["tool_calls"] = openai_tool_calls(parsed.tool_calls, output.tool)
     return message, bool(parsed.tool_calls)
 
 
@@ -115,7 +121,7 @@ class StreamedMessage:
             deltas.append({"content": parsed.content[len(self.content):]})
             self.content = parsed.content
         for index, call in enumerate(parsed.tool_calls[self.num_calls:], start=self.num_calls):
-            deltas.append({"tool_calls": [{"index": index, "id": new_call_id(), "type": "function",
+            deltas.append({"tool_calls": [{"index": index, "id": new_call_id(output.tool), "type": "function",
                                            "function": {"name": call.name, "arguments": call.arguments}}]})
         self.num_calls = max(self.num_calls, len(parsed.tool_calls))
         return deltas

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,12 +23,35 @@ QWEN3_SPECIAL = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
 QWEN3_ADDED = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 HARMONY_SPECIAL = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>",
                    "<|endoftext|>"]
-TEMPLATE_FILES = {"qwen3": "Qwen-Qwen3-0.6B.jinja", "gpt_oss": "openai-gpt-oss-120b.jinja",
-                  "deepseek_r1": "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja"}
+
+
+@dataclass(frozen=True)
+class Family:
+    architecture: str  # tests/tiny_models.py
+    template: str  # a file of llama.cpp's models/templates
+    special: list[str]  # special tokens: one token each, left out of decoded text unless kept
+    added: list[str]  # added tokens that decode as text (Qwen's tags)
+    eos: list[str]
+    bos: str | None = None  # None: the tiny tokenizer's <s>
+
+
+FAMILIES = {
+    "qwen3": Family("qwen3", "Qwen-Qwen3-0.6B.jinja", QWEN3_SPECIAL, QWEN3_ADDED, ["<|im_end|>"]),
+    "gpt_oss": Family("gpt_oss", "openai-gpt-oss-120b.jinja", HARMONY_SPECIAL, [], ["<|return|>", "<|call|>"]),
+    "deepseek_r1": Family("qwen2", "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja",
+                          ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"],
+                          ["<think>", "</think>"], ["<｜end▁of▁sentence｜>"], "<｜begin▁of▁sentence｜>"),
+    "llama3": Family("llama", "meta-llama-Llama-3.1-8B-Instruct.jinja",
+                     ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
+                      "<|python_tag|>"], [], ["<|eot_id|>", "<|eom_id|>"], "<|begin_of_text|>"),
+    "mistral": Family("mistral", "mistralai-Mistral-Nemo-Instruct-2407.jinja",
+                      ["[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
+                       "[/TOOL_RESULTS]"], [], ["</s>"]),
+}
 
 
 def chat_template(kind: str) -> str:
-    path = TEMPLATES / TEMPLATE_FILES[kind]
+    path = TEMPLATES / FAMILIES[kind].template
     if not path.exists():
         raise FileNotFoundError(f"{path}: the real chat templates are unpacked by `make install` "
                                 "(python -m scripts.chat_templates)")
@@ -35,28 +59,31 @@ def chat_template(kind: str) -> str:
 
 
 def thinking_tokenizer(kind: str):
-    """The tiny BPE tokenizer with `kind`'s special tokens (as special, as in the real ones) and
-    Qwen's <think>/<tool_call> tags (added, not special: Qwen's decode them as text)."""
+    """The tiny BPE tokenizer with `kind`'s special tokens (special, as in the real ones), its
+    added tags (Qwen's <think> and <tool_call>: text, as in Qwen's) and its template."""
+    family = FAMILIES[kind]
     tokenizer = build_tokenizer(VOCAB - 32)
-    special = HARMONY_SPECIAL if kind == "gpt_oss" else QWEN3_SPECIAL
-    tokenizer.add_special_tokens({"additional_special_tokens": special})
-    if kind != "gpt_oss":
-        tokenizer.add_tokens(QWEN3_ADDED)
+    tokenizer.add_special_tokens({"additional_special_tokens": family.special})
+    tokenizer.add_tokens(family.added)
     tokenizer.chat_template = chat_template(kind)
-    tokenizer.eos_token = "<|return|>" if kind == "gpt_oss" else "<|im_end|>"
+    tokenizer.eos_token = family.eos[0]
+    if family.bos is not None:
+        tokenizer.bos_token = family.bos
     assert len(tokenizer) <= VOCAB
     return tokenizer
 
 
 def write_thinking_model(kind: str, out_dir: Path) -> str:
-    """A random Qwen3 ("qwen3", also served with DeepSeek-R1's template as "deepseek_r1") or
-    gpt-oss, ending its answers as its family does (gpt-oss: <|return|>, or <|call|> after a call)."""
+    """A random model of `kind`'s architecture with its family's tokens and template, ending its
+    answers as its family does (gpt-oss: <|return|>, or <|call|> after a call)."""
+    family = FAMILIES[kind]
     tokenizer = thinking_tokenizer(kind)
-    config = TINY_CONFIGS["gpt_oss" if kind == "gpt_oss" else "qwen3"]()
+    config = TINY_CONFIGS[family.architecture]()
     config.max_position_embeddings = 2048  # templates with tools write long system prompts
+    if getattr(config, "sliding_window", None):
+        config.sliding_window = 2048
     write_checkpoint(config, out_dir, seed=3, tokenizer=tokenizer)
-    eos = ["<|return|>", "<|call|>"] if kind == "gpt_oss" else ["<|im_end|>"]
-    eos_ids = [tokenizer.convert_tokens_to_ids(token) for token in eos]
+    eos_ids = [tokenizer.convert_tokens_to_ids(token) for token in family.eos]
     GenerationConfig(eos_token_id=eos_ids, pad_token_id=0).save_pretrained(out_dir)
     config_path = out_dir / "config.json"
     config_json = json.loads(config_path.read_text())
