@@ -45,9 +45,10 @@ class ChatParsers:
     @classmethod
     def of_engine(cls, engine, reasoning_parser: str | None = None, tool_call_parser: str | None = None) -> ChatParsers:
         """The parsers of an engine's model, said once at start-up (none for an embedding model)."""
-        if getattr(engine, "task", "generate") != "generate":
+        hf_config = getattr(engine, "hf_config", None)  # none: an engine without a model (benchmarks' stand-in)
+        if getattr(engine, "task", "generate") != "generate" or hf_config is None:
             return cls()
-        model_type = engine.hf_config.model_type
+        model_type = hf_config.model_type
         parsers = cls.resolve(model_type, reasoning_parser, tool_call_parser)
         log.info("chat parsers (model type %s): reasoning %s, tool calls %s", model_type, parsers.reasoning or "none",
                  parsers.tool or "none")

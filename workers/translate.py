@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pydantic import ValidationError
+
 from engine import (
     ContextLengthExceeded,
     EmbeddingRequestOutput,
@@ -25,6 +27,7 @@ from jobs.schemas import (
     EmbeddingBody,
     Request,
     chat_body_of,
+    first_error,
 )
 from workers.chat_parsers import ChatParsers, reasoning_tokens, render_chat
 
@@ -105,20 +108,23 @@ def to_engine_request(request: Request, tokenizer, defaults: dict | None = None,
         raise RequestRejected("invalid_request", f"{field}: this worker runs without a tokenizer "
                                                  "(--skip-tokenizer-init); send completions with token-id prompts")
     output, extra = OutputFormat(), {}
-    try:
-        if request.url == RESPONSES:
+    if request.url == RESPONSES:
+        try:
             body, responses = chat_body_of(body), body
-        if is_chat:
-            chat = render_chat(body, tokenizer, parsers or ChatParsers())
-            prompt, output = chat.prompt_token_ids, chat.output
-            extra = {"reasoning": chat.reasoning, "skip_special_tokens": chat.skip_special_tokens}
-        else:
-            prompt = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        except ValidationError as error:
+            raise RequestRejected("invalid_request", ": ".join(first_error(error))) from None
+    if is_chat:  # a template that fails on the request's messages is a ValueError naming them
+        chat = render_chat(body, tokenizer, parsers or ChatParsers())
+        prompt, output = chat.prompt_token_ids, chat.output
+        extra = {"reasoning": chat.reasoning, "skip_special_tokens": chat.skip_special_tokens}
+    else:
+        prompt = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+    try:
         constraint = body.constraint()
         params = SamplingParams(**{**(defaults or {}), **body.sampling_kwargs()}, **extra,
                                 structured_outputs=StructuredOutputsParams(**constraint)
                                 if constraint is not None else None)
-    except (ValueError, TypeError) as error:  # a pydantic ValidationError is a ValueError
+    except (ValueError, TypeError) as error:
         raise RequestRejected("invalid_request", str(error)) from None
     return EngineRequest(list(prompt), params, body, request.url, output, responses)
 
