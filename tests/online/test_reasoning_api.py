@@ -257,3 +257,15 @@ def test_a_responses_text_format_constrains_the_answer_after_the_reasoning(think
     assert response.output[0].type == "reasoning" and response.output[0].content[0].text == "OK."
     jsonschema.validate(json.loads(response.output_text), schema)
     assert response.text.format.type == "json_schema" and response.text.format.name == "city"
+
+
+def test_the_sdks_stream_helper_assembles_the_same_response(thinker, client):
+    """openai's `responses.stream()` folds the events into a Response as it goes, checking their order."""
+    with client.responses.stream(model="thinker", input="Is the river wide?", temperature=0,
+                                 tools=[{"type": "function", **WEATHER_TOOL["function"]}],
+                                 max_output_tokens=120) as stream:
+        texts = [event.delta for event in stream if event.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(texts) == final.output_text and final.output_text.strip() == EXPECTED["content"]
+    assert [item.type for item in final.output] == ["reasoning", "message", "function_call"]
+    assert (final.output[2].name, json.loads(final.output[2].arguments)) == EXPECTED["call"]
