@@ -6,7 +6,6 @@ what the text says, streaming and not, in chat completions and the Responses API
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import jsonschema
@@ -17,12 +16,10 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from engine import EngineConfig, LLMEngine
-from jobs import batches
 from producers.ingest import submit
 from tests.chat_models import ScriptedSampler, write_thinking_model
 from tests.online.conftest import WorkerThread
-from tests.services import run_finalize_jobs
-from tests.workers.helpers import read_lines
+from tests.workers.helpers import read_lines, wait_for_batch
 
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -197,15 +194,6 @@ def test_the_responses_api_refuses_what_it_cannot_honour(thinker, client):
                                 tool_choice={"type": "function", "name": "nope"})
 
 
-def wait_for_batch(r, batch_id: str) -> dict:
-    deadline = time.monotonic() + 120
-    while batches.batch_object(r, batch_id)["status"] not in batches.TERMINAL:
-        assert time.monotonic() < deadline, "the batch did not end"
-        run_finalize_jobs(r)  # the finalizer's job, here in the test process
-        time.sleep(0.1)
-    return batches.batch_object(r, batch_id)
-
-
 def test_responses_lines_through_the_batches_api_and_chat_lines_through_submit(thinker, client, r, api):
     tool = {"type": "function", **WEATHER_TOOL["function"]}
     lines = [{"custom_id": "river", "method": "POST", "url": "/v1/responses",
@@ -238,11 +226,16 @@ def test_responses_lines_through_the_batches_api_and_chat_lines_through_submit(t
     chat_lines = [json.dumps({"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions", "body": {
         "model": "thinker", "messages": [{"role": "user", "content": "Is the river wide?"}], "tools": [WEATHER_TOOL],
         "max_tokens": 120, "temperature": 0}}).encode()]
-    submission = submit(r, lambda: chat_lines)
-    assert submission.accepted
-    chat_done = wait_for_batch(r, submission.batch_id)
-    body = read_lines(r, chat_done["output_file_id"])[0]["response"]["body"]
-    completion = ChatCompletion.model_validate(body)
+    for lines_of_endpoint, check in ((chat_lines, None), ([json.dumps(lines[0]).encode()], "responses")):
+        submission = submit(r, lambda lines_of_endpoint=lines_of_endpoint: lines_of_endpoint)
+        assert submission.accepted
+        body = read_lines(r, wait_for_batch(r, submission.batch_id)["output_file_id"])[0]["response"]["body"]
+        if check == "responses":  # the same Responses line through producers.submit
+            submitted = Response.model_validate(body)
+            assert [item.type for item in submitted.output] == ["reasoning", "message", "function_call"]
+            assert submitted.output_text == river.output_text
+        else:
+            completion = ChatCompletion.model_validate(body)
     assert choice_fields(completion.choices[0].message) == (EXPECTED["reasoning"], EXPECTED["content"],
                                                             [EXPECTED["call"]])
     assert completion.choices[0].finish_reason == "tool_calls"

@@ -9,10 +9,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from openai.types.chat import ChatCompletion
 
 from engine import EngineConfig, LLMEngine
+from producers.ingest import submit
 from tests.chat_models import ScriptedSampler, write_thinking_model
 from tests.online.conftest import WorkerThread
+from tests.workers.helpers import read_lines, wait_for_batch
 
 TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -87,3 +90,15 @@ def test_each_family_s_answer_is_read_by_its_parser_streaming_and_not(family_wor
                   for ids in family_worker.model_runner.sampler.by_prompt
                   if "Sunny" in family_worker.tokenizer.decode(list(ids)))
     assert '"city": "Paris"' in prompt and "Sunny" in prompt
+
+
+def test_each_family_s_batch_line_is_read_by_its_parser(family_worker, r):
+    kind = family_worker.kind
+    extra = FAMILIES[kind][4].get("extra_body", {})
+    line = {"custom_id": "q", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "family", "messages": [{"role": "user", "content": "Is the river wide?"}],
+                     "tools": [TOOL], "max_tokens": 80, "temperature": 0, **extra}}
+    submission = submit(r, lambda: [json.dumps(line).encode()])
+    done = wait_for_batch(r, submission.batch_id)
+    completion = ChatCompletion.model_validate(read_lines(r, done["output_file_id"])[0]["response"]["body"])
+    assert fields(completion.choices[0].message) == FAMILIES[kind][3]

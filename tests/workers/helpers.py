@@ -50,3 +50,13 @@ def read_lines(r, file_id: str | None) -> list[dict]:
     if file_id is None:
         return []
     return [json.loads(line) for line in b"".join(read_file(r, file_id)).splitlines()]
+
+
+def wait_for_batch(r, batch_id: str, timeout: float = 120) -> dict:
+    """The batch once it ended, its finalize jobs run here (workers run elsewhere: a thread)."""
+    deadline = time.monotonic() + timeout
+    while batches.batch_object(r, batch_id)["status"] not in batches.TERMINAL:
+        assert time.monotonic() < deadline, "the batch did not end"
+        run_finalize_jobs(r)  # the finalizer's job, here in the test process
+        time.sleep(0.1)
+    return batches.batch_object(r, batch_id)
