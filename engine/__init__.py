@@ -18,7 +18,8 @@ from engine.sampling_params import (
 )
 from engine.tasks import create_engine, resolve_task
 
-__all__ = ["LLM", "LLMEngine", "ContextLengthExceeded", "EngineConfig", "EngineStats", "SamplingParams", "ReasoningMarkers", "RequestOutputKind",
+__all__ = ["LLM", "LLMEngine", "ContextLengthExceeded", "EngineConfig", "EngineStats", "SamplingParams",
+           "ReasoningMarkers", "RequestOutputKind",
            "ProcessedRequest", "SampleProgress",
            "RequestOutput", "CompletionOutput", "ParallelGroupError", "StepFailed",
            "StructuredOutputsParams", "EmbeddingEngine", "ProcessedEmbeddingRequest", "EmbeddingOutput",

@@ -216,7 +216,8 @@ class LLMEngine:
         seq = Sequence(request.request_id, request.prompt_token_ids, params, request.arrival_time,
                        priority=request.priority, lora_request=request.lora_request, cache_salt=request.cache_salt)
         if params.structured_outputs is not None:
-            seq.grammar = self._structured().start(params.structured_outputs, params.reasoning)  # compiles now
+            # compiles in the background; a thinking model's waits for the end of its reasoning
+            seq.grammar = self._structured().start(params.structured_outputs, params.reasoning)
         seqs = [seq]
         if resume:
             check_progress(resume, params.n, params.max_tokens, self.hf_config.vocab_size)

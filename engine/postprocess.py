@@ -116,7 +116,8 @@ class DeltaTracker:
         if seq.is_finished:
             return final_text(seq, tokenizer)
         # With stop strings the stop checker keeps seq.text decoded; else decode here.
-        text = seq.text if seq.params.stop else tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+        text = seq.text if seq.params.stop else tokenizer.decode(
+            seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
         if seq.params.stop:
             text = text[: max(0, len(text) - (max(len(stop) for stop in seq.params.stop) - 1))]
         return text.rstrip("\ufffd")

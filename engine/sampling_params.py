@@ -71,7 +71,8 @@ class ReasoningMarkers:
     def __post_init__(self) -> None:
         if not self.end:
             raise ValueError("reasoning: the end marker needs at least one token id")
-        if self.initial not in ("reasoning", "answer", "undecided") or self.initial == "undecided" and self.start is None:
+        if self.initial not in ("reasoning", "answer", "undecided") or \
+                self.initial == "undecided" and self.start is None:
             raise ValueError(f"reasoning: initial must be reasoning, answer, or undecided with a start token; "
                              f"got {self.initial!r}")
 
