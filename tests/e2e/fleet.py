@@ -47,14 +47,17 @@ class Fleet:
     def start_finalizer(self, *extra: str) -> subprocess.Popen:
         return self._spawn("finalizer", ["-m", "workers.finalizer", "--redis-url", self.redis_url, *extra])
 
-    def wait_ready(self, *names: str, timeout: float = 60) -> None:
-        """Until each worker has registered its heartbeat in Redis."""
+    def wait_ready(self, *names: str, timeout: float = 300) -> None:
+        """Until each worker has registered its heartbeat in Redis. The bound is a fresh host's:
+        a worker's first start there builds the native CPU kernels, and several workers starting
+        together on two busy cores share them; a worker that exits fails at once."""
         r = connect(self.redis_url)
         deadline = time.monotonic() + timeout
         while not all(r.exists(keys.worker(name)) for name in names):
             for name in names:
                 assert self.processes[name].poll() is None, self.log(name)
-            assert time.monotonic() < deadline, "workers did not start"
+            assert time.monotonic() < deadline, "workers did not start: " + " | ".join(
+                f"{name}: {self.log(name)[-500:]}" for name in names)
             time.sleep(0.1)
 
     def metric(self, name: str, metric: str) -> float:

@@ -24,7 +24,7 @@ def test_two_workers_split_six_adapters_and_finish_each_request_once(fleet, r, t
             "--lora-modules", *[f"{name}={folder}" for name, folder in folders.items()])
     for worker in ("w1", "w2"):
         fleet.start_worker(worker, extra=lora)
-    fleet.wait_ready("w1", "w2", timeout=120)
+    fleet.wait_ready("w1", "w2")
     batch_ids = {name: submit_lines(r, [completion(f"{name}-{j}", f"request {j} for {name}", max_tokens=MAX_TOKENS,
                                                    ignore_eos=True)
                                         for j in range(PER_ADAPTER)], model=name) for name in folders}
