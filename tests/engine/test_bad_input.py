@@ -73,6 +73,23 @@ def test_unknown_architecture(tiny_llama, tmp_path):
         LLM(str(model_dir))
 
 
+@pytest.mark.parametrize("quantization, method", [
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}, "awq"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}, "gptq"),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "fp8"),
+    ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {}}, "compressed-tensors"),
+])
+def test_a_quantized_checkpoint_it_cannot_load_is_one_line_naming_its_method(tiny_llama, tmp_path, quantization,
+                                                                            method):
+    model_dir = Path(shutil.copytree(tiny_llama, tmp_path / method))
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = quantization
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=f"^model: {method} quantization \\(config.json's quantization_config\\) "
+                                         "is not supported yet"):
+        LLM(str(model_dir))
+
+
 @pytest.mark.parametrize("options, message", [
     ({"block_size": 12}, "block_size"), ({"num_kv_blocks": 0}, "num_kv_blocks"),
     ({"kv_cache_memory": "lots"}, "kv_cache_memory"), ({"dtype": "int8"}, "dtype"),
@@ -93,3 +110,12 @@ def test_a_model_path_that_is_not_a_checkpoint(tmp_path):
         LLM(str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="kvfleet never downloads weights"):
         LLM("meta-llama/Llama-3.1-8B")
+
+
+def test_gpt_oss_s_mxfp4_quantization_config_is_accepted(tiny_models, tmp_path):
+    """gpt-oss's published checkpoints say quant_method mxfp4: their experts load (engine/mxfp4.py)."""
+    model_dir = Path(shutil.copytree(tiny_models["gpt_oss"], tmp_path / "mxfp4"))
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    assert LLM(str(model_dir), num_kv_blocks=16).generate([[1, 2, 3]])[0].outputs[0].token_ids
