@@ -16,7 +16,7 @@ from pydantic import Discriminator, Field, StrictBool, Tag, field_validator
 from jobs.constraints import JsonSchema
 from jobs.constraints import StrictModel as _Strict
 from jobs.results import Usage
-from jobs.tools import MAX_ARGUMENTS_CHARS, MAX_TOOLS, FunctionName, ToolSchema
+from jobs.tools import MAX_ARGUMENTS_CHARS, MAX_TOOLS, FunctionName, ReasoningEffort, ToolSchema
 
 RESPONSES = "/v1/responses"
 MAX_INPUT_ITEMS = 1024
@@ -136,7 +136,7 @@ class TextConfig(_Strict):
 
 
 class ReasoningConfig(_Strict):
-    effort: Literal["minimal", "low", "medium", "high"] | None = None
+    effort: ReasoningEffort | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None  # accepted; the whole reasoning is returned
 
 
@@ -184,7 +184,7 @@ class ResponsesBody(_Strict):
         if self.text is not None and self.text.format is not None:
             fields["response_format"] = self.text.format.response_format()
         if self.reasoning is not None and self.reasoning.effort is not None:
-            fields["reasoning_effort"] = "low" if self.reasoning.effort == "minimal" else self.reasoning.effort
+            fields["reasoning_effort"] = self.reasoning.effort
         if self.tools:
             fields["tools"] = [{"type": "function", "function": tool.model_dump(exclude_none=True, exclude={"type"})}
                                for tool in self.tools]

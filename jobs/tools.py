@@ -25,6 +25,9 @@ MAX_TEMPLATE_KWARGS_CHARS = 100_000
 TEMPLATE_KWARGS_SCHEMA = {"type": "object", "maxProperties": MAX_TEMPLATE_KWARGS,
                           "propertyNames": {"pattern": "^[A-Za-z_][A-Za-z0-9_]{0,63}$"},
                           "description": "variables for the chat template, such as enable_thinking"}
+# OpenAI's values; templates get gpt-oss's three (workers/chat_parsers.py), and "none" turns a
+# Qwen3's thinking off.
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
 ToolSchema = Annotated[dict[str, Any], BeforeValidator(check_schema_size)]
 
@@ -96,7 +99,7 @@ class ToolFields(StrictModel):
     parallel_tool_calls: StrictBool | None = None
     chat_template_kwargs: Annotated[dict[str, Any], BeforeValidator(check_template_kwargs),
                                     WithJsonSchema(TEMPLATE_KWARGS_SCHEMA)] | None = None
-    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    reasoning_effort: ReasoningEffort | None = None
 
     @field_validator("tools")
     @classmethod

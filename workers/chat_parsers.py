@@ -65,6 +65,11 @@ def add_parser_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
                              "for gpt-oss), else none")
 
 
+# OpenAI's reasoning_effort values as the templates know them (gpt-oss's low, medium, high).
+TEMPLATE_EFFORT = {"none": "low", "minimal": "low", "low": "low", "medium": "medium", "high": "high", "xhigh": "high",
+                   "max": "high"}
+
+
 @dataclass
 class RenderedChat:
     prompt_token_ids: list[int]
@@ -87,7 +92,9 @@ def template_kwargs(body: ChatBody, tokenizer) -> dict:
     if taken:
         raise ValueError(f"chat_template_kwargs: {', '.join(taken)} cannot be set here")
     if body.reasoning_effort is not None:
-        kwargs.setdefault("reasoning_effort", body.reasoning_effort)
+        kwargs.setdefault("reasoning_effort", TEMPLATE_EFFORT[body.reasoning_effort])
+        if body.reasoning_effort == "none":  # no reasoning: a Qwen3's template closes <think> at once
+            kwargs.setdefault("enable_thinking", False)
     return kwargs
 
 

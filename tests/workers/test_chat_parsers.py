@@ -59,7 +59,7 @@ def harmony_prompt(date: str) -> str:
 def test_gpt_oss_prompts_are_the_harmony_format_token_for_token():
     tokenizer = thinking_tokenizer("gpt_oss")
     dates = {time.strftime("%Y-%m-%d")}
-    request = render(tokenizer, ChatParsers("gpt_oss", "openai"), tools=[WEATHER], reasoning_effort="high")
+    request = render(tokenizer, ChatParsers("gpt_oss", "openai"), tools=[WEATHER], reasoning_effort="xhigh")
     dates.add(time.strftime("%Y-%m-%d"))  # the template writes today's date: either side of midnight
     expected = [tokenizer.encode(harmony_prompt(date), add_special_tokens=False) for date in sorted(dates)]
     assert request.prompt_token_ids in expected
@@ -80,9 +80,10 @@ def test_qwen3_renders_tools_calls_and_results_with_its_template():
     assert "<|im_start|>user\n<tool_response>\n20 degrees\n</tool_response><|im_end|>" in prompt
     assert prompt.endswith("<|im_start|>assistant\n") and request.output.phase == "undecided"
     assert request.params.skip_special_tokens and request.output.tool == "hermes"
-    closed = render(tokenizer, ChatParsers("qwen3", "hermes"), chat_template_kwargs={"enable_thinking": False})
-    assert tokenizer.decode(closed.prompt_token_ids).endswith("<think>\n\n</think>\n\n")
-    assert closed.output.phase == "answer" and closed.output.tool is None  # no tools offered: none parsed
+    for closing in ({"chat_template_kwargs": {"enable_thinking": False}}, {"reasoning_effort": "none"}):
+        closed = render(tokenizer, ChatParsers("qwen3", "hermes"), **closing)
+        assert tokenizer.decode(closed.prompt_token_ids).endswith("<think>\n\n</think>\n\n")
+        assert closed.output.phase == "answer" and closed.output.tool is None  # no tools offered: none parsed
 
 
 @pytest.mark.parametrize("body, message", [
