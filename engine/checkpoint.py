@@ -23,6 +23,7 @@ from pathlib import Path
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from engine.model_cache import cache_root, derived_from_gguf, write_into_place
+from engine.quantized_checkpoint import check_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -121,26 +122,8 @@ def load_hf_config(model: str):
         return derived_from_gguf(checkpoint.gguf_path, "config", lambda: gguf_config(checkpoint),
                                  AutoConfig.from_pretrained)
     config = AutoConfig.from_pretrained(str(checkpoint.folder))
-    check_quantization(config)
+    check_quantization(config)  # a method it cannot load stops here, in one line
     return config
-
-
-LOADED_QUANTIZATION = ("mxfp4",)  # gpt-oss's experts, dequantized at load (engine/mxfp4.py)
-
-
-def check_quantization(hf_config) -> None:
-    """A quantized checkpoint kvfleet cannot load is one line naming its method, before any
-    weight is read (its packed tensors would otherwise meet the model as unknown names)."""
-    quantization = getattr(hf_config, "quantization_config", None)
-    if quantization is None:
-        return
-    method = quantization.get("quant_method") if isinstance(quantization, dict) else \
-        getattr(quantization, "quant_method", None)
-    method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
-    if method not in LOADED_QUANTIZATION:
-        raise ValueError(f"model: {method or 'unnamed'} quantization (config.json's quantization_config) is not "
-                         "supported yet; kvfleet loads fp32, bf16 and fp16 checkpoints, GGUF files (dequantized at "
-                         "load) and gpt-oss's MXFP4 experts")
 
 
 def gguf_config(checkpoint: Checkpoint):

@@ -20,6 +20,7 @@ from torch import nn
 from engine.checkpoint import resolve_checkpoint
 from engine.models.parallel_layers import copy_checked
 from engine.mxfp4 import dequantize_checkpoint
+from engine.quantized_checkpoint import dequantize_quantized, quantization_of
 
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -46,13 +47,17 @@ def iterate_weights(model_dir: str | Path) -> Iterator[tuple[str, object]]:
 
 def model_weights(model_name: str, model: nn.Module, hf_config, dtype: torch.dtype) -> Iterator[tuple[str, object]]:
     """The weights of the checkpoint `model_name` names (engine/checkpoint.py), by HF name;
-    MXFP4 tensors dequantized into `dtype`."""
+    MXFP4, fp8 and compressed-tensors tensors dequantized into `dtype`."""
     checkpoint = resolve_checkpoint(model_name)
     if checkpoint.gguf_file:
         from engine.gguf_loader import iterate_gguf_weights  # noqa: PLC0415 (imports gguf)
 
         return iterate_gguf_weights(checkpoint.gguf_path, model, hf_config)
-    return dequantize_checkpoint(iterate_weights(checkpoint.folder), dtype)
+    weights = dequantize_checkpoint(iterate_weights(checkpoint.folder), dtype)
+    quantization = quantization_of(hf_config)
+    if quantization is not None and quantization.get("quant_method") in ("fp8", "compressed-tensors"):
+        weights = dequantize_quantized(weights, quantization, dtype)
+    return weights
 
 
 def split_fused(model: nn.Module, name: str, tensor) -> list[tuple[str, object, int | None]]:

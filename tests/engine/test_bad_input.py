@@ -76,8 +76,7 @@ def test_unknown_architecture(tiny_llama, tmp_path):
 @pytest.mark.parametrize("quantization, method", [
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}, "awq"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}, "gptq"),
-    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "fp8"),
-    ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {}}, "compressed-tensors"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "bitsandbytes"),
 ])
 def test_a_quantized_checkpoint_it_cannot_load_is_one_line_naming_its_method(tiny_llama, tmp_path, quantization,
                                                                             method):

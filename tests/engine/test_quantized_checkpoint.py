@@ -1,0 +1,133 @@
+"""fp8 and compressed-tensors (int8, fp8) checkpoints load, dequantized at load
+(engine/quantized_checkpoint.py): a tiny Llama quantized here in each layout, from each format's
+spec, generates exactly what the same model with the dequantized weights (computed here, block by
+block) generates."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine import LLM, SamplingParams
+
+FP8_MAX, BLOCK = 448.0, [32, 32]
+PROMPTS = [[1, 5 + i, 9, 13 + 2 * i, 7] for i in range(6)]
+
+
+def absmax_scale(w: torch.Tensor, top: float, dim: int | None) -> torch.Tensor:
+    peak = w.abs().amax() if dim is None else w.abs().amax(dim=dim, keepdim=True)
+    return (peak / top).clamp(min=1e-8)
+
+
+def fp8_per_tensor(w):
+    scale = absmax_scale(w, FP8_MAX, None)
+    q = (w / scale).to(torch.float8_e4m3fn)
+    return {"weight": q, "weight_scale": scale.reshape(1)}, q.float() * scale
+
+
+def fp8_per_channel(w):
+    scale = absmax_scale(w, FP8_MAX, 1)  # [N, 1]
+    q = (w / scale).to(torch.float8_e4m3fn)
+    return {"weight": q, "weight_scale": scale}, q.float() * scale
+
+
+def fp8_blocks(w):
+    """DeepSeek's and Qwen3-FP8's layout: a scale per 32 x 32 block, stored inverted."""
+    rows, cols = w.shape
+    scale_inv = torch.empty((rows + 31) // 32, (cols + 31) // 32)
+    q, reference = torch.empty(w.shape, dtype=torch.float8_e4m3fn), torch.empty(w.shape)
+    for i in range(scale_inv.shape[0]):
+        for j in range(scale_inv.shape[1]):
+            block = w[32 * i:32 * i + 32, 32 * j:32 * j + 32]
+            scale = absmax_scale(block, FP8_MAX, None)
+            scale_inv[i, j] = scale
+            q[32 * i:32 * i + 32, 32 * j:32 * j + 32] = (block / scale).to(torch.float8_e4m3fn)
+            reference[32 * i:32 * i + 32, 32 * j:32 * j + 32] = q[32 * i:32 * i + 32, 32 * j:32 * j + 32].float() * scale
+    return {"weight": q, "weight_scale_inv": scale_inv}, reference
+
+
+def int8_per_channel(w):
+    scale = absmax_scale(w, 127.0, 1)
+    q = torch.round(w / scale).clamp(-128, 127).to(torch.int8)
+    return {"weight": q, "weight_scale": scale}, q.float() * scale
+
+
+def int8_groups_with_zero_points(w, group: int = 16):
+    """Asymmetric int8 in groups of 16 along the input: (q - zero_point) * scale."""
+    rows, cols = w.shape
+    grouped = w.reshape(rows, cols // group, group)
+    low, high = grouped.amin(-1), grouped.amax(-1)
+    scale = ((high - low) / 255.0).clamp(min=1e-8)  # [N, K / G]
+    zero_point = torch.round(-128 - low / scale).clamp(-128, 127)
+    q = torch.round(grouped / scale[..., None] + zero_point[..., None]).clamp(-128, 127)
+    reference = ((q - zero_point[..., None]) * scale[..., None]).reshape(rows, cols)
+    return {"weight": q.reshape(rows, cols).to(torch.int8), "weight_scale": scale,
+            "weight_zero_point": zero_point.to(torch.int8)}, reference
+
+
+LAYOUTS = {
+    "fp8 per tensor": ({"quant_method": "fp8", "activation_scheme": "dynamic"}, fp8_per_tensor),
+    "fp8 per channel": ({"quant_method": "fp8", "activation_scheme": "dynamic"}, fp8_per_channel),
+    "fp8 blocks": ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": BLOCK}, fp8_blocks),
+    "compressed-tensors int8": ({"quant_method": "compressed-tensors", "format": "int-quantized"}, int8_per_channel),
+    "compressed-tensors int8 groups": ({"quant_method": "compressed-tensors", "format": "int-quantized"},
+                                       int8_groups_with_zero_points),
+    "compressed-tensors fp8": ({"quant_method": "compressed-tensors", "format": "float-quantized"},
+                               fp8_per_channel),
+}
+
+
+def write_pair(source: str, root: Path, quantization: dict, quantize) -> tuple[str, str]:
+    """The checkpoint quantized in one layout (and an input_scale, as static-activation exports
+    carry), and the same model with the weights dequantized here."""
+    quantized_dir, reference_dir = root / "quantized", root / "reference"
+    for folder in (quantized_dir, reference_dir):
+        shutil.copytree(source, folder)
+    weights = load_file(str(Path(source) / "model.safetensors"))
+    quantized, reference = {}, {}
+    for name, tensor in weights.items():
+        if name.startswith("model.layers.") and name.endswith("proj.weight"):
+            parts, dequantized = quantize(tensor.float())
+            prefix = name.removesuffix(".weight")
+            quantized.update({f"{prefix}.{part}": value.contiguous() for part, value in parts.items()})
+            quantized[f"{prefix}.input_scale"] = torch.ones(1)
+            reference[name] = dequantized
+        else:
+            quantized[name] = reference[name] = tensor
+    save_file(quantized, str(quantized_dir / "model.safetensors"))
+    save_file(reference, str(reference_dir / "model.safetensors"))
+    config = json.loads((quantized_dir / "config.json").read_text())
+    (quantized_dir / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
+    return str(quantized_dir), str(reference_dir)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_quantized_checkpoint_generates_what_its_dequantized_weights_do(tiny_llama, tmp_path, layout):
+    quantization, quantize = LAYOUTS[layout]
+    quantized, reference = write_pair(tiny_llama, tmp_path, quantization, quantize)
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=2)
+    got = LLM(quantized, num_kv_blocks=64).generate(PROMPTS, params)
+    expected = LLM(reference, num_kv_blocks=64).generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    assert [o.outputs[0].logprobs for o in got] == [o.outputs[0].logprobs for o in expected]
+
+
+def test_a_layout_it_cannot_read_is_one_line(tiny_llama, tmp_path):
+    quantized, _ = write_pair(tiny_llama, tmp_path, {"quant_method": "compressed-tensors", "format": "pack-quantized"},
+                              int8_per_channel)
+    with pytest.raises(ValueError, match="^model: compressed-tensors format 'pack-quantized' is not supported yet"):
+        LLM(quantized)
+    weights = load_file(str(Path(quantized) / "model.safetensors"))
+    del weights["model.layers.0.self_attn.q_proj.weight_scale"]
+    save_file(weights, str(Path(quantized) / "model.safetensors"))
+    config = json.loads((Path(quantized) / "config.json").read_text())
+    config["quantization_config"]["format"] = "int-quantized"
+    (Path(quantized) / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="'model.layers.0.self_attn.q_proj': a quantized weight needs its weight "
+                                         "and its scale"):
+        LLM(quantized)
