@@ -47,7 +47,7 @@ def iterate_weights(model_dir: str | Path) -> Iterator[tuple[str, object]]:
 
 def model_weights(model_name: str, model: nn.Module, hf_config, dtype: torch.dtype) -> Iterator[tuple[str, object]]:
     """The weights of the checkpoint `model_name` names (engine/checkpoint.py), by HF name;
-    MXFP4, fp8 and compressed-tensors tensors dequantized into `dtype`."""
+    MXFP4, fp8, compressed-tensors, AWQ and GPTQ tensors dequantized into `dtype`."""
     checkpoint = resolve_checkpoint(model_name)
     if checkpoint.gguf_file:
         from engine.gguf_loader import iterate_gguf_weights  # noqa: PLC0415 (imports gguf)
@@ -55,7 +55,7 @@ def model_weights(model_name: str, model: nn.Module, hf_config, dtype: torch.dty
         return iterate_gguf_weights(checkpoint.gguf_path, model, hf_config)
     weights = dequantize_checkpoint(iterate_weights(checkpoint.folder), dtype)
     quantization = quantization_of(hf_config)
-    if quantization is not None and quantization.get("quant_method") in ("fp8", "compressed-tensors"):
+    if quantization is not None and quantization.get("quant_method") in ("fp8", "compressed-tensors", "awq", "gptq"):
         weights = dequantize_quantized(weights, quantization, dtype)
     return weights
 

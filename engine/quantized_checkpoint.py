@@ -8,6 +8,13 @@ compute stays fp32/bf16/fp16.
     compressed-tensors   "int-quantized" / "naive-quantized" (int8) and "float-quantized" (fp8 e4m3)
                          weights, weight_scale per tensor, channel [N, 1] or group [N, K / G], and an
                          optional weight_zero_point of the scale's shape: w = (q - zero_point) * scale
+    awq                  (AutoAWQ's GEMM layout, 4 bits) qweight int32 [K, N / 8] and qzeros int32
+                         [K / G, N / 8], eight nibbles a word in the order 0 2 4 6 1 3 5 7 of their
+                         columns; scales [K / G, N]: w[k, n] = (q - z[k / G, n]) * s[k / G, n]
+    gptq                 (4 or 8 bits) qweight int32 [K * bits / 32, N] packed along K, low bits
+                         first; qzeros int32 [K / G, N * bits / 32] packed along N, stored minus one
+                         (the gptq format; not in gptq_v2); scales [K / G, N]; g_idx [K] each input
+                         row's group (desc_act): w[k, n] = (q - z[g_idx[k], n]) * s[g_idx[k], n]
 
 Activation and KV-cache scales (input_scale, k_scale, v_scale) are dropped: activations and the KV
 cache stay in the engine's dtype. gpt-oss's MXFP4 experts are engine/mxfp4.py's. Anything else is
@@ -20,7 +27,9 @@ from collections.abc import Iterator
 
 import torch
 
-LOADED_METHODS = ("fp8", "compressed-tensors", "mxfp4")
+LOADED_METHODS = ("fp8", "compressed-tensors", "awq", "gptq", "mxfp4")
+PACKED_PARTS = ("qweight", "qzeros", "scales", "g_idx")
+AWQ_COLUMN_OF_NIBBLE = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column 8 * word + this
 COMPRESSED_TENSORS_FORMATS = ("int-quantized", "naive-quantized", "float-quantized")
 SCALE_PARTS = ("weight_scale", "weight_scale_inv", "weight_zero_point")
 DROPPED_PARTS = ("input_scale", "k_scale", "v_scale", "output_scale")
@@ -47,6 +56,13 @@ def check_quantization(hf_config) -> None:
         raise ValueError(f"model: {method or 'unnamed'} quantization (config.json's quantization_config) is not "
                          "supported yet; kvfleet loads fp32, bf16 and fp16 checkpoints, fp8 and compressed-tensors "
                          "int8/fp8 ones and GGUF files (dequantized at load), and gpt-oss's MXFP4 experts")
+    if method == "awq" and (quantization.get("bits", 4) != 4 or str(quantization.get("version", "gemm")).lower()
+                            != "gemm" or quantization.get("zero_point") is False):
+        raise ValueError("model: awq is supported in its GEMM layout, 4 bits with zero points; this checkpoint has "
+                         f"version {quantization.get('version')!r}, bits {quantization.get('bits')}, zero_point "
+                         f"{quantization.get('zero_point')}")
+    if method == "gptq" and quantization.get("bits", 4) not in (4, 8):
+        raise ValueError(f"model: gptq with {quantization.get('bits')} bits is not supported yet; 4 and 8 are")
     if method == "compressed-tensors" and quantization.get("format") not in COMPRESSED_TENSORS_FORMATS:
         raise ValueError(f"model: compressed-tensors format {quantization.get('format')!r} is not supported yet; "
                          f"kvfleet loads {', '.join(COMPRESSED_TENSORS_FORMATS)} (int8 and fp8 weights)")
@@ -84,6 +100,48 @@ def dequantize_weight(parts: dict, block: list[int] | None, dtype: torch.dtype) 
     return (values * expand_scale(scale[:], weight.shape, block if uses_blocks else None)).to(dtype)
 
 
+def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """int32 words holding 32 / bits values each, low bits first, unpacked along `dim`."""
+    per_word = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    values = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [..., words, per_word]
+    if dim == 0:  # [words, N, per_word] -> [words * per_word, N]
+        return values.permute(0, 2, 1).reshape(packed.shape[0] * per_word, packed.shape[1])
+    return values.reshape(packed.shape[0], packed.shape[1] * per_word)
+
+
+def dequantize_awq(parts: dict, group_size: int) -> torch.Tensor:
+    """AWQ GEMM: [K, N] values from the nibbles, columns put back in order; the weight [N, K]."""
+    order = torch.tensor(AWQ_COLUMN_OF_NIBBLE).argsort()  # column j of a word sits in nibble order[j]
+    q = unpack(parts["qweight"][:], 4, 1)
+    z = unpack(parts["qzeros"][:], 4, 1)
+    q, z = (t.reshape(t.shape[0], -1, 8)[..., order].reshape(t.shape[0], -1) for t in (q, z))
+    scales = parts["scales"][:].float()
+    rows = torch.arange(q.shape[0]) // group_size
+    return ((q - z[rows]).float() * scales[rows]).t()
+
+
+def dequantize_gptq(parts: dict, bits: int, group_size: int, has_offset_zeros: bool) -> torch.Tensor:
+    """GPTQ: [K, N] values packed along K, zeros along N (plus one in the gptq format); the weight [N, K]."""
+    q = unpack(parts["qweight"][:], bits, 0)
+    z = unpack(parts["qzeros"][:], bits, 1) + (1 if has_offset_zeros else 0)
+    scales = parts["scales"][:].float()
+    rows = parts["g_idx"][:].long() if "g_idx" in parts else torch.arange(q.shape[0]) // group_size
+    return ((q - z[rows]).float() * scales[rows]).t()
+
+
+def dequantize_packed(parts: dict, quantization: dict, dtype: torch.dtype) -> torch.Tensor:
+    rows = parts["qweight"].get_shape()[0] if hasattr(parts["qweight"], "get_shape") else parts["qweight"].shape[0]
+    method, bits = quantization["quant_method"], quantization.get("bits", 4)
+    group_size = quantization.get("group_size", 128)
+    if group_size in (None, -1):  # one group: per output channel
+        group_size = rows if method == "awq" else rows * 32 // bits
+    if method == "awq":
+        return dequantize_awq(parts, group_size).to(dtype)
+    is_v2 = quantization.get("checkpoint_format") == "gptq_v2"
+    return dequantize_gptq(parts, bits, group_size, not is_v2).to(dtype)
+
+
 def dequantize_quantized(weights: Iterator[tuple[str, object]], quantization: dict, dtype: torch.dtype
                          ) -> Iterator[tuple[str, object]]:
     """Checkpoint (name, tensor) pairs with each quantized `X.weight` and its scales replaced by the
@@ -95,11 +153,18 @@ def dequantize_quantized(weights: Iterator[tuple[str, object]], quantization: di
         prefix, _, part = name.rpartition(".")
         if part in DROPPED_PARTS:
             continue
-        if part in SCALE_PARTS or part == "weight" and quantized_dtype(tensor) is not None:
+        is_packed = part in PACKED_PARTS and quantization["quant_method"] in ("awq", "gptq")
+        if is_packed or part in SCALE_PARTS or part == "weight" and quantized_dtype(tensor) is not None:
             held.setdefault(prefix, {})[part] = tensor
             continue
         yield name, tensor
     for prefix, parts in held.items():
+        if "qweight" in parts:
+            if not {"qzeros", "scales"} <= set(parts):
+                raise ValueError(f"checkpoint module {prefix!r}: a packed weight needs qweight, qzeros and scales; "
+                                 f"found {sorted(parts)}")
+            yield f"{prefix}.weight", dequantize_packed(parts, quantization, dtype)
+            continue
         if "weight" not in parts or not {"weight_scale", "weight_scale_inv"} & set(parts):
             raise ValueError(f"checkpoint module {prefix!r}: a quantized weight needs its weight and its scale; "
                              f"found {sorted(parts)}")

@@ -1,4 +1,4 @@
-"""fp8 and compressed-tensors (int8, fp8) checkpoints load, dequantized at load
+"""fp8, compressed-tensors (int8, fp8), AWQ and GPTQ checkpoints load, dequantized at load
 (engine/quantized_checkpoint.py): a tiny Llama quantized here in each layout, from each format's
 spec, generates exactly what the same model with the dequantized weights (computed here, block by
 block) generates."""
@@ -70,7 +70,65 @@ def int8_groups_with_zero_points(w, group: int = 16):
             "weight_zero_point": zero_point.to(torch.int8)}, reference
 
 
+def to_int32(words: torch.Tensor) -> torch.Tensor:
+    """uint32 bit patterns (held in int64) as the int32 the checkpoints store."""
+    return (words - (words >= 2**31).long() * 2**32).to(torch.int32)
+
+
+def asymmetric(w_in_major: torch.Tensor, bits: int, group_of_row: torch.Tensor, offset: int = 0):
+    """[K, N] -> integer values, zero points and fp16 scales per (group, column), the zero points at
+    least `offset` (GPTQ's format stores them minus one)."""
+    top = 2**bits - 1
+    num_groups = int(group_of_row.max()) + 1
+    low = torch.stack([w_in_major[group_of_row == g].amin(0) for g in range(num_groups)])
+    high = torch.stack([w_in_major[group_of_row == g].amax(0) for g in range(num_groups)])
+    scale = ((high - low) / top).clamp(min=1e-4).half().float()
+    zero = torch.round(-low / scale).clamp(offset, top)
+    q = torch.round(w_in_major / scale[group_of_row] + zero[group_of_row]).clamp(0, top)
+    return q.long(), zero.long(), scale, (q - zero[group_of_row]) * scale[group_of_row]
+
+
+def awq(w, group: int = 16):
+    """AutoAWQ's GEMM packing: along N, nibble i of word j holding column 8j + (0 2 4 6 1 3 5 7)[i]."""
+    q, zero, scale, reference = asymmetric(w.t(), 4, torch.arange(w.shape[1]) // group)
+
+    def pack(values):
+        words = torch.zeros(values.shape[0], values.shape[1] // 8, dtype=torch.long)
+        for word in range(words.shape[1]):
+            for nibble, column in enumerate((0, 2, 4, 6, 1, 3, 5, 7)):
+                words[:, word] |= values[:, 8 * word + column] << (4 * nibble)
+        return to_int32(words)
+
+    return {"qweight": pack(q), "qzeros": pack(zero), "scales": scale.half()}, reference.t()
+
+
+def gptq(w, bits: int = 4, group: int = 16, desc_act: bool = False):
+    """GPTQ's packing: qweight along K, qzeros along N, both low bits first; zeros stored minus one.
+    With desc_act, input rows belong to groups in a shuffled order (g_idx)."""
+    rows = w.shape[1]
+    group_of_row = torch.arange(rows) // group
+    if desc_act:
+        group_of_row = group_of_row[torch.randperm(rows, generator=torch.Generator().manual_seed(0))]
+    q, zero, scale, reference = asymmetric(w.t(), bits, group_of_row, offset=1)
+    per_word = 32 // bits
+
+    def pack(values, dim):
+        values = values if dim == 0 else values.t()
+        words = torch.zeros(values.shape[0] // per_word, values.shape[1], dtype=torch.long)
+        for i in range(per_word):
+            words |= values[i::per_word] << (bits * i)
+        return to_int32(words if dim == 0 else words.t())
+
+    parts = {"qweight": pack(q, 0), "qzeros": pack(zero - 1, 1), "scales": scale.half(),
+             "g_idx": group_of_row.to(torch.int32)}
+    return parts, reference.t()
+
+
 LAYOUTS = {
+    "awq": ({"quant_method": "awq", "bits": 4, "group_size": 16, "zero_point": True, "version": "gemm"}, awq),
+    "gptq 4 bits": ({"quant_method": "gptq", "bits": 4, "group_size": 16, "desc_act": False}, gptq),
+    "gptq 8 bits, desc_act": ({"quant_method": "gptq", "bits": 8, "group_size": 16, "desc_act": True},
+                              lambda w: gptq(w, bits=8, desc_act=True)),
     "fp8 per tensor": ({"quant_method": "fp8", "activation_scheme": "dynamic"}, fp8_per_tensor),
     "fp8 per channel": ({"quant_method": "fp8", "activation_scheme": "dynamic"}, fp8_per_channel),
     "fp8 blocks": ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": BLOCK}, fp8_blocks),
