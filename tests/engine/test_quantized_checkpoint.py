@@ -189,3 +189,18 @@ def test_a_layout_it_cannot_read_is_one_line(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match="'model.layers.0.self_attn.q_proj': a quantized weight needs its weight "
                                          "and its scale"):
         LLM(quantized)
+
+
+@pytest.mark.parametrize("architecture, layout", [("qwen3", "awq"), ("qwen3_moe", "gptq 4 bits"),
+                                                  ("qwen3_moe", "fp8 blocks"), ("qwen3", "compressed-tensors int8")])
+def test_a_qwen3_and_a_moe_s_quantized_experts_load_too(tiny_models, tmp_path, architecture, layout):
+    """Every projection of the model quantized: attention, dense MLPs, and each expert's."""
+    quantization, quantize = LAYOUTS[layout]
+    quantized, reference = write_pair(tiny_models[architecture], tmp_path, quantization, quantize)
+    assert any(".experts." in name and name.endswith(("qweight", "weight_scale_inv"))
+               for name in load_file(str(Path(quantized) / "model.safetensors"))) == (architecture == "qwen3_moe")
+    params = SamplingParams(max_tokens=10, temperature=0, logprobs=2)
+    got = LLM(quantized, num_kv_blocks=64).generate(PROMPTS, params)
+    expected = LLM(reference, num_kv_blocks=64).generate(PROMPTS, params)
+    assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in got] == [
+        (o.outputs[0].token_ids, o.outputs[0].logprobs) for o in expected]
