@@ -7,7 +7,10 @@ compute stays fp32/bf16/fp16.
                          DeepSeek), weight_scale_inv [ceil(N / bn), ceil(K / bk)]: w = q * scale
     compressed-tensors   "int-quantized" / "naive-quantized" (int8) and "float-quantized" (fp8 e4m3)
                          weights, weight_scale per tensor, channel [N, 1] or group [N, K / G], and an
-                         optional weight_zero_point of the scale's shape: w = (q - zero_point) * scale
+                         optional weight_zero_point of the scale's shape: w = (q - zero_point) * scale;
+                         "pack-quantized" (W4A16 and the like): weight_packed int32, unpacked by the
+                         compressed-tensors library's own unpack_from_int32 (its zero points packed
+                         along the output channels), then the same
     awq                  (AutoAWQ's GEMM layout, 4 bits) qweight int32 [K, N / 8] and qzeros int32
                          [K / G, N / 8], eight nibbles a word in the order 0 2 4 6 1 3 5 7 of their
                          columns; scales [K / G, N]: w[k, n] = (q - z[k / G, n]) * s[k / G, n]
@@ -29,8 +32,9 @@ import torch
 
 LOADED_METHODS = ("fp8", "compressed-tensors", "awq", "gptq", "mxfp4")
 PACKED_PARTS = ("qweight", "qzeros", "scales", "g_idx")
+COMPRESSED_PACKED_PARTS = ("weight_packed", "weight_shape")
 AWQ_COLUMN_OF_NIBBLE = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column 8 * word + this
-COMPRESSED_TENSORS_FORMATS = ("int-quantized", "naive-quantized", "float-quantized")
+COMPRESSED_TENSORS_FORMATS = ("int-quantized", "naive-quantized", "float-quantized", "pack-quantized")
 SCALE_PARTS = ("weight_scale", "weight_scale_inv", "weight_zero_point")
 DROPPED_PARTS = ("input_scale", "k_scale", "v_scale", "output_scale")
 QUANTIZED_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "I8": torch.int8, torch.float8_e4m3fn: torch.float8_e4m3fn,
@@ -65,7 +69,19 @@ def check_quantization(hf_config) -> None:
         raise ValueError(f"model: gptq with {quantization.get('bits')} bits is not supported yet; 4 and 8 are")
     if method == "compressed-tensors" and quantization.get("format") not in COMPRESSED_TENSORS_FORMATS:
         raise ValueError(f"model: compressed-tensors format {quantization.get('format')!r} is not supported yet; "
-                         f"kvfleet loads {', '.join(COMPRESSED_TENSORS_FORMATS)} (int8 and fp8 weights)")
+                         f"kvfleet loads {', '.join(COMPRESSED_TENSORS_FORMATS)}")
+    if method == "compressed-tensors" and quantization.get("format") == "pack-quantized":
+        packed_bits(quantization)  # one width for every group of weights
+
+
+def packed_bits(quantization: dict) -> int:
+    """The one integer width of a pack-quantized checkpoint's weights (config_groups)."""
+    widths = {(group.get("weights") or {}).get("num_bits") for group in quantization.get("config_groups", {}).values()}
+    kinds = {(group.get("weights") or {}).get("type", "int") for group in quantization.get("config_groups", {}).values()}
+    if len(widths) != 1 or not 1 <= (next(iter(widths)) or 0) <= 8 or kinds != {"int"}:
+        raise ValueError(f"model: compressed-tensors pack-quantized weights of one integer width (1 to 8 bits) are "
+                         f"supported; config_groups give widths {sorted(map(str, widths))} of types {sorted(kinds)}")
+    return next(iter(widths))
 
 
 def quantized_dtype(tensor) -> torch.dtype | None:
@@ -87,6 +103,20 @@ def expand_scale(scale: torch.Tensor, shape: torch.Size, block: list[int] | None
     if scale.shape[0] != rows or cols % scale.shape[1]:
         raise ValueError(f"a scale of shape {tuple(scale.shape)} does not fit a weight of shape {(rows, cols)}")
     return scale.repeat_interleave(cols // scale.shape[1], 1)
+
+
+def unpacked(parts: dict, bits: int) -> dict:
+    """A pack-quantized module's parts with its weight (and zero points) unpacked to int8."""
+    from compressed_tensors.compressors.pack_quantized.helpers import (  # noqa: PLC0415 (only these checkpoints)
+        unpack_from_int32,
+    )
+
+    shape = torch.Size(parts["weight_shape"][:].tolist())
+    parts = {**parts, "weight": unpack_from_int32(parts["weight_packed"][:], bits, shape)}
+    if "weight_zero_point" in parts:
+        scale_shape = parts["weight_scale"][:].shape
+        parts["weight_zero_point"] = unpack_from_int32(parts["weight_zero_point"][:], bits, scale_shape, packed_dim=0)
+    return parts
 
 
 def dequantize_weight(parts: dict, block: list[int] | None, dtype: torch.dtype) -> torch.Tensor:
@@ -153,7 +183,8 @@ def dequantize_quantized(weights: Iterator[tuple[str, object]], quantization: di
         prefix, _, part = name.rpartition(".")
         if part in DROPPED_PARTS:
             continue
-        is_packed = part in PACKED_PARTS and quantization["quant_method"] in ("awq", "gptq")
+        is_packed = part in PACKED_PARTS and quantization["quant_method"] in ("awq", "gptq") \
+            or part in COMPRESSED_PACKED_PARTS
         if is_packed or part in SCALE_PARTS or part == "weight" and quantized_dtype(tensor) is not None:
             held.setdefault(prefix, {})[part] = tensor
             continue
@@ -165,6 +196,8 @@ def dequantize_quantized(weights: Iterator[tuple[str, object]], quantization: di
                                  f"found {sorted(parts)}")
             yield f"{prefix}.weight", dequantize_packed(parts, quantization, dtype)
             continue
+        if "weight_packed" in parts and {"weight_shape", "weight_scale"} <= set(parts):
+            parts = unpacked(parts, packed_bits(quantization))
         if "weight" not in parts or not {"weight_scale", "weight_scale_inv"} & set(parts):
             raise ValueError(f"checkpoint module {prefix!r}: a quantized weight needs its weight and its scale; "
                              f"found {sorted(parts)}")

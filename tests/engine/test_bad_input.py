@@ -80,8 +80,11 @@ def test_unknown_architecture(tiny_llama, tmp_path):
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemv"},
      "model: awq is supported in its GEMM layout, 4 bits with zero points; this checkpoint has version 'gemv'"),
     ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "model: gptq with 3 bits is not supported yet"),
-    ({"quant_method": "compressed-tensors", "format": "pack-quantized"},
-     "model: compressed-tensors format 'pack-quantized' is not supported yet"),
+    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"},
+     "model: compressed-tensors format 'nvfp4-pack-quantized' is not supported yet"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+      "config_groups": {"a": {"weights": {"num_bits": 4}}, "b": {"weights": {"num_bits": 8}}}},
+     "model: compressed-tensors pack-quantized weights of one integer width"),
 ])
 def test_a_quantized_checkpoint_it_cannot_load_is_one_line(tiny_llama, tmp_path, quantization, message):
     """Refused before a weight is read (engine/quantized_checkpoint.py: what loads)."""

@@ -1,4 +1,4 @@
-"""fp8, compressed-tensors (int8, fp8), AWQ and GPTQ checkpoints load, dequantized at load
+"""fp8, compressed-tensors (int8, fp8, packed int4), AWQ and GPTQ checkpoints load, dequantized at load
 (engine/quantized_checkpoint.py): a tiny Llama quantized here in each layout, from each format's
 spec, generates exactly what the same model with the dequantized weights (computed here, block by
 block) generates."""
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
@@ -124,7 +125,32 @@ def gptq(w, bits: int = 4, group: int = 16, desc_act: bool = False):
     return parts, reference.t()
 
 
+def packed_int4(w, group: int = 16, symmetric: bool = True):
+    """llm-compressor's W4A16 (pack-quantized): int4 in groups along the input, packed by the
+    compressed-tensors library's own pack_to_int32; asymmetric zero points packed along N."""
+    rows, cols = w.shape
+    grouped = w.reshape(rows, cols // group, group)
+    if symmetric:
+        scale, zero_point = (grouped.abs().amax(-1) / 7.0).clamp(min=1e-8), torch.zeros(rows, cols // group)
+    else:
+        low, high = grouped.amin(-1), grouped.amax(-1)
+        scale = ((high - low) / 15.0).clamp(min=1e-8)
+        zero_point = torch.round(-8 - low / scale).clamp(-8, 7)
+    q = torch.round(grouped / scale[..., None] + zero_point[..., None]).clamp(-8, 7)
+    reference = ((q - zero_point[..., None]) * scale[..., None]).reshape(rows, cols)
+    parts = {"weight_packed": pack_to_int32(q.reshape(rows, cols).to(torch.int8), 4),
+             "weight_shape": torch.tensor([rows, cols]), "weight_scale": scale}
+    if not symmetric:
+        parts["weight_zero_point"] = pack_to_int32(zero_point.to(torch.int8), 4, packed_dim=0)
+    return parts, reference
+
+
+W4A16 = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
+    "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 16}}}}
+
 LAYOUTS = {
+    "compressed-tensors w4a16": (W4A16, packed_int4),
+    "compressed-tensors w4a16 asymmetric": (W4A16, lambda w: packed_int4(w, symmetric=False)),
     "awq": ({"quant_method": "awq", "bits": 4, "group_size": 16, "zero_point": True, "version": "gemm"}, awq),
     "gptq 4 bits": ({"quant_method": "gptq", "bits": 4, "group_size": 16, "desc_act": False}, gptq),
     "gptq 8 bits, desc_act": ({"quant_method": "gptq", "bits": 8, "group_size": 16, "desc_act": True},
@@ -176,9 +202,9 @@ def test_a_quantized_checkpoint_generates_what_its_dequantized_weights_do(tiny_l
 
 
 def test_a_layout_it_cannot_read_is_one_line(tiny_llama, tmp_path):
-    quantized, _ = write_pair(tiny_llama, tmp_path, {"quant_method": "compressed-tensors", "format": "pack-quantized"},
+    quantized, _ = write_pair(tiny_llama, tmp_path, {"quant_method": "compressed-tensors", "format": "marlin-24"},
                               int8_per_channel)
-    with pytest.raises(ValueError, match="^model: compressed-tensors format 'pack-quantized' is not supported yet"):
+    with pytest.raises(ValueError, match="^model: compressed-tensors format 'marlin-24' is not supported yet"):
         LLM(quantized)
     weights = load_file(str(Path(quantized) / "model.safetensors"))
     del weights["model.layers.0.self_attn.q_proj.weight_scale"]
