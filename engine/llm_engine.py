@@ -23,6 +23,7 @@ from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.parallel import ParallelGroupError
 from engine.postprocess import DeltaTracker, StopChecker, make_request_output, request_metrics
+from engine.quantized_checkpoint import quantization_of
 from engine.resume import SampleProgress, check_progress, progress_of, resumed_sequence
 from engine.sampler import SamplerOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -122,7 +123,10 @@ class LLMEngine:
         defaults = (f"{self.default_sampling_params} (from {source}; a request's own values win)"
                     if self.default_sampling_params else f"none (none from {source})")
         dtype = str(runner.dtype).removeprefix("torch.")
-        return (f"engine: {architecture}, {self.num_params / 1e6:,.0f}M parameters, {dtype} on {runner.device}, "
+        quantization = quantization_of(self.hf_config)
+        weights = f" ({quantization.get('quant_method')} checkpoint, dequantized at load)" if quantization else ""
+        return (f"engine: {architecture}, {self.num_params / 1e6:,.0f}M parameters{weights}, {dtype} on "
+                f"{runner.device}, "
                 f"{runner.backend.name} attention, {self.num_total_blocks} KV blocks of {config.block_size} tokens, "
                 f"max_model_len {self.max_model_len}, tensor parallel {config.tensor_parallel_size}; "
                 f"generation defaults: {defaults}")

@@ -195,7 +195,9 @@ def test_a_quantized_checkpoint_generates_what_its_dequantized_weights_do(tiny_l
     quantization, quantize = LAYOUTS[layout]
     quantized, reference = write_pair(tiny_llama, tmp_path, quantization, quantize)
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=2)
-    got = LLM(quantized, num_kv_blocks=64).generate(PROMPTS, params)
+    llm = LLM(quantized, num_kv_blocks=64)
+    assert f"parameters ({quantization['quant_method']} checkpoint, dequantized at load)" in llm.engine.describe()
+    got = llm.generate(PROMPTS, params)
     expected = LLM(reference, num_kv_blocks=64).generate(PROMPTS, params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
     assert [o.outputs[0].logprobs for o in got] == [o.outputs[0].logprobs for o in expected]
