@@ -20,7 +20,7 @@ from torch import nn
 from engine.checkpoint import resolve_checkpoint
 from engine.models.parallel_layers import copy_checked
 from engine.mxfp4 import dequantize_checkpoint
-from engine.quantized_checkpoint import dequantize_quantized, quantization_of
+from engine.quantized_checkpoint import DEQUANTIZED_METHODS, dequantize_quantized, quantization_of
 
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -55,7 +55,7 @@ def model_weights(model_name: str, model: nn.Module, hf_config, dtype: torch.dty
         return iterate_gguf_weights(checkpoint.gguf_path, model, hf_config)
     weights = dequantize_checkpoint(iterate_weights(checkpoint.folder), dtype)
     quantization = quantization_of(hf_config)
-    if quantization is not None and quantization.get("quant_method") in ("fp8", "compressed-tensors", "awq", "gptq"):
+    if quantization is not None and quantization.get("quant_method") in DEQUANTIZED_METHODS:
         weights = dequantize_quantized(weights, quantization, dtype)
     return weights
 

@@ -30,7 +30,8 @@ from collections.abc import Iterator
 
 import torch
 
-LOADED_METHODS = ("fp8", "compressed-tensors", "awq", "gptq", "mxfp4")
+DEQUANTIZED_METHODS = ("fp8", "compressed-tensors", "awq", "gptq")  # dequantize_quantized's
+LOADED_METHODS = (*DEQUANTIZED_METHODS, "mxfp4")  # mxfp4: engine/mxfp4.py
 PACKED_PARTS = ("qweight", "qzeros", "scales", "g_idx")
 COMPRESSED_PACKED_PARTS = ("weight_packed", "weight_shape")
 AWQ_COLUMN_OF_NIBBLE = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column 8 * word + this
@@ -58,8 +59,8 @@ def check_quantization(hf_config) -> None:
     method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
     if method not in LOADED_METHODS:
         raise ValueError(f"model: {method or 'unnamed'} quantization (config.json's quantization_config) is not "
-                         "supported yet; kvfleet loads fp32, bf16 and fp16 checkpoints, fp8 and compressed-tensors "
-                         "int8/fp8 ones and GGUF files (dequantized at load), and gpt-oss's MXFP4 experts")
+                         "supported yet; kvfleet loads fp32, bf16 and fp16 checkpoints, awq, gptq, fp8 and "
+                         "compressed-tensors ones and GGUF files (dequantized at load), and gpt-oss's MXFP4 experts")
     if method == "awq" and (quantization.get("bits", 4) != 4 or str(quantization.get("version", "gemm")).lower()
                             != "gemm" or quantization.get("zero_point") is False):
         raise ValueError("model: awq is supported in its GEMM layout, 4 bits with zero points; this checkpoint has "

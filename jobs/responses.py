@@ -225,20 +225,32 @@ class ResponsesBody(_Strict):
         return messages
 
 
+def reasoning_item(text: str, status: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def message_item(text: str, status: str) -> dict[str, Any]:
+    return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "role": "assistant", "status": status,
+            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+
+
+def function_call_item(call: dict[str, Any], arguments: str, status: str) -> dict[str, Any]:
+    """A chat tool call (its id, function name) as an output item with `arguments` so far."""
+    return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
+            "name": call["function"]["name"], "arguments": arguments, "status": status}
+
+
 def output_items(message: dict[str, Any], is_complete: bool) -> list[dict[str, Any]]:
     """A parsed chat message as Response output items: reasoning, message, function calls."""
     items = []
     status = "completed" if is_complete else "incomplete"
     if message.get("reasoning_content") is not None:
-        items.append({"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [], "status": status,
-                      "content": [{"type": "reasoning_text", "text": message["reasoning_content"]}]})
+        items.append(reasoning_item(message["reasoning_content"], status))
     if message.get("content") or not message.get("tool_calls"):
-        items.append({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "role": "assistant", "status": status,
-                      "content": [{"type": "output_text", "text": message.get("content") or "", "annotations": []}]})
-    for call in message.get("tool_calls") or []:
-        items.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
-                      "name": call["function"]["name"], "arguments": call["function"]["arguments"],
-                      "status": "completed"})
+        items.append(message_item(message.get("content") or "", status))
+    items += [function_call_item(call, call["function"]["arguments"], "completed")
+              for call in message.get("tool_calls") or []]
     return items
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jobs.chat_output import OutputFormat, StreamedMessage
-from jobs.online import WORKER_LOST, ChoiceDelta, Delta, Done, Error, OnlineEntry, ReplyEvent
+from jobs.online import WORKER_LOST, ChoiceDelta, Done, Error, OnlineEntry, ReplyEvent
 from jobs.results import Choice, chat_completion_body, completion_body, usage_of_body
 from jobs.schemas import CHAT_COMPLETIONS, OnlineFields
 from producers.errors import APIError, error_body
@@ -240,8 +240,7 @@ class ChunkWriter:
         if isinstance(event, Done):
             return self.done_chunks(event)
         chunks = []
-        if isinstance(event, Delta):
-            self.output = OutputFormat.from_json(event.output)
+        self.output = OutputFormat.from_json(event.output)  # a Delta: errors and dones have returned
         for choice in event.choices:
             try:
                 new = self.sent.setdefault(choice.index, SentChoice()).take(choice)

@@ -16,13 +16,19 @@ and a taken-over request's repetition are `ChunkWriter`'s.
 from __future__ import annotations
 
 import json
-import uuid
 from typing import Any
 
 from jobs.chat_output import StreamedMessage
 from jobs.online import ChoiceDelta, Done, OnlineEntry
-from jobs.responses import ResponsesBody, finished_response, response_object
-from jobs.results import Choice, chat_completion_body, usage_of_body
+from jobs.responses import (
+    ResponsesBody,
+    finished_response,
+    function_call_item,
+    message_item,
+    reasoning_item,
+    response_object,
+)
+from jobs.results import Choice, chat_choice, usage_of_body
 from producers.errors import APIError
 from producers.online_replies import Accumulator, ChunkWriter
 
@@ -34,8 +40,7 @@ def response_id(entry: OnlineEntry) -> str:
 def finished_body(accumulator: Accumulator, entry: OnlineEntry, model: str, body: ResponsesBody) -> dict[str, Any]:
     """A non-streaming answer: the Response of the one choice."""
     usage = usage_of_body(accumulator.usage)
-    choice = Choice(accumulator.texts[0], accumulator.finish_reasons[0] or "stop")
-    chat = chat_completion_body(model, [choice], usage, accumulator.output)["choices"][0]
+    chat = chat_choice(0, Choice(accumulator.texts[0], accumulator.finish_reasons[0] or "stop"), accumulator.output)
     return finished_response(body, model, chat["message"], chat["finish_reason"], usage, response_id(entry),
                              entry.enqueued_at)
 
@@ -96,23 +101,16 @@ class ResponseEventWriter(ChunkWriter):
         events = []
         if not (self.is_open and self.items[-1]["type"] == kind):
             events += self.close_item() + self.open_item(kind)
-        item = self.items[-1]
-        index = len(self.items) - 1
+        item, index = self.items[-1], len(self.items) - 1
+        item["content"][0]["text"] += text
         if kind == "reasoning":
-            item["content"][0]["text"] += text
             return events + [self.event("response.reasoning_text.delta", item_id=item["id"], output_index=index,
                                         content_index=0, delta=text)]
-        item["content"][0]["text"] += text
         return events + [self.event("response.output_text.delta", item_id=item["id"], output_index=index,
                                     content_index=0, delta=text, logprobs=[])]
 
     def open_item(self, kind: str) -> list[dict[str, Any]]:
-        if kind == "reasoning":
-            item = {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [], "status": "in_progress",
-                    "content": [{"type": "reasoning_text", "text": ""}]}
-        else:
-            item = {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "role": "assistant",
-                    "status": "in_progress", "content": [{"type": "output_text", "text": "", "annotations": []}]}
+        item = reasoning_item("", "in_progress") if kind == "reasoning" else message_item("", "in_progress")
         self.items.append(item)
         self.is_open = True
         index = len(self.items) - 1
@@ -143,8 +141,7 @@ class ResponseEventWriter(ChunkWriter):
     def function_call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
         events = self.close_item()
         function = call["function"]
-        item = {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
-                "name": function["name"], "arguments": "", "status": "in_progress"}
+        item = function_call_item(call, "", "in_progress")
         self.items.append(item)
         index = len(self.items) - 1
         events.append(self.event("response.output_item.added", output_index=index, item=dict(item)))

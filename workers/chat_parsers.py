@@ -104,12 +104,10 @@ def token_ids_of(tokenizer, text: str) -> tuple[int, ...]:
 
 def render_chat(body: ChatBody, tokenizer, parsers: ChatParsers) -> RenderedChat:
     """The prompt of a chat request and how its output is read (ValueError: the request's fault)."""
+    kwargs = template_kwargs(body, tokenizer)
     try:
         prompt = tokenizer.apply_chat_template(body.template_messages(), tools=body.template_tools(),
-                                               add_generation_prompt=True, tokenize=False,
-                                               **template_kwargs(body, tokenizer))
-    except ValueError:
-        raise
+                                               add_generation_prompt=True, tokenize=False, **kwargs)
     except Exception as error:  # noqa: BLE001 (a template error is the request's fault)
         raise ValueError(f"messages: the chat template failed: {error}") from None
     forced = body.forced_tool()

@@ -18,7 +18,15 @@ from engine import (
 )
 from jobs.chat_output import OutputFormat
 from jobs.responses import RESPONSES, ResponsesBody, finished_response
-from jobs.results import Choice, Usage, chat_completion_body, completion_body, embedding_body, success_line
+from jobs.results import (
+    Choice,
+    Usage,
+    chat_choice,
+    chat_completion_body,
+    completion_body,
+    embedding_body,
+    success_line,
+)
 from jobs.schemas import (
     CHAT_COMPLETIONS,
     EMBEDDINGS,
@@ -180,9 +188,9 @@ def to_result_line(custom_id: str, request: EngineRequest, output: RequestOutput
                                        request.url),
                       token_ids=c.token_ids if tokenizer is None else None) for c in output.outputs]
     if request.responses is not None:  # one choice: Responses have no n
-        body = chat_completion_body(model, choices, usage, request.output)["choices"][0]
-        return success_line(custom_id, finished_response(request.responses, model, body["message"],
-                                                         body["finish_reason"], usage)), usage
+        chat = chat_choice(0, choices[0], request.output)
+        return success_line(custom_id, finished_response(request.responses, model, chat["message"],
+                                                         chat["finish_reason"], usage)), usage
     if request.url == CHAT_COMPLETIONS:
         return success_line(custom_id, chat_completion_body(model, choices, usage, request.output)), usage
     return success_line(custom_id, completion_body(model, choices, usage)), usage
