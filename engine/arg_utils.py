@@ -41,6 +41,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="auto: triton on CUDA; on the CPU the native kernel, else torch")
     group.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=_DEFAULTS["enforce_eager"],
                        help="--no-enforce-eager: on CUDA, decode steps replay CUDA graphs (not yet run on a GPU)")
+    group.add_argument("--quantized-kernels", action=argparse.BooleanOptionalAction,
+                       default=_DEFAULTS["quantized_kernels"],
+                       help="GGUF on the CPU: compute on the file's quantized weights (default); "
+                            "--no-quantized-kernels dequantizes them at load")
     group.add_argument("--task", default=_DEFAULTS["task"], choices=["auto", "generate", "embed"],
                        help="auto: embed for encoders (BertModel, XLMRobertaModel) and sentence-transformers "
                             "folders, generate otherwise")

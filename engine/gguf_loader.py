@@ -1,9 +1,11 @@
 """Load GGUF checkpoints (llama.cpp's format) into kvfleet's model definitions.
 
-Each tensor is dequantized at load, with the `gguf` package's own reader and
-dequantizers, to float32 and then copied into the engine's dtype: kvfleet computes in
-fp32/bf16/fp16, it does not run quantized matmuls. Under tensor parallelism every rank
-dequantizes and then keeps only its slice (the parameters' weight loaders).
+On the CPU, the linears and embeddings whose tensors have a type the quantized kernels take
+(engine/quantized_weights.py: Q4_0 ... Q8_0, Q4_K, Q5_K, Q6_K) keep them quantized
+(`use_quantized_gguf_layers`, engine/quantized_linear.py). Every other tensor (norms, F16/F32
+tensors, Q2_K/Q3_K, MoE experts; all of them under tensor parallelism, with LoRA or on CUDA) is
+dequantized at load with the `gguf` package's own reader and dequantizers, to float32 and then
+the engine's dtype; under tensor parallelism each rank then keeps only its slice.
 
 GGUF names tensors its own way (`blk.0.attn_q.weight`); the map back to Hugging Face
 names is gguf's TensorNameMap, inverted over the names the model loads. Two things
@@ -23,6 +25,8 @@ import torch
 from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFReader, get_tensor_name_map
 from gguf.quants import dequantize
 from torch import nn
+
+from engine.quantized_linear import QuantizedEmbedding, QuantizedLinear, quantized_modules
 
 Q = GGMLQuantizationType
 SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
@@ -135,6 +139,71 @@ def to_hf_layout(arch: str, gguf_name: str, weights: np.ndarray, hf_config) -> n
     return weights
 
 
+def use_quantized_gguf_layers(model: nn.Module, path: str | Path, hf_config, dtype: torch.dtype) -> dict[str, int]:
+    """Swap every nn.Linear / nn.Embedding of `model` whose tensors in the GGUF file all have a kernel
+    type for a quantized module that will receive them; a head tied to a swapped embedding shares
+    it. Returns how many tensors of each type will stay quantized."""
+    from engine.quantized_weights import KERNEL_TYPES  # noqa: PLC0415
+
+    reader = open_reader(Path(path))
+    types = {tensor.name: tensor.tensor_type for tensor in reader.tensors}
+    gguf_of = {hf: gguf for gguf, hf in gguf_to_hf_names(model, read_field(reader, "general.architecture"),
+                                                          hf_config.num_hidden_layers).items()}
+    swapped, counts = {}, {}
+    for name, module in [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear | nn.Embedding)]:
+        sources = weight_sources(model, name, gguf_of)
+        if not sources or any(types.get(gguf) not in KERNEL_TYPES for gguf in sources) \
+                or module.weight.shape[-1] % 32:
+            continue
+        if isinstance(module, nn.Embedding):
+            replacement = QuantizedEmbedding(module.num_embeddings, module.embedding_dim, dtype)
+        else:
+            sizes = getattr(module, "sizes", [module.out_features])
+            replacement = QuantizedLinear(module.in_features, sizes, module.bias)
+        replacement.gguf_parts = sources
+        swapped[id(module.weight)] = replacement
+        model.set_submodule(name, replacement)
+        for gguf in sources:
+            counts[types[gguf].name] = counts.get(types[gguf].name, 0) + 1
+    for name, module in [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]:
+        table = swapped.get(id(module.weight))  # a head tied to a table swapped above
+        if isinstance(table, QuantizedEmbedding):
+            head = QuantizedLinear(module.in_features, [module.out_features], module.bias)
+            table.tie(head)
+            model.set_submodule(name, head)
+    return counts
+
+
+def weight_sources(model: nn.Module, module_name: str, gguf_of: dict[str, str]) -> dict[str, int]:
+    """GGUF tensor name -> part for the weight of module `module_name`: its own tensor, or those of
+    the projections merged into it (q_proj, k_proj, v_proj -> qkv_proj parts 0, 1, 2); {} when
+    any is not in the file."""
+    own = gguf_of.get(f"{module_name}.weight")
+    if own is not None:
+        return {own: 0}
+    prefix, _, leaf = module_name.rpartition(".")
+    parts = sorted((index, source) for source, (fused, index) in getattr(model, "packed_modules", {}).items()
+                   if fused == leaf)
+    names = [gguf_of.get(f"{prefix}.{source}.weight") for _, source in parts]
+    return {} if not names or None in names else {name: part for name, (part, _) in zip(names, parts, strict=True)}
+
+
+def load_quantized(tensor, target, arch: str, hf_config) -> None:
+    """A kernel-typed tensor into its quantized module, rows in Hugging Face's order."""
+    from engine.quantized_weights import gguf_quantized_weight  # noqa: PLC0415
+
+    module, part = target
+    weight = gguf_quantized_weight(tensor.data, tensor.tensor_type, int(tensor.shape[0]))
+    if arch == "llama" and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
+        heads = hf_config.num_attention_heads if ".attn_q." in tensor.name else hf_config.num_key_value_heads
+        for field in ("codes", "scale", "offset"):
+            setattr(weight, field, torch.from_numpy(unpermute_rotary(getattr(weight, field).numpy(), heads).copy()))
+    try:
+        module.load_part(part, weight)
+    except ValueError as error:
+        raise ValueError(f"GGUF tensor {tensor.name!r}: {error}") from None
+
+
 def iterate_gguf_weights(path: str | Path, model: nn.Module, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, float32 tensor) for every weight of the GGUF file, dequantized.
     Every type is checked before anything is dequantized; a tensor with no place in the
@@ -143,10 +212,17 @@ def iterate_gguf_weights(path: str | Path, model: nn.Module, hf_config) -> Itera
     check_types(reader)
     arch = read_field(reader, "general.architecture")
     names = gguf_to_hf_names(model, arch, hf_config.num_hidden_layers)
+    quantized = {gguf: (module, part) for module in quantized_modules(model) for gguf, part in module.gguf_parts.items()}
     for tensor in reader.tensors:
         if tensor.name in DERIVED_TENSORS:
+            continue
+        if tensor.name in quantized:
+            load_quantized(tensor, quantized[tensor.name], arch, hf_config)
             continue
         if tensor.name not in names:
             raise ValueError(f"GGUF tensor {tensor.name!r} has no place in {type(model).__name__}")
         weights = to_hf_layout(arch, tensor.name, dequantize_tensor(tensor), hf_config)
         yield names[tensor.name], torch.tensor(weights)  # a copy: F32 tensors are read-only file views
+    for module in quantized_modules(model):
+        if module.missing_parts():
+            raise ValueError(f"GGUF file lacks weights for {type(module).__name__} parts {module.missing_parts()}")

@@ -125,6 +125,8 @@ class LLMEngine:
         dtype = str(runner.dtype).removeprefix("torch.")
         quantization = quantization_of(self.hf_config)
         weights = f" ({quantization.get('quant_method')} checkpoint, dequantized at load)" if quantization else ""
+        if runner.quantized_weight_bytes:
+            weights = f" (GGUF weights kept quantized: {runner.quantized_weight_bytes / 2**20:,.0f} MiB)"
         return (f"engine: {architecture}, {self.num_params / 1e6:,.0f}M parameters{weights}, {dtype} on "
                 f"{runner.device}, "
                 f"{runner.backend.name} attention, {self.num_total_blocks} KV blocks of {config.block_size} tokens, "

@@ -45,13 +45,18 @@ def iterate_weights(model_dir: str | Path) -> Iterator[tuple[str, object]]:
                 yield name, handle.get_slice(name)
 
 
-def model_weights(model_name: str, model: nn.Module, hf_config, dtype: torch.dtype) -> Iterator[tuple[str, object]]:
+def model_weights(model_name: str, model: nn.Module, hf_config, dtype: torch.dtype,
+                  keep_quantized: bool = False) -> Iterator[tuple[str, object]]:
     """The weights of the checkpoint `model_name` names (engine/checkpoint.py), by HF name;
-    MXFP4, fp8, compressed-tensors, AWQ and GPTQ tensors dequantized into `dtype`."""
+    MXFP4, fp8, compressed-tensors, AWQ and GPTQ tensors dequantized into `dtype`. With
+    `keep_quantized`, a GGUF file's kernel-typed linears and embeddings are first swapped for
+    quantized modules, which take their tensors as they are (engine/gguf_loader.py)."""
     checkpoint = resolve_checkpoint(model_name)
     if checkpoint.gguf_file:
-        from engine.gguf_loader import iterate_gguf_weights  # noqa: PLC0415 (imports gguf)
+        from engine.gguf_loader import iterate_gguf_weights, use_quantized_gguf_layers  # noqa: PLC0415 (imports gguf)
 
+        if keep_quantized:
+            use_quantized_gguf_layers(model, checkpoint.gguf_path, hf_config, dtype)
         return iterate_gguf_weights(checkpoint.gguf_path, model, hf_config)
     weights = dequantize_checkpoint(iterate_weights(checkpoint.folder), dtype)
     quantization = quantization_of(hf_config)

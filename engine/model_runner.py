@@ -36,6 +36,7 @@ from engine.models.layers import (
     use_triton_layers,
 )
 from engine.models.moe import active_parameter_fraction
+from engine.quantized_linear import quantized_bytes, quantized_values
 from engine.sampler import Sampler, SamplerOutput, SamplerRow, first_argmax, token_seed
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
@@ -171,13 +172,26 @@ class ModelRunner:
                 model = model_cls(hf_config, max_positions=self.max_model_len)
         finally:
             torch.set_default_dtype(previous)
-        counts = load_weights(model, model_weights(self.config.model, model, hf_config, self.dtype))
+        counts = load_weights(model, model_weights(self.config.model, model, hf_config, self.dtype,
+                                                   keep_quantized=self._keeps_quantized()))
+        counts.total += quantized_values(model)  # GGUF weights kept quantized bypass load_weights
+        self.quantized_weight_bytes = quantized_bytes(model)
         # What one token reads: all but the experts, and top_k / num_experts of those.
         self.num_params = counts.total
         self.num_active_params = counts.total - counts.experts
         if counts.experts:
             self.num_active_params += round(counts.experts * active_parameter_fraction(hf_config))
         return model.eval()
+
+    def _keeps_quantized(self) -> bool:
+        """Quantized GGUF weights stay quantized: on the CPU, on one rank, without LoRA (whose
+        wrappers read dense weights), where the native library builds."""
+        if not self.config.quantized_kernels or self.device.type != "cpu" or self.world_size > 1 \
+                or self.config.enable_lora:
+            return False
+        from kvfleet_kernels.cpu_quantized_linear import available  # noqa: PLC0415 (builds the library)
+
+        return available()
 
     def _enable_lora(self) -> tuple[LoRAModelManager, SlotTable | None]:
         """LoRA-aware linears in place of the loaded ones (before any kernel swap); rank 0

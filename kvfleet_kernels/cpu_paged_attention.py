@@ -20,11 +20,11 @@ import torch
 # One library, kvfleet_cpu: the decode kernel, the packed attention of embedding models
 # (kvfleet_kernels/cpu_varlen_attention.py), bf16 prefill attention (kvfleet_kernels/cpu_prefill_attention.py),
 # the CPU layers and the LoRA delta (kvfleet_kernels/cpu_layers.py), bf16 linears on the brgemm microkernel
-# (kvfleet_kernels/cpu_linear.py), and the caches' own layouts (below: store_kv, gather_keys, gather_values).
+# (kvfleet_kernels/cpu_linear.py), linears on quantized weights (kvfleet_kernels/cpu_quantized_linear.py), and the caches' own layouts (below: store_kv, gather_keys, gather_values).
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("paged_decode_cpu.cpp", "varlen_attention_cpu.cpp", "prefill_attention_cpu.cpp", "cpu_layers.cpp",
                          "lora_cpu.cpp", "brgemm_linear_cpu.cpp", "vnni_linear_cpu.cpp", "kv_cache_cpu.cpp",
-                         "prefill_attention_brgemm.cpp", "paged_prefill_amx.cpp")]
+                         "prefill_attention_brgemm.cpp", "paged_prefill_amx.cpp", "quantized_linear_cpu.cpp")]
 # -fopenmp: at::parallel_for is inlined OpenMP, sharing torch's own libgomp thread pool.
 # The math flags let g++ vectorise the dot-product reductions; not -ffast-math, whose
 # finite-math assumption would break the -inf masking.

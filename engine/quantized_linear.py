@@ -1,0 +1,150 @@
+"""Linears and embeddings that keep a GGUF file's quantized weights as they are in memory
+(4 or 8 bits a weight and an fp16 scale and offset a group) and compute on them with
+kvfleet_kernels/cpu_quantized_linear.py: a decode step reads the file's bytes, not 3.5x them.
+
+`use_quantized_gguf_layers` swaps, before the weights load, every nn.Linear and nn.Embedding whose
+tensors in the file all have a kernel type (engine/quantized_weights.py) for QuantizedLinear or
+QuantizedEmbedding; engine/gguf_loader.py then hands those tensors to them (`gguf_parts`) instead of
+dequantizing. A merged projection (q/k/v, gate/up) keeps one packed weight a part, since a Q4_K_M
+file mixes types within one (Q6_K values beside Q4_K queries). A head tied to a quantized
+embedding shares its packed weight. Under tensor parallelism, with LoRA, on CUDA, and for MoE
+experts, weights are dequantized at load as before (model_runner decides)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvfleet_kernels import cpu_quantized_linear as kernels
+
+# Rows from which a step dequantizes each weight into a scratch buffer and runs one dense matmul
+# (oneDNN's: AMX or avx512_bf16), which there outruns the integer dot products by more than the
+# dequantization costs: on a 2-core Xeon with AMX, a 16384 x 2048 Q4 weight took 2.7 ms at 16 rows
+# in the kernel against 2.6 ms dense (weight already dense), 41 against 9 at 256 rows; the
+# dequantization costs ~18 ms (benchmarks/quantized.py measures the whole steps).
+DENSE_ROWS = 256
+
+
+class QuantizedLinear(nn.Module):
+    """x [T, in_features] @ W^T + bias for W quantized, in parts of `part_sizes` output features
+    (one per checkpoint tensor), each packed once at load."""
+
+    def __init__(self, in_features: int, part_sizes: list[int], bias: nn.Parameter | None) -> None:
+        super().__init__()
+        self.in_features, self.part_sizes, self.out_features = in_features, list(part_sizes), sum(part_sizes)
+        self.parts: list[kernels.PackedQuantizedWeight | None] = [None] * len(part_sizes)
+        self.bias = bias  # the replaced linear's parameter, still filled by engine/loader.py
+        self.gguf_parts: dict[str, int] = {}  # GGUF tensor name -> part, set by use_quantized_gguf_layers
+
+    def load_part(self, part: int, weight: kernels.QuantizedWeight) -> None:
+        expected = (self.part_sizes[part], self.in_features)
+        if tuple(weight.shape) != expected:
+            raise ValueError(f"shape {tuple(weight.shape)}, the model expects {expected}")
+        self.parts[part] = kernels.pack_weight(weight)
+
+    def missing_parts(self) -> list[int]:
+        return [index for index, part in enumerate(self.parts) if part is None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts if part is not None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in_features] -> [T, out_features] in x's dtype (bf16, else fp32)"""
+        dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+        bias = None if self.bias is None else self.bias.detach().float()
+        if x.shape[0] >= DENSE_ROWS:
+            return self._dense(x.to(dtype), bias)
+        out = x.new_empty((x.shape[0], self.out_features), dtype=dtype)
+        activations = kernels.quantize_activations(x)  # once for every part
+        start = 0
+        for weight in self.parts:
+            end = start + weight.out_features
+            kernels.linear(activations, weight, None if bias is None else bias[start:end], out[:, start:end])
+            start = end
+        return out
+
+    def _dense(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        outs = []
+        for weight in self.parts:
+            scratch = dense_scratch(weight.out_features * weight.in_features, x.dtype)
+            dense = kernels.dequantize_weight(weight, scratch.view(weight.out_features, weight.in_features))
+            outs.append(F.linear(x, dense))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return out if bias is None else out + bias.to(out.dtype)
+
+    def extra_repr(self) -> str:
+        kinds = sorted({f"{part.bits}-bit/{part.group_size}" for part in self.parts if part is not None})
+        return f"in_features={self.in_features}, out_features={self.out_features}, parts={self.part_sizes}, {kinds}"
+
+
+_SCRATCH: dict[torch.dtype, torch.Tensor] = {}
+
+
+def dense_scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """One flat buffer per dtype, grown to the largest weight dequantized so far and reused by
+    every layer after it (steps run one linear at a time), so that steps of many rows do not
+    fault in a fresh weight-sized allocation per layer."""
+    buffer = _SCRATCH.get(dtype)
+    if buffer is None or buffer.numel() < numel:
+        buffer = _SCRATCH[dtype] = torch.empty(numel, dtype=dtype)
+    return buffer[:numel]
+
+
+class QuantizedEmbedding(nn.Module):
+    """An embedding table kept quantized: each step dequantizes only the rows it looks up. A
+    head tied to it (`tie`) computes on the same packed weight."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
+        self.weight: kernels.PackedQuantizedWeight | None = None
+        self.gguf_parts: dict[str, int] = {}
+        self._tied_heads: list[QuantizedLinear] = []  # a plain list: not submodules
+
+    def tie(self, head: QuantizedLinear) -> None:
+        self._tied_heads.append(head)
+
+    def load_part(self, part: int, weight: kernels.QuantizedWeight) -> None:
+        expected = (self.num_embeddings, self.embedding_dim)
+        if tuple(weight.shape) != expected:
+            raise ValueError(f"shape {tuple(weight.shape)}, the model expects {expected}")
+        self.weight = kernels.pack_weight(weight)
+        for head in self._tied_heads:
+            head.parts[0] = self.weight
+
+    def missing_parts(self) -> list[int]:
+        return [0] if self.weight is None else []
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.weight is None else self.weight.nbytes
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] -> [T, embedding_dim] in the model's dtype"""
+        return kernels.dequantize_rows(self.weight, ids).to(self.dtype)
+
+
+def quantized_modules(model: nn.Module) -> list[QuantizedLinear | QuantizedEmbedding]:
+    return [m for m in model.modules() if isinstance(m, QuantizedLinear | QuantizedEmbedding)]
+
+
+def quantized_bytes(model: nn.Module) -> int:
+    """Bytes of the packed weights the model holds, each counted once (a tied head shares its table's)."""
+    weights = {}
+    for module in quantized_modules(model):
+        for weight in module.parts if isinstance(module, QuantizedLinear) else [module.weight]:
+            if weight is not None:
+                weights[id(weight)] = weight.nbytes
+    return sum(weights.values())
+
+
+def quantized_values(model: nn.Module) -> int:
+    """Weights the packed parts hold, each counted once: the parameters engine/loader.py never saw."""
+    weights = {}
+    for module in quantized_modules(model):
+        for weight in module.parts if isinstance(module, QuantizedLinear) else [module.weight]:
+            if weight is not None:
+                weights[id(weight)] = weight.out_features * weight.in_features
+    return sum(weights.values())

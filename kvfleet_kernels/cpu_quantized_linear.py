@@ -1,0 +1,114 @@
+"""Linears on quantized weights for the CPU (csrc/quantized_linear_cpu.cpp): 4- or 8-bit codes
+with an fp16 scale and offset per group of input features, computed as integer dot products
+against activations quantized to int16 per 32 features (why not int8: the kernel's header). The weight is never dequantized as a
+whole: a decode step reads 4 or 8 bits a weight where a bf16 linear reads 16.
+
+Every format kvfleet keeps quantized is written in this one form, w = a * code - b per (output
+column, group): engine/quantized_weights.py converts GGUF's blocks (and AWQ's and GPTQ's
+tensors) to it, exactly but for rounding a and b to fp16."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from kvfleet_kernels.cpu_paged_attention import load_error, require_built
+
+
+@functools.cache
+def available() -> bool:
+    """The library builds here (any CPU: the dot products use avx512_vnni where present)."""
+    return load_error() is None
+
+
+@functools.cache
+def native_dot() -> bool:
+    """The integer dot products run on avx512_vnni here (not g++'s generic vectors)."""
+    return available() and torch.ops.kvfleet_cpu.quantized_dot_native()
+
+
+@dataclass
+class QuantizedWeight:
+    """A weight [out_features, in_features] as codes and per-group fp16 scales, unpacked: the
+    form the format converters write and the reference (`dequantize`) reads."""
+
+    codes: torch.Tensor  # uint8 [N, K], each < 2 ** bits
+    scale: torch.Tensor  # fp16 [N, K / group_size]: a
+    offset: torch.Tensor  # fp16 [N, K / group_size]: b, so that w = a * code - b
+    bits: int  # 4 or 8
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    @property
+    def group_size(self) -> int:
+        return self.codes.shape[1] // self.scale.shape[1]
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 [N, K]: the weight the codes stand for."""
+        expand = functools.partial(torch.repeat_interleave, repeats=self.group_size, dim=1)
+        return expand(self.scale.float()) * self.codes.float() - expand(self.offset.float())
+
+
+@dataclass
+class PackedQuantizedWeight:
+    """A QuantizedWeight packed once for the kernel (layout: csrc/quantized_linear_cpu.cpp)."""
+
+    packed: torch.Tensor  # uint8, 16 output columns a panel
+    scales: torch.Tensor  # fp16 [panels, K / group_size, 2, 16]
+    bits: int
+    group_size: int
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales.nbytes
+
+
+def pack_weight(weight: QuantizedWeight) -> PackedQuantizedWeight:
+    require_built()
+    packed, scales = torch.ops.kvfleet_cpu.pack_quantized_weight(
+        weight.codes.contiguous(), weight.scale.contiguous(), weight.offset.contiguous(), weight.bits)
+    return PackedQuantizedWeight(packed, scales, weight.bits, weight.group_size, *weight.shape)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, K] -> (int16 [rows, K], fp32 [rows, K / 8]): what `linear` reads; one call serves
+    every linear of the same input (the q, k and v parts of a merged projection)."""
+    return torch.ops.kvfleet_cpu.quantize_activations(x)
+
+
+def linear(activations: tuple[torch.Tensor, torch.Tensor], weight: PackedQuantizedWeight,
+           bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """out [rows, N] (bf16 or fp32, may be a column slice of a wider output) = x @ W^T + bias,
+    x as `quantize_activations` left it; bias [N] fp32 or None."""
+    xq, xmeta = activations
+    torch.ops.kvfleet_cpu.quantized_linear(out, xq, xmeta, weight.packed, weight.scales, weight.bits,
+                                           weight.group_size, bias)
+    return out
+
+
+def dequantize_rows(weight: PackedQuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the weight, fp32 [len(ids), K]: an embedding table's lookups, gathered from
+    the panels (row n is column n % 16 of panel n // 16) without unpacking the rest."""
+    num_features, group = weight.in_features, weight.group_size
+    panel, column = ids // 16, ids % 16
+    if weight.bits == 8:  # [panels, K / 4 steps, 16 columns, 4] -> [ids, K]
+        codes = weight.packed.view(-1, num_features // 4, 16, 4)[panel, :, column].reshape(len(ids), num_features)
+    else:  # [panels, K / 8 step pairs, 16 columns, 4]: low nibbles step 2j, high nibbles step 2j + 1
+        both = weight.packed.view(-1, num_features // 8, 16, 4)[panel, :, column]  # [ids, K / 8, 4]
+        codes = torch.stack((both & 0x0F, both >> 4), dim=2).reshape(len(ids), num_features)
+    scales = weight.scales.view(-1, num_features // group, 2, 16)[panel, :, :, column].float()  # [ids, groups, 2]
+    scale, offset = (part.repeat_interleave(group, dim=1) for part in scales.unbind(-1))
+    return scale * codes.float() - offset
+
+
+def dequantize_weight(weight: PackedQuantizedWeight, out: torch.Tensor) -> torch.Tensor:
+    """The whole weight into out [N, K] (bf16 or fp32, contiguous): for steps of many rows
+    (engine/quantized_linear.py), where a dense matmul outruns the integer dot products."""
+    torch.ops.kvfleet_cpu.dequantize_quantized_weight(out, weight.packed, weight.scales, weight.bits, weight.group_size)
+    return out

@@ -1,0 +1,94 @@
+"""GGUF weights kept quantized (--quantized-kernels): each kernel type read from its blocks into
+codes and scales (engine/quantized_weights.py) as gguf's own dequantizer reads them, the layers
+swapped and loaded (engine/quantized_linear.py), and generations against the same file
+dequantized at load."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.quantized_linear import QuantizedEmbedding, QuantizedLinear, quantized_bytes
+from engine.quantized_weights import KERNEL_TYPES, gguf_quantized_weight
+from tests.engine.gguf_files import K_QUANTS, Q, encode, write_gguf
+from tests.engine.test_gguf import wide_llama  # noqa: F401 (a fixture)
+from tests.engine.test_parity import workload
+from tests.engine.test_tensor_parallel import close_or_identical, top5
+from tests.kvfleet_kernels.native import native_cpu
+from tests.tiny_models import VOCAB
+
+pytestmark = native_cpu
+# Q4_K_M's mix: Q4_K queries and MLP, Q6_K values, down projections and head, Q8_0 beside them.
+Q4_K_M_LIKE = {"token_embd": Q.Q6_K, "output": Q.Q6_K, "attn_v": Q.Q6_K, "ffn_down": Q.Q6_K, "attn_output": Q.Q8_0}
+
+
+@pytest.mark.parametrize("qtype", list(KERNEL_TYPES), ids=lambda t: t.name)
+def test_every_kernel_type_holds_the_values_ggufs_dequantizer_reads(qtype):
+    from gguf.quants import dequantize  # noqa: PLC0415
+
+    rng = np.random.default_rng(int(qtype))
+    data = encode(rng.standard_normal((8, 512)).astype(np.float32), qtype, rng)
+    expected = dequantize(data, qtype).reshape(8, 512)
+    got = gguf_quantized_weight(data, qtype, 512).dequantize().numpy()
+    if qtype in K_QUANTS:  # d * sc rounded once to fp16
+        assert np.abs(got - expected).max() <= 2 ** -11 * np.abs(expected).max()
+    else:
+        assert np.array_equal(got, expected)
+
+
+def q4_k_m_like(name: str, shape) -> Q:
+    return next((qtype for part, qtype in Q4_K_M_LIKE.items() if name.startswith(part) or f".{part}" in name), Q.Q4_K)
+
+
+def test_a_q4_k_m_mix_stays_quantized_in_its_own_bytes_and_generates_as_dequantized(wide_llama, tmp_path):  # noqa: F811
+    written = write_gguf(wide_llama, tmp_path / "model.gguf", q4_k_m_like)
+    quantized = LLM(str(tmp_path / "model.gguf"), skip_tokenizer_init=True, num_kv_blocks=256, quantized_kernels=True)
+    dequantized = LLM(str(tmp_path / "model.gguf"), skip_tokenizer_init=True, num_kv_blocks=256)
+    model = quantized.engine.model_runner.model
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, QuantizedLinear) and [p.bits for p in qkv.parts] == [4, 4, 8]  # q, k Q4_K; v Q6_K
+    assert isinstance(model.model.embed_tokens, QuantizedEmbedding) and isinstance(model.lm_head, QuantizedLinear)
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert quantized.engine.model_runner.num_params == dequantized.engine.model_runner.num_params
+    from gguf import GGML_QUANT_SIZES  # noqa: PLC0415
+
+    kept = [(qtype, tensor.shape) for qtype, tensor in written.values() if qtype in KERNEL_TYPES]
+    file_bytes = sum(n * k * GGML_QUANT_SIZES[qtype][1] // GGML_QUANT_SIZES[qtype][0] for qtype, (n, k) in kept)
+    bits_and_group = {Q.Q4_K: (4, 32), Q.Q6_K: (8, 16), Q.Q8_0: (8, 32)}  # codes, and an fp16 a and b a group
+    held = sum(-(-n // 16) * 16 * (k * bits_and_group[qtype][0] // 8 + k // bits_and_group[qtype][1] * 4)
+               for qtype, (n, k) in kept)
+    assert quantized_bytes(model) == held
+    assert held <= 1.4 * file_bytes  # Q6_K (6.56 bits a weight) is held in 10: the most of any type
+    prompts, params = workload(VOCAB)
+    params = [SamplingParams(**{**vars(p), "logprobs": 5}) for p in params]
+    ours = quantized.generate(prompts, params, use_tqdm=False)
+    theirs = dequantized.generate(prompts, params, use_tqdm=False)
+    identical = 0
+    for index, (a, b) in enumerate(zip(ours, theirs)):
+        close, same = close_or_identical(a.token_ids, [top5(e) for e in a.logprobs], b.token_ids,
+                                         [top5(e) for e in b.logprobs])
+        assert close, f"prompt {index}: quantized and dequantized diverge beyond a near-tie"
+        identical += same
+    assert identical >= len(prompts) - 1
+
+
+def test_the_demo_model_answers_from_its_q4_1_weights_kept_quantized():
+    """SmolLM2's own Q4_1 file, computed on its 4-bit codes: the tied head shares the table, and
+    the 16 chat questions stay within a near-tie of the weights dequantized at load."""
+    from tests.engine.test_real_model import MAX_TOKENS, QUESTIONS, chat_prompts  # noqa: PLC0415
+
+    quantized = LLM("demo", num_kv_blocks=256, quantized_kernels=True)
+    dequantized = LLM("demo", num_kv_blocks=256, dtype=str(quantized.engine.model_runner.dtype).removeprefix("torch."))
+    model = quantized.engine.model_runner.model
+    assert model.lm_head.parts[0] is model.model.embed_tokens.weight
+    prompts = chat_prompts(quantized.get_tokenizer())
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=5)
+    ours = quantized.generate(prompts, params, use_tqdm=False)
+    theirs = dequantized.generate(prompts, params, use_tqdm=False)
+    for question, a, b in zip(QUESTIONS, ours, theirs):
+        close, _ = close_or_identical(a.token_ids, [top5(e) for e in a.logprobs], b.token_ids,
+                                      [top5(e) for e in b.logprobs])
+        assert close, f"{question!r}: quantized and dequantized diverge beyond a near-tie"
+    assert "Paris" in ours[0].text

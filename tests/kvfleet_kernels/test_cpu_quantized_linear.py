@@ -1,0 +1,92 @@
+"""The CPU linear on quantized weights (kvfleet_kernels/cpu_quantized_linear.py) against its
+definition: y = x @ (a * code - b)^T + bias, computed in float64 from the weight's own codes and
+scales. Against the activations as the kernel rounds them (int16 per 32 features) it is exact
+but for fp32 summation; against the unrounded activations, within int16's rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvfleet_kernels import cpu_quantized_linear as kernels
+from tests.kvfleet_kernels.native import native_cpu
+
+pytestmark = native_cpu
+
+CASES = [  # bits, group size, out features, in features, rows
+    (4, 32, 100, 256, 1), (4, 16, 64, 128, 3), (8, 32, 48, 64, 9), (8, 16, 33, 96, 17),
+    (4, 128, 70, 512, 70), (8, 256, 16, 512, 2), (4, 32, 17, 32, 6), (8, 32, 200, 96, 131),
+]
+
+
+def random_weight(bits: int, group: int, n: int, k: int, generator: torch.Generator) -> kernels.QuantizedWeight:
+    codes = torch.randint(0, 2 ** bits, (n, k), dtype=torch.uint8, generator=generator)
+    scale = (torch.rand(n, k // group, generator=generator) * 0.02).half()
+    offset = (torch.randn(n, k // group, generator=generator) * 0.05).half()
+    return kernels.QuantizedWeight(codes, scale, offset, bits)
+
+
+def rounded_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel sees it: per 32 features s = max|x| / 32767, round(x / s) * s (float64)."""
+    blocks = x.double().view(x.shape[0], -1, 32)
+    s = blocks.abs().amax(-1, keepdim=True).float().double() / 32767
+    return (torch.round(blocks / s.clamp_min(1e-300)) * s).view(x.shape)
+
+
+@pytest.mark.parametrize(("bits", "group", "n", "k", "rows"), CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_product_is_the_dequantized_weights_in_float64(bits, group, n, k, rows, dtype):
+    generator = torch.Generator().manual_seed(bits * 1000 + n)
+    weight = random_weight(bits, group, n, k, generator)
+    x = torch.randn(rows, k, generator=generator).to(dtype)
+    bias = torch.randn(n, generator=generator)
+    out = torch.empty(rows, n, dtype=dtype)
+    kernels.linear(kernels.quantize_activations(x), kernels.pack_weight(weight), bias, out)
+    dense = weight.dequantize().double()
+    exact = rounded_activations(x) @ dense.T + bias.double()
+    unrounded = x.double() @ dense.T + bias.double()
+    scale = unrounded.abs().max()
+    tolerance = 1e-5 if dtype == torch.float32 else 2 ** -8  # bf16 output: one rounding of the result
+    assert (out.double() - exact).abs().max() <= tolerance * scale
+    assert (out.double() - unrounded).abs().max() <= max(tolerance, 1e-4) * scale
+
+
+def test_parts_write_their_own_columns_of_a_wider_output_and_nothing_else():
+    generator = torch.Generator().manual_seed(7)
+    first, second = random_weight(4, 32, 48, 128, generator), random_weight(8, 16, 20, 128, generator)
+    x = torch.randn(5, 128, generator=generator)
+    out = torch.full((5, 80), float("nan"))
+    activations = kernels.quantize_activations(x)
+    kernels.linear(activations, kernels.pack_weight(first), None, out[:, :48])
+    kernels.linear(activations, kernels.pack_weight(second), None, out[:, 48:68])
+    assert out[:, 68:].isnan().all()
+    expected = rounded_activations(x) @ torch.cat([first.dequantize(), second.dequantize()]).double().T
+    assert torch.allclose(out[:, :68].double(), expected, rtol=0, atol=1e-5 * expected.abs().max())
+
+
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (8, 16), (4, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_whole_weights_and_single_rows_dequantize_exactly(bits, group, dtype):
+    generator = torch.Generator().manual_seed(group)
+    weight = random_weight(bits, group, 37, 256, generator)
+    packed = kernels.pack_weight(weight)
+    dense = weight.dequantize()
+    out = torch.empty(37, 256, dtype=dtype)
+    assert torch.equal(kernels.dequantize_weight(packed, out), dense.to(dtype))
+    ids = torch.tensor([36, 0, 17, 17, 16])
+    assert torch.equal(kernels.dequantize_rows(packed, ids), dense[ids])
+
+
+def test_the_packed_weight_is_the_codes_bytes_and_two_fp16_a_group():
+    weight = random_weight(4, 32, 64, 256, torch.Generator().manual_seed(0))
+    packed = kernels.pack_weight(weight)
+    assert packed.nbytes == 64 * 256 // 2 + 64 * (256 // 32) * 2 * 2
+
+
+def test_a_bad_shape_is_an_error_not_a_crash():
+    weight = random_weight(4, 32, 16, 64, torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernels.quantize_activations(torch.randn(2, 48))
+    with pytest.raises(RuntimeError, match="must come from pack_quantized_weight"):  # K 32, weight 64
+        kernels.linear(kernels.quantize_activations(torch.randn(2, 32)), kernels.pack_weight(weight), None,
+                       torch.empty(2, 16))
