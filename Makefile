@@ -88,6 +88,7 @@ bench: $(STAMP) $(BENCH_VENV)/.installed-stamp
 	$(BIN)/python -m benchmarks.moe
 	$(BIN)/python -m benchmarks.embeddings
 	$(BIN)/python -m benchmarks.multi_lora
+	$(BIN)/python -m benchmarks.quantized
 
 # On a GPU machine: every kernel test, engine parity and timing in one run (see scripts/gpu_check.py).
 # It needs only the engine's dependencies, so it runs on the machine's own python3.

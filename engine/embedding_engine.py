@@ -83,6 +83,10 @@ class EmbeddingEngine:
                     runner.device, " (LayerNorms and residual in fp32)" if runner.is_mixed_precision else "",
                     runner.backend.name)
 
+    def weights_summary(self) -> str:
+        """How the weights are held (the worker's heartbeat): their dtype."""
+        return str(self.model_runner.dtype).removeprefix("torch.")
+
     def _input_limit(self) -> tuple[int, str]:
         """The longest input, and why: sentence-transformers' max_seq_length, else the model's
         positions; never past max_model_len when set, nor past the smallest sliding window."""

@@ -26,7 +26,7 @@ from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFReader, get_tensor_
 from gguf.quants import dequantize
 from torch import nn
 
-from engine.quantized_linear import QuantizedEmbedding, QuantizedLinear, quantized_modules
+from engine.quantized_linear import quantized_modules, swap_in_quantized_layers, weight_sources
 
 Q = GGMLQuantizationType
 SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
@@ -139,53 +139,22 @@ def to_hf_layout(arch: str, gguf_name: str, weights: np.ndarray, hf_config) -> n
     return weights
 
 
-def use_quantized_gguf_layers(model: nn.Module, path: str | Path, hf_config, dtype: torch.dtype) -> dict[str, int]:
+def use_quantized_gguf_layers(model: nn.Module, path: str | Path, hf_config, dtype: torch.dtype) -> None:
     """Swap every nn.Linear / nn.Embedding of `model` whose tensors in the GGUF file all have a kernel
-    type for a quantized module that will receive them; a head tied to a swapped embedding shares
-    it. Returns how many tensors of each type will stay quantized."""
+    type for a quantized module that will receive them (engine/quantized_linear.py)."""
     from engine.quantized_weights import KERNEL_TYPES  # noqa: PLC0415
 
     reader = open_reader(Path(path))
     types = {tensor.name: tensor.tensor_type for tensor in reader.tensors}
     gguf_of = {hf: gguf for gguf, hf in gguf_to_hf_names(model, read_field(reader, "general.architecture"),
                                                           hf_config.num_hidden_layers).items()}
-    swapped, counts = {}, {}
-    for name, module in [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear | nn.Embedding)]:
+
+    def sources_of(name: str) -> dict[str, int]:
         sources = weight_sources(model, name, gguf_of)
-        if not sources or any(types.get(gguf) not in KERNEL_TYPES for gguf in sources) \
-                or module.weight.shape[-1] % 32:
-            continue
-        if isinstance(module, nn.Embedding):
-            replacement = QuantizedEmbedding(module.num_embeddings, module.embedding_dim, dtype)
-        else:
-            sizes = getattr(module, "sizes", [module.out_features])
-            replacement = QuantizedLinear(module.in_features, sizes, module.bias)
-        replacement.gguf_parts = sources
-        swapped[id(module.weight)] = replacement
-        model.set_submodule(name, replacement)
-        for gguf in sources:
-            counts[types[gguf].name] = counts.get(types[gguf].name, 0) + 1
-    for name, module in [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]:
-        table = swapped.get(id(module.weight))  # a head tied to a table swapped above
-        if isinstance(table, QuantizedEmbedding):
-            head = QuantizedLinear(module.in_features, [module.out_features], module.bias)
-            table.tie(head)
-            model.set_submodule(name, head)
-    return counts
+        return sources if all(types.get(gguf) in KERNEL_TYPES for gguf in sources) else {}
 
-
-def weight_sources(model: nn.Module, module_name: str, gguf_of: dict[str, str]) -> dict[str, int]:
-    """GGUF tensor name -> part for the weight of module `module_name`: its own tensor, or those of
-    the projections merged into it (q_proj, k_proj, v_proj -> qkv_proj parts 0, 1, 2); {} when
-    any is not in the file."""
-    own = gguf_of.get(f"{module_name}.weight")
-    if own is not None:
-        return {own: 0}
-    prefix, _, leaf = module_name.rpartition(".")
-    parts = sorted((index, source) for source, (fused, index) in getattr(model, "packed_modules", {}).items()
-                   if fused == leaf)
-    names = [gguf_of.get(f"{prefix}.{source}.weight") for _, source in parts]
-    return {} if not names or None in names else {name: part for name, (part, _) in zip(names, parts, strict=True)}
+    kept = swap_in_quantized_layers(model, sources_of, dtype)
+    model.quantized_kept = "GGUF " + "/".join(sorted({types[gguf].name for gguf in kept}))
 
 
 def load_quantized(tensor, target, arch: str, hf_config) -> None:
@@ -212,7 +181,7 @@ def iterate_gguf_weights(path: str | Path, model: nn.Module, hf_config) -> Itera
     check_types(reader)
     arch = read_field(reader, "general.architecture")
     names = gguf_to_hf_names(model, arch, hf_config.num_hidden_layers)
-    quantized = {gguf: (module, part) for module in quantized_modules(model) for gguf, part in module.gguf_parts.items()}
+    quantized = {gguf: (module, part) for module in quantized_modules(model) for gguf, part in module.checkpoint_parts.items()}
     for tensor in reader.tensors:
         if tensor.name in DERIVED_TENSORS:
             continue
@@ -223,6 +192,8 @@ def iterate_gguf_weights(path: str | Path, model: nn.Module, hf_config) -> Itera
             raise ValueError(f"GGUF tensor {tensor.name!r} has no place in {type(model).__name__}")
         weights = to_hf_layout(arch, tensor.name, dequantize_tensor(tensor), hf_config)
         yield names[tensor.name], torch.tensor(weights)  # a copy: F32 tensors are read-only file views
+    if quantized:  # the packed copies are all that is kept: let the file's pages go
+        open_reader.cache_clear()
     for module in quantized_modules(model):
         if module.missing_parts():
             raise ValueError(f"GGUF file lacks weights for {type(module).__name__} parts {module.missing_parts()}")

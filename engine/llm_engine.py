@@ -113,6 +113,19 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         logger.info("%s", self.describe())
 
+    def weights_summary(self) -> str:
+        """How the weights are held, in a few words (the start-up line, the worker's heartbeat):
+        the dtype; a GGUF's quantized types kept as they are; a quantized checkpoint dequantized."""
+        runner = self.model_runner
+        dtype = str(runner.dtype).removeprefix("torch.")
+        kept = getattr(runner.model, "quantized_kept", None)
+        if kept:
+            return f"{kept} kept quantized, {runner.quantized_weight_bytes / 2**20:,.0f} MiB"
+        quantization = quantization_of(self.hf_config)
+        if quantization:
+            return f"{quantization.get('quant_method')} checkpoint, dequantized at load"
+        return dtype
+
     def describe(self) -> str:
         """What the engine chose, in one line for the start-up log: where a user sees which
         dtype, attention path and generation defaults their run took."""
@@ -123,10 +136,7 @@ class LLMEngine:
         defaults = (f"{self.default_sampling_params} (from {source}; a request's own values win)"
                     if self.default_sampling_params else f"none (none from {source})")
         dtype = str(runner.dtype).removeprefix("torch.")
-        quantization = quantization_of(self.hf_config)
-        weights = f" ({quantization.get('quant_method')} checkpoint, dequantized at load)" if quantization else ""
-        if runner.quantized_weight_bytes:
-            weights = f" (GGUF weights kept quantized: {runner.quantized_weight_bytes / 2**20:,.0f} MiB)"
+        weights = "" if self.weights_summary() == dtype else f" ({self.weights_summary()})"
         return (f"engine: {architecture}, {self.num_params / 1e6:,.0f}M parameters{weights}, {dtype} on "
                 f"{runner.device}, "
                 f"{runner.backend.name} attention, {self.num_total_blocks} KV blocks of {config.block_size} tokens, "

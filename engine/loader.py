@@ -20,7 +20,13 @@ from torch import nn
 from engine.checkpoint import resolve_checkpoint
 from engine.models.parallel_layers import copy_checked
 from engine.mxfp4 import dequantize_checkpoint
-from engine.quantized_checkpoint import DEQUANTIZED_METHODS, dequantize_quantized, quantization_of
+from engine.quantized_checkpoint import (
+    DEQUANTIZED_METHODS,
+    dequantize_quantized,
+    keeps_packed_quantized,
+    quantization_of,
+)
+from engine.quantized_linear import quantized_modules, swap_in_quantized_layers, weight_sources
 
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -61,8 +67,22 @@ def model_weights(model_name: str, model: nn.Module, hf_config, dtype: torch.dty
     weights = dequantize_checkpoint(iterate_weights(checkpoint.folder), dtype)
     quantization = quantization_of(hf_config)
     if quantization is not None and quantization.get("quant_method") in DEQUANTIZED_METHODS:
-        weights = dequantize_quantized(weights, quantization, dtype)
+        receivers = {}
+        if keep_quantized and keeps_packed_quantized(quantization):
+            receivers = use_quantized_packed_layers(model, checkpoint.folder, quantization, dtype)
+        weights = dequantize_quantized(weights, quantization, dtype, receivers)
     return weights
+
+
+def use_quantized_packed_layers(model: nn.Module, folder, quantization: dict, dtype: torch.dtype) -> dict:
+    """Swap every linear whose checkpoint modules are all AWQ/GPTQ-packed for a quantized module;
+    {checkpoint module: (quantized module, part)} for dequantize_quantized to deliver them to."""
+    packed = {name.removesuffix(".qweight") for name, _ in iterate_weights(folder) if name.endswith(".qweight")}
+    source_of = {f"{prefix}.weight": prefix for prefix in packed}
+    swap_in_quantized_layers(model, lambda name: weight_sources(model, name, source_of), dtype)
+    model.quantized_kept = f"{quantization['quant_method']} {quantization.get('bits', 4)}-bit"
+    return {source: (module, part) for module in quantized_modules(model)
+            for source, part in module.checkpoint_parts.items()}
 
 
 def split_fused(model: nn.Module, name: str, tensor) -> list[tuple[str, object, int | None]]:

@@ -8,6 +8,7 @@ rank runs `run` on the same inputs with its own shard and KV pool."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -36,7 +37,7 @@ from engine.models.layers import (
     use_triton_layers,
 )
 from engine.models.moe import active_parameter_fraction
-from engine.quantized_linear import quantized_bytes, quantized_values
+from engine.quantized_linear import quantized_bytes, quantized_modules, quantized_values
 from engine.sampler import Sampler, SamplerOutput, SamplerRow, first_argmax, token_seed
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
@@ -85,6 +86,24 @@ def resolve_dtype(name: str, hf_config, device: torch.device, attention_backend:
         return torch.bfloat16
     logger.info("dtype auto: float32 (this CPU has neither avx512_bf16 nor AMX)")
     return torch.float32
+
+
+@contextlib.contextmanager
+def skip_random_init():
+    """Parameters left as allocated while a model is built: every one is then filled from the
+    checkpoint (engine/loader.py refuses a model with one missing), so drawing random values first
+    only touched every page of the weights: a GGUF kept quantized peaked at its bf16 size plus its
+    own while the dense parameters it replaces were being drawn."""
+    names = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+             "xavier_normal_")
+    saved = {name: getattr(torch.nn.init, name) for name in names}
+    for name in names:
+        setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(torch.nn.init, name, function)
 
 
 class ModelRunner:
@@ -168,13 +187,17 @@ class ModelRunner:
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device):
+            with torch.device(self.device), skip_random_init():
                 model = model_cls(hf_config, max_positions=self.max_model_len)
         finally:
             torch.set_default_dtype(previous)
         counts = load_weights(model, model_weights(self.config.model, model, hf_config, self.dtype,
                                                    keep_quantized=self._keeps_quantized()))
-        counts.total += quantized_values(model)  # GGUF weights kept quantized bypass load_weights
+        for module in quantized_modules(model):
+            if module.missing_parts():
+                raise ValueError(f"checkpoint is missing weights for a quantized {type(module).__name__} "
+                                 f"(parts {module.missing_parts()} of {sorted(module.checkpoint_parts)})")
+        counts.total += quantized_values(model)  # weights kept quantized bypass load_weights
         self.quantized_weight_bytes = quantized_bytes(model)
         # What one token reads: all but the experts, and top_k / num_experts of those.
         self.num_params = counts.total

@@ -141,43 +141,71 @@ def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     return values.reshape(packed.shape[0], packed.shape[1] * per_word)
 
 
-def dequantize_awq(parts: dict, group_size: int) -> torch.Tensor:
-    """AWQ GEMM: [K, N] values from the nibbles, columns put back in order; the weight [N, K]."""
+def awq_codes(parts: dict, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """AWQ GEMM: (codes [K, N], zero points [K / G, N], scales [K / G, N]), nibbles put back in order."""
     order = torch.tensor(AWQ_COLUMN_OF_NIBBLE).argsort()  # column j of a word sits in nibble order[j]
     q = unpack(parts["qweight"][:], 4, 1)
     z = unpack(parts["qzeros"][:], 4, 1)
     q, z = (t.reshape(t.shape[0], -1, 8)[..., order].reshape(t.shape[0], -1) for t in (q, z))
-    scales = parts["scales"][:].float()
-    rows = torch.arange(q.shape[0]) // group_size
-    return ((q - z[rows]).float() * scales[rows]).t()
+    return q, z, parts["scales"][:]
 
 
-def dequantize_gptq(parts: dict, bits: int, group_size: int, has_offset_zeros: bool) -> torch.Tensor:
-    """GPTQ: [K, N] values packed along K, zeros along N (plus one in the gptq format); the weight [N, K]."""
-    q = unpack(parts["qweight"][:], bits, 0)
-    z = unpack(parts["qzeros"][:], bits, 1) + (1 if has_offset_zeros else 0)
-    scales = parts["scales"][:].float()
-    rows = parts["g_idx"][:].long() if "g_idx" in parts else torch.arange(q.shape[0]) // group_size
-    return ((q - z[rows]).float() * scales[rows]).t()
+def gptq_codes(parts: dict, bits: int, has_offset_zeros: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GPTQ: (codes [K, N] packed along K, zero points [K / G, N] packed along N, plus one in the gptq
+    format, scales [K / G, N])."""
+    return unpack(parts["qweight"][:], bits, 0), unpack(parts["qzeros"][:], bits, 1) + (1 if has_offset_zeros else 0), \
+        parts["scales"][:]
 
 
-def dequantize_packed(parts: dict, quantization: dict, dtype: torch.dtype) -> torch.Tensor:
+def packed_codes(parts: dict, quantization: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An AWQ or GPTQ module's (codes [K, N], zero points and scales [K / G, N], each input row's group [K])."""
     rows = parts["qweight"].get_shape()[0] if hasattr(parts["qweight"], "get_shape") else parts["qweight"].shape[0]
     method, bits = quantization["quant_method"], quantization.get("bits", 4)
     group_size = quantization.get("group_size", 128)
     if group_size in (None, -1):  # one group: per output channel
         group_size = rows if method == "awq" else rows * 32 // bits
     if method == "awq":
-        return dequantize_awq(parts, group_size).to(dtype)
-    is_v2 = quantization.get("checkpoint_format") == "gptq_v2"
-    return dequantize_gptq(parts, bits, group_size, not is_v2).to(dtype)
+        q, z, scales = awq_codes(parts, group_size)
+    else:
+        q, z, scales = gptq_codes(parts, bits, quantization.get("checkpoint_format") != "gptq_v2")
+    groups = parts["g_idx"][:].long() if "g_idx" in parts else torch.arange(q.shape[0]) // group_size
+    return q, z, scales, groups
 
 
-def dequantize_quantized(weights: Iterator[tuple[str, object]], quantization: dict, dtype: torch.dtype
-                         ) -> Iterator[tuple[str, object]]:
+def dequantize_packed(parts: dict, quantization: dict, dtype: torch.dtype) -> torch.Tensor:
+    """An AWQ or GPTQ module's weight [N, K]: w[k, n] = (q - z[group(k), n]) * s[group(k), n]."""
+    q, z, scales, groups = packed_codes(parts, quantization)
+    return ((q - z[groups]).float() * scales.float()[groups]).t().to(dtype)
+
+
+def packed_quantized_weight(parts: dict, quantization: dict):
+    """An AWQ or GPTQ module as the quantized kernels' QuantizedWeight (codes [N, K], a = s, b = s z
+    in fp16): groups in order (no desc_act), which `keeps_packed_quantized` checked."""
+    from kvfleet_kernels.cpu_quantized_linear import QuantizedWeight  # noqa: PLC0415
+
+    q, z, scales, _ = packed_codes(parts, quantization)
+    scale = scales.t().contiguous().half()
+    offset = (z.t().float() * scale.float()).half()
+    return QuantizedWeight(q.t().contiguous().to(torch.uint8), scale, offset, quantization.get("bits", 4))
+
+
+def keeps_packed_quantized(quantization: dict | None) -> bool:
+    """An AWQ or GPTQ checkpoint whose weights the quantized kernels take as they are: 4 or 8 bits,
+    groups of a multiple of 32 features in order (GPTQ's desc_act reorders them: dequantized)."""
+    if quantization is None or quantization.get("quant_method") not in ("awq", "gptq"):
+        return False
+    group_size = quantization.get("group_size", 128)
+    return quantization.get("bits", 4) in (4, 8) and not quantization.get("desc_act") \
+        and (group_size in (None, -1, 16) or group_size % 32 == 0)
+
+
+def dequantize_quantized(weights: Iterator[tuple[str, object]], quantization: dict, dtype: torch.dtype,
+                         receivers: dict | None = None) -> Iterator[tuple[str, object]]:
     """Checkpoint (name, tensor) pairs with each quantized `X.weight` and its scales replaced by the
     dequantized `X.weight`; other tensors pass through. A module's parts may arrive in any order
-    (any shard): they are held, unread, until the checkpoint has been walked."""
+    (any shard): they are held, unread, until the checkpoint has been walked. A packed module `X`
+    in `receivers` ({X: (quantized module, part)}) goes to it as codes and scales instead."""
+    receivers = receivers or {}
     block = quantization.get("weight_block_size")
     held: dict[str, dict[str, object]] = {}
     for name, tensor in weights:
@@ -195,6 +223,10 @@ def dequantize_quantized(weights: Iterator[tuple[str, object]], quantization: di
             if not {"qzeros", "scales"} <= set(parts):
                 raise ValueError(f"checkpoint module {prefix!r}: a packed weight needs qweight, qzeros and scales; "
                                  f"found {sorted(parts)}")
+            if prefix in receivers:
+                module, part = receivers[prefix]
+                module.load_part(part, packed_quantized_weight(parts, quantization))
+                continue
             yield f"{prefix}.weight", dequantize_packed(parts, quantization, dtype)
             continue
         if "weight_packed" in parts and {"weight_shape", "weight_scale"} <= set(parts):

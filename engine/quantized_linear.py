@@ -4,7 +4,7 @@ kvfleet_kernels/cpu_quantized_linear.py: a decode step reads the file's bytes, n
 
 `use_quantized_gguf_layers` swaps, before the weights load, every nn.Linear and nn.Embedding whose
 tensors in the file all have a kernel type (engine/quantized_weights.py) for QuantizedLinear or
-QuantizedEmbedding; engine/gguf_loader.py then hands those tensors to them (`gguf_parts`) instead of
+QuantizedEmbedding; engine/gguf_loader.py then hands those tensors to them (`checkpoint_parts`) instead of
 dequantizing. A merged projection (q/k/v, gate/up) keeps one packed weight a part, since a Q4_K_M
 file mixes types within one (Q6_K values beside Q4_K queries). A head tied to a quantized
 embedding shares its packed weight. Under tensor parallelism, with LoRA, on CUDA, and for MoE
@@ -18,12 +18,15 @@ from torch import nn
 
 from kvfleet_kernels import cpu_quantized_linear as kernels
 
-# Rows from which a step dequantizes each weight into a scratch buffer and runs one dense matmul
-# (oneDNN's: AMX or avx512_bf16), which there outruns the integer dot products by more than the
-# dequantization costs: on a 2-core Xeon with AMX, a 16384 x 2048 Q4 weight took 2.7 ms at 16 rows
-# in the kernel against 2.6 ms dense (weight already dense), 41 against 9 at 256 rows; the
-# dequantization costs ~18 ms (benchmarks/quantized.py measures the whole steps).
-DENSE_ROWS = 256
+# Which kernel a step's rows take (kvfleet_kernels/cpu_quantized_linear.py). The integer dot
+# products cost the same for each row; on AMX the tiles take 16 rows for the price of one after a
+# panel's dequantization. Measured on a 2-core Xeon with AMX over a 1B model's four linears of a
+# layer (Q4): integer 0.8 / 1.4 / 4.8 / 18.6 ms at 1 / 4 / 16 / 64 rows, AMX 5.4 / 5.4 / 5.4 / 9.1
+# (bf16 brgemm linears on the dense weights: 2.6 / 2.7 / 2.7 / 5.5).
+AMX_ROWS = 20
+# Without AMX: rows from which a step dequantizes each weight into a scratch buffer and runs
+# oneDNN's dense matmul.
+DENSE_ROWS = 128
 
 
 class QuantizedLinear(nn.Module):
@@ -35,7 +38,7 @@ class QuantizedLinear(nn.Module):
         self.in_features, self.part_sizes, self.out_features = in_features, list(part_sizes), sum(part_sizes)
         self.parts: list[kernels.PackedQuantizedWeight | None] = [None] * len(part_sizes)
         self.bias = bias  # the replaced linear's parameter, still filled by engine/loader.py
-        self.gguf_parts: dict[str, int] = {}  # GGUF tensor name -> part, set by use_quantized_gguf_layers
+        self.checkpoint_parts: dict[str, int] = {}  # checkpoint source -> part, set by swap_in_quantized_layers
 
     def load_part(self, part: int, weight: kernels.QuantizedWeight) -> None:
         expected = (self.part_sizes[part], self.in_features)
@@ -54,14 +57,23 @@ class QuantizedLinear(nn.Module):
         """x [T, in_features] -> [T, out_features] in x's dtype (bf16, else fp32)"""
         dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
         bias = None if self.bias is None else self.bias.detach().float()
-        if x.shape[0] >= DENSE_ROWS:
+        rows = x.shape[0]
+        amx = rows >= AMX_ROWS and kernels.amx_available()
+        if rows >= DENSE_ROWS and not amx:
             return self._dense(x.to(dtype), bias)
-        out = x.new_empty((x.shape[0], self.out_features), dtype=dtype)
-        activations = kernels.quantize_activations(x)  # once for every part
+        out = x.new_empty((rows, self.out_features), dtype=dtype)
+        if amx:
+            x = x.to(torch.bfloat16).contiguous()
+        else:
+            activations = kernels.quantize_activations(x)  # once for every part
         start = 0
         for weight in self.parts:
             end = start + weight.out_features
-            kernels.linear(activations, weight, None if bias is None else bias[start:end], out[:, start:end])
+            part_bias, part_out = None if bias is None else bias[start:end], out[:, start:end]
+            if amx:
+                kernels.linear_amx(x, weight, part_bias, part_out)
+            else:
+                kernels.linear(activations, weight, part_bias, part_out)
             start = end
         return out
 
@@ -100,7 +112,7 @@ class QuantizedEmbedding(nn.Module):
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
         self.weight: kernels.PackedQuantizedWeight | None = None
-        self.gguf_parts: dict[str, int] = {}
+        self.checkpoint_parts: dict[str, int] = {}
         self._tied_heads: list[QuantizedLinear] = []  # a plain list: not submodules
 
     def tie(self, head: QuantizedLinear) -> None:
@@ -148,3 +160,45 @@ def quantized_values(model: nn.Module) -> int:
             if weight is not None:
                 weights[id(weight)] = weight.out_features * weight.in_features
     return sum(weights.values())
+
+
+def swap_in_quantized_layers(model: nn.Module, sources_of, dtype: torch.dtype) -> set[str]:
+    """Swap every nn.Linear / nn.Embedding of `model` for which `sources_of(module name)` names its
+    checkpoint sources ({source: part}; {} to keep it) for a quantized module that will receive
+    them by those names; a head tied to a swapped embedding shares its table. Returns the sources."""
+    swapped, kept = {}, set()
+    for name, module in [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear | nn.Embedding)]:
+        sources = sources_of(name)
+        if not sources or module.weight.shape[-1] % 32:
+            continue
+        if isinstance(module, nn.Embedding):
+            replacement = QuantizedEmbedding(module.num_embeddings, module.embedding_dim, dtype)
+        else:
+            sizes = getattr(module, "sizes", [module.out_features])  # a merged projection's parts
+            replacement = QuantizedLinear(module.in_features, sizes if len(sizes) == len(sources) else
+                                          [module.out_features], module.bias)  # one checkpoint tensor: one part
+        replacement.checkpoint_parts = sources
+        swapped[id(module.weight)] = replacement
+        model.set_submodule(name, replacement)
+        kept.update(sources)
+    for name, module in [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]:
+        table = swapped.get(id(module.weight))  # a head tied to a table swapped above
+        if isinstance(table, QuantizedEmbedding):
+            head = QuantizedLinear(module.in_features, [module.out_features], module.bias)
+            table.tie(head)
+            model.set_submodule(name, head)
+    return kept
+
+
+def weight_sources(model: nn.Module, module_name: str, source_of: dict[str, str]) -> dict[str, int]:
+    """Checkpoint source -> part for the weight of module `module_name`, `source_of` mapping Hugging
+    Face weight names to sources: its own, or those of the projections merged into it (q_proj,
+    k_proj, v_proj -> qkv_proj parts 0, 1, 2); {} when any is missing."""
+    own = source_of.get(f"{module_name}.weight")
+    if own is not None:
+        return {own: 0}
+    prefix, _, leaf = module_name.rpartition(".")
+    parts = sorted((index, source) for source, (fused, index) in getattr(model, "packed_modules", {}).items()
+                   if fused == leaf)
+    names = [source_of.get(f"{prefix}.{source}.weight") for _, source in parts]
+    return {} if not names or None in names else {name: part for name, (part, _) in zip(names, parts, strict=True)}

@@ -29,6 +29,12 @@ def native_dot() -> bool:
     return available() and torch.ops.kvfleet_cpu.quantized_dot_native()
 
 
+@functools.cache
+def amx_available() -> bool:
+    """`linear_amx` runs here: a CPU with amx_bf16 whose kernel grants the tiles."""
+    return available() and torch.ops.kvfleet_cpu.quantized_amx_available()
+
+
 @dataclass
 class QuantizedWeight:
     """A weight [out_features, in_features] as codes and per-group fp16 scales, unpacked: the
@@ -89,6 +95,14 @@ def linear(activations: tuple[torch.Tensor, torch.Tensor], weight: PackedQuantiz
     xq, xmeta = activations
     torch.ops.kvfleet_cpu.quantized_linear(out, xq, xmeta, weight.packed, weight.scales, weight.bits,
                                            weight.group_size, bias)
+    return out
+
+
+def linear_amx(x: torch.Tensor, weight: PackedQuantizedWeight, bias: torch.Tensor | None,
+               out: torch.Tensor) -> torch.Tensor:
+    """out [rows, N] (bf16 or fp32, may be a column slice) = x [rows, K] bf16 @ W^T + bias on AMX
+    tiles, W dequantized a panel at a time to bf16 (csrc/quantized_linear_amx.cpp)."""
+    torch.ops.kvfleet_cpu.quantized_linear_amx(out, x, weight.packed, weight.scales, weight.bits, weight.group_size, bias)
     return out
 
 

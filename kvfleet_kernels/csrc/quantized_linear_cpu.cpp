@@ -2,19 +2,22 @@
 // and K-quants (kvfleet_kernels/cpu_quantized_linear.py). Every such format is, per output column c
 // and group g of G input features, w = A[c, g] * u - B[c, g] with an unsigned code u of 4 or 8 bits
 // (engine/quantized_weights.py writes each format so). Activations are quantized per 32 features
-// to int16 (scale s), and
+// to int16 q (scale s), and
 //
-//   y[r, c] = sum_g sum_{k in g} (A u - B) x  ~=  sum_units  A s (u . xq)  -  B s (sum xq)
+//   y[r, c] = sum_g sum_{k in g} (A u - B) x  ~=  sum_units  A s (u . q)  -  B s (sum q)
 //
-// where (u . xq) is an integer dot product of word pairs (avx512_vnni's vpdpwssd, int16 x int16
-// into int32; elsewhere g++'s vector extensions), scaled in fp32 once per unit of 32 features (16
-// for G = 16: Q6_K). A decode step reads 4 or 8 bits a weight plus 2 fp16 a group.
+// where (u . q) = 256 (u . h) + (u . l), q's two int8 digits each an integer dot product of
+// 4-byte pairs (avx512_vnni's vpdpbusd, u8 x s8 into int32; elsewhere a plain loop g++
+// vectorises), scaled in fp32 once per unit of 32 features (16 for G = 16: Q6_K). A decode step
+// reads 4 or 8 bits a weight plus 2 fp16 a group.
 //
-// Why int16 activations and not llama.cpp's int8 (vpdpbusd, twice the products an instruction):
-// SmolLM2-135M's Q4_1 file, its activations rounded to int8 per 32 (s = max|x| / 127), answered
-// "What is the capital of France?" with "L'Étoile, la Marseillaise, ..." where its dequantized
-// weights answer "The capital of France is Paris."; int16's rounding (1 / 65534 of a block's
-// largest value) sits below bf16's own.
+// Why int16 activations and not llama.cpp's int8 (one dot product a step, not two): SmolLM2-135M's
+// Q4_1 file, its activations rounded to int8 per 32 (s = max|x| / 127), answered "What is the
+// capital of France?" with "L'Étoile, la Marseillaise, ..." where its dequantized weights answer
+// "The capital of France is Paris."; int16's rounding sits below bf16's own. Why two int8 digits
+// and not vpdpwssd on words: the codes then stay bytes, with no widening to words (a shuffle-port
+// op a vector) and no pairs of columns to add at the end: 1.15 against 2.2 ms for a 1B model's four
+// linears at one row, on a 2-core Xeon.
 //
 // Packed weight, per panel of 16 output columns (kColumns), K/4 steps of 4 features:
 //   8 bits: step s is 64 bytes, byte (c, t) = u[c, 4s + t];
@@ -27,6 +30,7 @@
 #include <torch/library.h>
 
 #include "cpu_vec.h"
+#include "quantized_weight.h"
 
 #include <algorithm>
 #include <cmath>
@@ -44,32 +48,36 @@
 namespace {
 
 using kvfleet_cpu::vfloat;
+using namespace kvfleet_cpu::quantized;  // NOLINT: the packed layout's names
 using i32x16 = int32_t __attribute__((vector_size(64)));
-using i16x32 = int16_t __attribute__((vector_size(64)));
-using u8x64 = uint8_t __attribute__((vector_size(64)));
-using u8x32 = uint8_t __attribute__((vector_size(32)));
 
-constexpr int64_t kColumns = 16;  // output columns a panel: two vectors of (column, pair) sums
-constexpr int kMaxRows = 6;  // rows sharing each unpacked weight vector (4 accumulators each)
+constexpr int kMaxRows = 6;  // rows sharing each unpacked weight vector (3 accumulators each)
 constexpr int64_t kBlockRows = 64;  // rows an item: a panel read from cache by each further pass
 
 bool native_dot() { return KVFLEET_NATIVE_DOT; }
 
-// Lane 2c + h of acc += w[c, 2h] x[2h] + w[c, 2h + 1] x[2h + 1]: 8 columns' products of 4 features
-// (words 4c .. 4c + 3 of w), in pairs, int16 x int16 into int32; x4 the 4 features' int16s.
-inline i32x16 dot2(i32x16 acc, i16x32 w, int64_t x4) {
-#if defined(__AVX512VNNI__)
-  return (i32x16)_mm512_dpwssd_epi32((__m512i)acc, (__m512i)w, _mm512_set1_epi64(x4));
+inline vfloat to_float(i32x16 v) {
+#if defined(__AVX512F__)
+  return (vfloat)_mm512_cvtepi32_ps((__m512i)v);
 #else
-  int16_t x[4];
+  return __builtin_convertvector(v, vfloat);
+#endif
+}
+
+// acc[c] += sum_t w[4c + t] * x4[t]: 16 columns' products of 4 features, u8 x s8 into int32.
+inline i32x16 dot4(i32x16 acc, u8x64 w, int32_t x4) {
+#if defined(__AVX512VNNI__)
+  return (i32x16)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)w, _mm512_set1_epi32(x4));
+#else
+  int8_t x[4];
   std::memcpy(x, &x4, sizeof x);
-  for (int j = 0; j < 16; ++j) acc[j] += w[2 * j] * x[2 * (j % 2)] + w[2 * j + 1] * x[2 * (j % 2) + 1];
+  for (int c = 0; c < 16; ++c) acc[c] += w[4 * c] * x[0] + w[4 * c + 1] * x[1] + w[4 * c + 2] * x[2] + w[4 * c + 3] * x[3];
   return acc;
 #endif
 }
 
 struct QuantArgs {
-  const int16_t* xq;  // [rows, K]
+  const int8_t* xq;  // [rows, 2, K]: the high digits of each row's int16s, then the low ones
   const float* xmeta;  // [rows, K / 8]: s per 32 | s * sum(xq) per 32 | s * sum(xq) per 16
   const uint8_t* packed;  // [panels, K * 16 * bits / 8]
   const at::Half* scales;  // [panels, K / G, 2, 16]
@@ -79,111 +87,52 @@ struct QuantArgs {
   int64_t rows, k, n, group, out_stride;
 };
 
-inline u8x64 load_u8x64(const uint8_t* p) {
-  u8x64 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-// The weight vectors of `steps` steps from step s0 of a panel: 8 bits one load each, 4 bits one
-// load a pair, split into its low and high nibbles.
-template <int BITS, int STEPS>
-inline void load_steps(const uint8_t* panel, int64_t s0, u8x64 (&w)[STEPS]) {
-  if constexpr (BITS == 8) {
-    for (int s = 0; s < STEPS; ++s) w[s] = load_u8x64(panel + (s0 + s) * 64);
-  } else {
-    for (int s = 0; s < STEPS; s += 2) {
-      const u8x64 both = load_u8x64(panel + (s0 + s) * 32);
-      w[s] = both & 0x0F;
-      w[s + 1] = (both >> 4) & 0x0F;
-    }
-  }
-}
-
-// 32 codes as words (zero-extended): one load-and-widen on AVX-512 (g++ splits its own
-// conversion of a 64-byte vector into 256-bit halves there).
-inline i16x32 widen(const uint8_t* p) {
-#if defined(__AVX512BW__)
-  return (i16x32)_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-#else
-  u8x32 part;
-  std::memcpy(&part, p, sizeof part);
-  return __builtin_convertvector(part, i16x32);
-#endif
-}
-
-// Steps s and s + 1 (s even) of a panel, columns 0-7 (`half` 0) or 8-15 (1), as words: 4 features
-// of each column. 8 bits: a load each; 4 bits: one load for both, low and high nibbles.
-template <int BITS>
-inline void load_pair(const uint8_t* panel, int64_t s, int half, i16x32& first, i16x32& second) {
-  if constexpr (BITS == 8) {
-    first = widen(panel + s * 64 + 32 * half), second = widen(panel + (s + 1) * 64 + 32 * half);
-  } else {
-    const i16x32 both = widen(panel + s * 32 + 32 * half);
-    first = both & 0x0F, second = both >> 4;
-  }
-}
-
-// A group's scales in the sums' lane order (2c + h): a for both pairs of a column, b on the first only
-// (the pairs are added at the end, and b must count once).
-struct GroupScales {
-  vfloat a[2], b[2];
-  explicit GroupScales(const at::Half* ab) {
-    const vfloat a16 = kvfleet_cpu::load16(ab), b16 = kvfleet_cpu::load16(ab + kColumns);
-    const vfloat first = {1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0};
-    a[0] = __builtin_shufflevector(a16, a16, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    a[1] = __builtin_shufflevector(a16, a16, 8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
-    b[0] = __builtin_shufflevector(b16, b16, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7) * first;
-    b[1] = __builtin_shufflevector(b16, b16, 8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15) * first;
-  }
-};
-
 // Output columns of one panel for R rows from row0: units of UNIT features (32, or 16 for
-// groups of 16), each an integer dot product scaled once into the fp32 sums.
+// groups of 16), each two integer dot products (the activations' high and low digits) joined
+// and scaled once into the fp32 sums.
 template <int BITS, int UNIT, int R>
 void panel_pass(const QuantArgs& a, int64_t row0, int64_t panel) {
   constexpr int kSteps = UNIT / 4;
-  // Independent sums a row and half: a dot product's latency is ~5 of its issue slots, and one
-  // chain of 8 a unit left a single row waiting on it (2.6 ms at 1 row where 2 rows took 2.7).
+  // Independent sums a row and digit: a dot product's latency is several of its issue slots, and
+  // one chain a unit leaves a single row waiting on it.
   constexpr int kChains = R >= 3 ? 1 : 4 / R;
   const uint8_t* weights = a.packed + panel * a.k * kColumns * BITS / 8;
   const at::Half* scales = a.scales + panel * (a.k / a.group) * 2 * kColumns;
   const int64_t meta = a.k / 8, units = a.k / UNIT, units_per_group = a.group / UNIT;
   const int64_t sums = UNIT == 32 ? a.k / 32 : 2 * (a.k / 32);  // where xmeta's s * sum(xq) per unit start
-  vfloat acc[R][2] = {};
-  GroupScales g(scales);
+  vfloat acc[R] = {};
+  vfloat scale_a{}, scale_b{};
   for (int64_t u = 0; u < units; ++u) {
-    if (u % units_per_group == 0) g = GroupScales(scales + (u / units_per_group) * 2 * kColumns);
-    i32x16 dot[R][2][kChains] = {};
-    for (int s = 0; s < kSteps; s += 2) {
-      i16x32 w[2][2];  // [step s, s + 1][half]
-      load_pair<BITS>(weights, u * kSteps + s, 0, w[0][0], w[1][0]);
-      load_pair<BITS>(weights, u * kSteps + s, 1, w[0][1], w[1][1]);
+    if (u % units_per_group == 0) {
+      const at::Half* ab = scales + (u / units_per_group) * 2 * kColumns;
+      scale_a = load_scales(ab), scale_b = load_scales(ab + kColumns);
+    }
+    u8x64 w[kSteps];
+    load_steps<BITS, kSteps>(weights, u * kSteps, w);
+    i32x16 high[R][kChains] = {}, low[R][kChains] = {};
+    for (int s = 0; s < kSteps; ++s) {
       for (int r = 0; r < R; ++r) {
-        int64_t x8[2];  // the 8 features of steps s and s + 1, 4 int16 each
-        std::memcpy(x8, a.xq + (row0 + r) * a.k + u * UNIT + 4 * s, sizeof x8);
-        for (int step = 0; step < 2; ++step) {
-          const int chain = (s + step) % kChains;
-          for (int h = 0; h < 2; ++h) dot[r][h][chain] = dot2(dot[r][h][chain], w[step][h], x8[step]);
-        }
+        const int8_t* x = a.xq + (row0 + r) * 2 * a.k + u * UNIT + 4 * s;
+        int32_t x_high, x_low;
+        std::memcpy(&x_high, x, sizeof x_high), std::memcpy(&x_low, x + a.k, sizeof x_low);
+        high[r][s % kChains] = dot4(high[r][s % kChains], w[s], x_high);
+        low[r][s % kChains] = dot4(low[r][s % kChains], w[s], x_low);
       }
     }
     for (int r = 0; r < R; ++r) {
       const float* xm = a.xmeta + (row0 + r) * meta;
       const float s = xm[u * UNIT / 32], c = xm[sums + u];
-      for (int h = 0; h < 2; ++h) {
-        i32x16 sum = dot[r][h][0];
-        for (int chain = 1; chain < kChains; ++chain) sum += dot[r][h][chain];
-        acc[r][h] += __builtin_convertvector(sum, vfloat) * (g.a[h] * s) - g.b[h] * c;
-      }
+      i32x16 dot = (high[r][0] << 8) + low[r][0];
+      for (int chain = 1; chain < kChains; ++chain) dot += (high[r][chain] << 8) + low[r][chain];
+      acc[r] += to_float(dot) * (scale_a * s) - scale_b * c;
     }
   }
   const int64_t col0 = panel * kColumns, cols = std::min<int64_t>(kColumns, a.n - col0);
   for (int r = 0; r < R; ++r) {
-    float lanes[2 * kColumns];
-    kvfleet_cpu::store16(lanes, acc[r][0]), kvfleet_cpu::store16(lanes + kColumns, acc[r][1]);
+    float row[kColumns];
+    kvfleet_cpu::store16(row, acc[r]);
     for (int64_t c = 0; c < cols; ++c) {
-      const float value = lanes[2 * c] + lanes[2 * c + 1] + (a.bias ? a.bias[col0 + c] : 0.0f);
+      const float value = row[c] + (a.bias ? a.bias[col0 + c] : 0.0f);
       const int64_t at = (row0 + r) * a.out_stride + col0 + c;
       if (a.out_bf16) static_cast<at::BFloat16*>(a.out)[at] = value;
       else static_cast<float*>(a.out)[at] = value;
@@ -219,17 +168,19 @@ void run_linear(const QuantArgs& a, int64_t panels) {
   });
 }
 
-// x [M, K] bf16 or fp32 (K a multiple of 32) -> (xq int16 [M, K], xmeta fp32 [M, K / 8]): per 32
-// features s = max|x| / 32767 and xq = round(x / s); xmeta holds s per 32, then s * sum(xq) per 32,
-// then s * sum(xq) per 16 (the units of groups of 16).
+// x [M, K] bf16 or fp32 (K a multiple of 32) -> (xq int8 [M, 2K], xmeta fp32 [M, K / 8]): per 32
+// features s = max|x| / 32512 and q = round(x / s), an int16 written as two int8 digits, q = 256 h + l
+// with h in [-127, 127] and l in [-128, 127] (xq row: every h, then every l): vpdpbusd then
+// multiplies the unsigned codes by each digit. xmeta holds s per 32, then s * sum(q) per 32, then
+// s * sum(q) per 16 (the units of groups of 16).
 std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.size(1) % 32 == 0, "x must be [M, K] on the CPU, K a multiple of 32");
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const int64_t rows = xf.size(0), k = xf.size(1), blocks = k / 32;
-  at::Tensor xq = at::empty({rows, k}, x.options().dtype(at::kShort));
+  at::Tensor xq = at::empty({rows, 2 * k}, x.options().dtype(at::kChar));
   at::Tensor xmeta = at::empty({rows, k / 8}, x.options().dtype(at::kFloat));
   const float* src = xf.const_data_ptr<float>();
-  int16_t* q = xq.data_ptr<int16_t>();
+  int8_t* q = xq.data_ptr<int8_t>();
   float* meta = xmeta.data_ptr<float>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -238,11 +189,13 @@ std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x) {
         const float* v = src + r * k + 32 * b;
         float amax = 0.0f;
         for (int t = 0; t < 32; ++t) amax = std::max(amax, std::fabs(v[t]));
-        const float s = amax / 32767.0f, inverse = amax > 0.0f ? 32767.0f / amax : 0.0f;
+        const float s = amax / 32512.0f, inverse = amax > 0.0f ? 32512.0f / amax : 0.0f;
         int32_t half_sums[2] = {0, 0};
         for (int t = 0; t < 32; ++t) {
-          const int32_t value = static_cast<int32_t>(std::nearbyint(v[t] * inverse));
-          q[r * k + 32 * b + t] = static_cast<int16_t>(value);
+          const int32_t value = static_cast<int32_t>(std::nearbyint(v[t] * inverse));  // |value| <= 32512
+          const int32_t high = (value + 128) >> 8;  // floor((value + 128) / 256)
+          q[r * 2 * k + 32 * b + t] = static_cast<int8_t>(high);
+          q[r * 2 * k + k + 32 * b + t] = static_cast<int8_t>(value - 256 * high);
           half_sums[t / 16] += value;
         }
         m[b] = s;
@@ -255,31 +208,20 @@ std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x) {
   return {xq, xmeta};
 }
 
-void check_weight(const at::Tensor& packed, const at::Tensor& scales, int64_t bits, int64_t group, int64_t n, int64_t k) {
-  const int64_t panels = (n + kColumns - 1) / kColumns;
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
-  TORCH_CHECK(k % 32 == 0 && (group == 16 || (group % 32 == 0 && group > 0)) && k % group == 0,
-              "K must be a multiple of 32 and of the group size (16, or a multiple of 32)");
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == panels * k * kColumns * bits / 8,
-              "packed must come from pack_quantized_weight for N, K and bits");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.numel() == panels * (k / group) * 2 * kColumns,
-              "scales must come from pack_quantized_weight for N, K and the group size");
-}
-
 // out [M, N] (bf16 or fp32, rows dense) = x @ W^T + bias, x given as quantize_activations left it
 // and W as pack_quantized_weight packed it; an fp32 bias of N or none.
 void quantized_linear(const at::Tensor& out, const at::Tensor& xq, const at::Tensor& xmeta, const at::Tensor& packed,
                       const at::Tensor& scales, int64_t bits, int64_t group, const std::optional<at::Tensor>& bias) {
-  const int64_t n = out.size(1), k = xq.size(1);
+  const int64_t n = out.size(1), k = xq.size(1) / 2;
   check_weight(packed, scales, bits, group, n, k);
-  TORCH_CHECK(xq.scalar_type() == at::kShort && xq.is_contiguous() && xmeta.scalar_type() == at::kFloat &&
+  TORCH_CHECK(xq.scalar_type() == at::kChar && xq.is_contiguous() && xmeta.scalar_type() == at::kFloat &&
                   xmeta.is_contiguous() && xmeta.size(0) == xq.size(0) && xmeta.size(1) == k / 8,
               "xq and xmeta must come from quantize_activations");
   TORCH_CHECK(out.dim() == 2 && out.size(0) == xq.size(0) && out.stride(1) == 1 && out.device().is_cpu() &&
                   (out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat),
               "out must be [M, N] bf16 or fp32 on the CPU, rows dense");
   TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n), "bias must be [N] fp32");
-  const QuantArgs a{xq.const_data_ptr<int16_t>(), xmeta.const_data_ptr<float>(), packed.const_data_ptr<uint8_t>(),
+  const QuantArgs a{xq.const_data_ptr<int8_t>(), xmeta.const_data_ptr<float>(), packed.const_data_ptr<uint8_t>(),
                     scales.const_data_ptr<at::Half>(), bias ? bias->const_data_ptr<float>() : nullptr, out.data_ptr(),
                     out.scalar_type() == at::kBFloat16, xq.size(0), k, n, group, out.stride(0)};
   const int64_t panels = (n + kColumns - 1) / kColumns;
@@ -316,26 +258,15 @@ std::tuple<at::Tensor, at::Tensor> pack_quantized_weight(const at::Tensor& codes
   return {packed.view({-1}), scales.view({-1})};
 }
 
-// Lanes 4i..4i+3 of a scale vector, each repeated 4 times: the scales of vector i of a step's codes.
-inline vfloat spread(vfloat v, int i) {
-  switch (i) {
-    case 0: return __builtin_shufflevector(v, v, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    case 1: return __builtin_shufflevector(v, v, 4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7);
-    case 2: return __builtin_shufflevector(v, v, 8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11, 11, 11);
-    default: return __builtin_shufflevector(v, v, 12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15);
-  }
-}
-
 // One step's 64 codes (16 columns x 4 features) dequantized into row[c][f .. f + 4), with the
 // group's scales g (A then B of the 16 columns).
 inline void store_step(float (&row)[kColumns][64], int64_t f, u8x64 codes, const at::Half* g) {
-  using u8x16 = uint8_t __attribute__((vector_size(16)));
-  const vfloat a = kvfleet_cpu::load16(g), b = kvfleet_cpu::load16(g + kColumns);
+  const vfloat a = load_scales(g), b = load_scales(g + kColumns);
 #pragma GCC unroll 4
   for (int i = 0; i < 4; ++i) {
     u8x16 part;
     std::memcpy(&part, reinterpret_cast<const uint8_t*>(&codes) + 16 * i, sizeof part);
-    const vfloat values = spread(a, i) * __builtin_convertvector(part, vfloat) - spread(b, i);
+    const vfloat values = spread(a, i) * codes_to_float(part) - spread(b, i);
     for (int j = 0; j < 4; ++j) std::memcpy(&row[4 * i + j][f], reinterpret_cast<const float*>(&values) + 4 * j, 16);
   }
 }

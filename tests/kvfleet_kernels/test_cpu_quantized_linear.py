@@ -27,9 +27,9 @@ def random_weight(bits: int, group: int, n: int, k: int, generator: torch.Genera
 
 
 def rounded_activations(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernel sees it: per 32 features s = max|x| / 32767, round(x / s) * s (float64)."""
+    """x as the kernel sees it: per 32 features s = max|x| / 32512, round(x / s) * s (float64)."""
     blocks = x.double().view(x.shape[0], -1, 32)
-    s = blocks.abs().amax(-1, keepdim=True).float().double() / 32767
+    s = (blocks.abs().amax(-1, keepdim=True).float() / 32512).double()
     return (torch.round(blocks / s.clamp_min(1e-300)) * s).view(x.shape)
 
 
@@ -90,3 +90,22 @@ def test_a_bad_shape_is_an_error_not_a_crash():
     with pytest.raises(RuntimeError, match="must come from pack_quantized_weight"):  # K 32, weight 64
         kernels.linear(kernels.quantize_activations(torch.randn(2, 32)), kernels.pack_weight(weight), None,
                        torch.empty(2, 16))
+
+
+@pytest.mark.skipif(not kernels.amx_available(), reason="the AMX path needs amx_bf16")
+@pytest.mark.parametrize(("bits", "group", "n", "k", "rows"), CASES)
+def test_on_amx_tiles_the_product_is_the_weight_dequantized_to_bf16(bits, group, n, k, rows):
+    """x stays bf16 and the weight is rounded once to bf16, panel by panel: the product equals
+    x @ W_bf16^T summed in fp32, within summation order."""
+    generator = torch.Generator().manual_seed(bits * 100 + rows)
+    weight = random_weight(bits, group, n, k, generator)
+    packed = kernels.pack_weight(weight)
+    x = torch.randn(rows, k, generator=generator).bfloat16()
+    bias = torch.randn(n, generator=generator)
+    out = torch.full((rows, n + 3), float("nan"))
+    kernels.linear_amx(x, packed, bias, out[:, :n])
+    dense = kernels.dequantize_weight(packed, torch.empty(n, k, dtype=torch.bfloat16))
+    assert torch.equal(dense, weight.dequantize().bfloat16())
+    expected = x.double() @ dense.double().T + bias.double()
+    assert out[:, n:].isnan().all()
+    assert (out[:, :n].double() - expected).abs().max() <= 1e-6 * expected.abs().max()

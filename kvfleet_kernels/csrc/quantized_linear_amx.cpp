@@ -1,0 +1,164 @@
+// The linear on quantized weights on AMX tiles (kvfleet_kernels/cpu_quantized_linear.py): each
+// thread dequantizes one panel of 16 output columns at a time into bf16, in the VNNI pairs a B tile
+// holds ([K / 2][16 columns][2], 32 * K bytes: in L2), and multiplies every row of x by it, 16 rows
+// and 32 features a tile product, the sums in fp32 over the whole K. The weight is never whole in
+// memory as bf16, and x stays bf16 (no activation rounding): the values are those of the weight
+// dequantized to bf16, bit for bit (w = a * code - b rounded once to bf16, as a bf16 model
+// dequantized at load holds it).
+//
+// Why beside the integer dot products (csrc/quantized_linear_cpu.cpp): those cost the same a row.
+// A 1B model's four linears of a layer on a 2-core Xeon, Q4 weights: 0.8 ms at 1 row there, 4.8 at
+// 16 and 18.6 at 64; here 5.4 at 1 to 16 rows (3.7 of it the dequantization, bound by its
+// conversions and permutes) and 9.1 at 64, since a tile product takes 16 rows for the price of one.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/native/CPUBlas.h>
+#include <torch/library.h>
+
+#include "decode_amx.h"
+#include "quantized_weight.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+namespace {
+
+using kvfleet_cpu::vfloat;
+using namespace kvfleet_cpu::quantized;  // NOLINT: the packed layout's names
+
+constexpr int64_t kTileRows = 16;  // rows of x a tile product takes
+constexpr int64_t kTileFeatures = 32;  // bf16 features a tile row holds
+
+bool quantized_amx_available() {
+#if defined(KVFLEET_DECODE_AMX) && defined(__AVX512BF16__)
+  return kvfleet_cpu::amx_permitted();
+#else
+  return false;
+#endif
+}
+
+#if defined(KVFLEET_DECODE_AMX) && defined(__AVX512BF16__)
+using u32x16 = uint32_t __attribute__((vector_size(64)));
+using u32x8 = uint32_t __attribute__((vector_size(32)));
+
+// A group's scales spread over the lanes of a step's four code vectors (spread: 4 permutes each),
+// once a group rather than once a step.
+struct SpreadScales {
+  vfloat a[4], b[4];
+  void load(const at::Half* ab) {
+    const vfloat a16 = load_scales(ab), b16 = load_scales(ab + kColumns);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) a[i] = spread(a16, i), b[i] = spread(b16, i);
+  }
+};
+
+// Step s's 64 codes (16 columns x 4 features) dequantized to bf16 into word rows 2s and 2s + 1 of
+// the panel's VNNI buffer (16 columns of (feature 2p, 2p + 1) a row), with the group's scales.
+inline void store_step_pairs(uint32_t* pairs, int64_t s, u8x64 codes, const SpreadScales& g) {
+  u32x8 halves[4];  // vector i: columns 4i .. 4i + 3, each (t0 t1) then (t2 t3)
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    u8x16 part;
+    std::memcpy(&part, reinterpret_cast<const uint8_t*>(&codes) + 16 * i, sizeof part);
+    const vfloat values = g.a[i] * codes_to_float(part) - g.b[i];
+    const __m256bh rounded = _mm512_cvtneps_pbh((__m512)values);  // to nearest even, as torch's cast
+    std::memcpy(&halves[i], &rounded, sizeof halves[i]);
+  }
+  u32x16 low, high;  // columns 0-7 and 8-15
+  std::memcpy(&low, halves, sizeof low), std::memcpy(&high, halves + 2, sizeof high);
+  const u32x16 even = __builtin_shufflevector(low, high, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const u32x16 odd = __builtin_shufflevector(low, high, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  std::memcpy(pairs + 2 * s * kColumns, &even, sizeof even);
+  std::memcpy(pairs + (2 * s + 1) * kColumns, &odd, sizeof odd);
+}
+
+// One panel's weight as bf16 VNNI pairs, [K / 2][16] words.
+template <int BITS>
+void dequantize_panel(uint32_t* pairs, const uint8_t* panel, const at::Half* scales, int64_t k, int64_t group) {
+  SpreadScales g;
+  for (int64_t s = 0; s < k / 4; s += 2) {  // K is a multiple of 32: steps come in pairs
+    u8x64 codes[2];
+    load_steps<BITS, 2>(panel, s, codes);
+    if (s * 4 % group == 0 || group == 16) g.load(scales + (s * 4 / group) * 2 * kColumns);  // a pair never spans two
+    store_step_pairs(pairs, s, codes[0], g);
+    store_step_pairs(pairs, s + 1, codes[1], g);
+  }
+}
+
+struct AmxArgs {
+  const at::BFloat16* x;  // [rows, K]
+  const uint8_t* packed;
+  const at::Half* scales;
+  const float* bias;  // [N] or nullptr
+  void* out;  // [rows, N], row stride out_stride
+  bool out_bf16;
+  int64_t rows, k, n, group, bits, out_stride;
+};
+
+// Every row of x against one panel, dequantized into `pairs` first.
+void panel_rows_amx(const AmxArgs& a, int64_t panel, uint32_t* pairs, int64_t& configured_rows) {
+  const uint8_t* weights = a.packed + panel * a.k * kColumns * a.bits / 8;
+  const at::Half* scales = a.scales + panel * (a.k / a.group) * 2 * kColumns;
+  if (a.bits == 8) dequantize_panel<8>(pairs, weights, scales, a.k, a.group);
+  else dequantize_panel<4>(pairs, weights, scales, a.k, a.group);
+  const int64_t col0 = panel * kColumns, cols = std::min<int64_t>(kColumns, a.n - col0);
+  for (int64_t row0 = 0; row0 < a.rows; row0 += kTileRows) {
+    const int64_t rows = std::min(kTileRows, a.rows - row0);
+    if (rows != configured_rows) kvfleet_cpu::configure_tiles(rows, 64, 16), configured_rows = rows;
+    _tile_zero(KVFLEET_TILE_C0);
+    for (int64_t f = 0; f < a.k; f += kTileFeatures) {
+      _tile_loadd(KVFLEET_TILE_A, a.x + row0 * a.k + f, a.k * 2);
+      _tile_loadd(KVFLEET_TILE_B0, pairs + (f / 2) * kColumns, 64);
+      _tile_dpbf16ps(KVFLEET_TILE_C0, KVFLEET_TILE_A, KVFLEET_TILE_B0);
+    }
+    float sums[kTileRows][kColumns];
+    _tile_stored(KVFLEET_TILE_C0, sums, 64);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) {
+        const float value = sums[r][c] + (a.bias ? a.bias[col0 + c] : 0.0f);
+        const int64_t at = (row0 + r) * a.out_stride + col0 + c;
+        if (a.out_bf16) static_cast<at::BFloat16*>(a.out)[at] = value;
+        else static_cast<float*>(a.out)[at] = value;
+      }
+    }
+  }
+}
+#endif
+
+// out [M, N] (bf16 or fp32, rows dense) = x [M, K] bf16 @ W^T + bias, W as pack_quantized_weight
+// packed it; an fp32 bias of N or none. Threads take whole panels.
+void quantized_linear_amx(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                          int64_t bits, int64_t group, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(quantized_amx_available(), "quantized_linear_amx needs a CPU with amx_bf16 (and the kernel's permission)");
+  const int64_t n = out.size(1), k = x.size(1);
+  check_weight(packed, scales, bits, group, n, k);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x must be [M, K] bf16, contiguous");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.stride(1) == 1 && out.device().is_cpu() &&
+                  (out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat),
+              "out must be [M, N] bf16 or fp32 on the CPU, rows dense");
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n), "bias must be [N] fp32");
+#if defined(KVFLEET_DECODE_AMX) && defined(__AVX512BF16__)
+  const AmxArgs a{x.const_data_ptr<at::BFloat16>(), packed.const_data_ptr<uint8_t>(), scales.const_data_ptr<at::Half>(),
+                  bias ? bias->const_data_ptr<float>() : nullptr, out.data_ptr(), out.scalar_type() == at::kBFloat16,
+                  x.size(0), k, n, group, bits, out.stride(0)};
+  at::parallel_for(0, (n + kColumns - 1) / kColumns, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint32_t> pairs(k / 2 * kColumns);
+    int64_t configured_rows = 0;
+    for (int64_t panel = begin; panel < end; ++panel) panel_rows_amx(a, panel, pairs.data(), configured_rows);
+    at::native::cpublas::brgemm_release();  // this thread's tiles, as torch's brgemm callers end
+  });
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvfleet_cpu, m) {
+  m.def("quantized_linear_amx(Tensor(a!) out, Tensor x, Tensor packed, Tensor scales, int bits, int group, "
+        "Tensor? bias=None) -> ()");
+  m.def("quantized_amx_available() -> bool", &quantized_amx_available);
+}
+
+TORCH_LIBRARY_IMPL(kvfleet_cpu, CPU, m) { m.impl("quantized_linear_amx", &quantized_linear_amx); }

@@ -1,0 +1,86 @@
+// What the two linears on quantized weights share (csrc/quantized_linear_cpu.cpp: integer dot
+// products; csrc/quantized_linear_amx.cpp: AMX tiles over panels dequantized to bf16): the packed
+// layout's constants, its reads and its checks. The layout: csrc/quantized_linear_cpu.cpp's header.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
+#include "cpu_vec.h"
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace kvfleet_cpu::quantized {
+
+using u8x64 = uint8_t __attribute__((vector_size(64)));
+
+constexpr int64_t kColumns = 16;  // output columns a panel
+
+using u8x16 = uint8_t __attribute__((vector_size(16)));
+
+// 16 fp16 scales widened (one vcvtph2ps: g++ lowers its own conversion of a vector to 16 scalar ones).
+inline vfloat load_scales(const at::Half* p) {
+#if defined(__AVX512F__)
+  return (vfloat)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#else
+  return kvfleet_cpu::load16(p);
+#endif
+}
+
+// 16 codes as fp32 (zero-extended, then converted: two instructions, not g++'s 16 scalar ones).
+inline vfloat codes_to_float(u8x16 codes) {
+#if defined(__AVX512F__)
+  return (vfloat)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32((__m128i)codes));
+#else
+  return __builtin_convertvector(codes, vfloat);
+#endif
+}
+
+inline u8x64 load_u8x64(const uint8_t* p) {
+  u8x64 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// The weight vectors of `steps` steps from step s0 of a panel: 8 bits one load each, 4 bits one
+// load a pair, split into its low and high nibbles.
+template <int BITS, int STEPS>
+inline void load_steps(const uint8_t* panel, int64_t s0, u8x64 (&w)[STEPS]) {
+  if constexpr (BITS == 8) {
+    for (int s = 0; s < STEPS; ++s) w[s] = load_u8x64(panel + (s0 + s) * 64);
+  } else {
+    for (int s = 0; s < STEPS; s += 2) {
+      const u8x64 both = load_u8x64(panel + (s0 + s) * 32);
+      w[s] = both & 0x0F;
+      w[s + 1] = (both >> 4) & 0x0F;
+    }
+  }
+}
+
+// Lanes 4i..4i+3 of a scale vector, each repeated 4 times: the scales of vector i of a step's codes.
+inline vfloat spread(vfloat v, int i) {
+  switch (i) {
+    case 0: return __builtin_shufflevector(v, v, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    case 1: return __builtin_shufflevector(v, v, 4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7);
+    case 2: return __builtin_shufflevector(v, v, 8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11, 11, 11);
+    default: return __builtin_shufflevector(v, v, 12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15);
+  }
+}
+
+inline void check_weight(const at::Tensor& packed, const at::Tensor& scales, int64_t bits, int64_t group, int64_t n, int64_t k) {
+  const int64_t panels = (n + kColumns - 1) / kColumns;
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(k % 32 == 0 && (group == 16 || (group % 32 == 0 && group > 0)) && k % group == 0,
+              "K must be a multiple of 32 and of the group size (16, or a multiple of 32)");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == panels * k * kColumns * bits / 8,
+              "packed must come from pack_quantized_weight for N, K and bits");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.numel() == panels * (k / group) * 2 * kColumns,
+              "scales must come from pack_quantized_weight for N, K and the group size");
+}
+
+}  // namespace kvfleet_cpu::quantized
