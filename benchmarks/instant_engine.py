@@ -34,6 +34,9 @@ class InstantEngine:
         self.requests: dict[str, ProcessedRequest] = {}
         self.num_steps = 0
 
+    def weights_summary(self) -> str:
+        return "none (instant engine)"
+
     def num_blocks_needed(self, num_prompt_tokens: int, max_tokens: int = 1) -> int:
         return -(-(num_prompt_tokens + max_tokens) // self.config.block_size)
 

@@ -180,23 +180,27 @@ def dequantize_packed(parts: dict, quantization: dict, dtype: torch.dtype) -> to
 
 def packed_quantized_weight(parts: dict, quantization: dict):
     """An AWQ or GPTQ module as the quantized kernels' QuantizedWeight (codes [N, K], a = s, b = s z
-    in fp16): groups in order (no desc_act), which `keeps_packed_quantized` checked."""
+    in fp16). With desc_act (g_idx out of order) the input features are sorted by group, each group
+    then G contiguous features, and the weight says in which order x must come (input_order)."""
     from kvfleet_kernels.cpu_quantized_linear import QuantizedWeight  # noqa: PLC0415
 
-    q, z, scales, _ = packed_codes(parts, quantization)
+    q, z, scales, groups = packed_codes(parts, quantization)
+    order = None
+    if not torch.equal(groups, torch.arange(len(groups)) // (len(groups) // scales.shape[0])):
+        order = torch.argsort(groups, stable=True)  # desc_act: features sorted into whole groups, x follows
+        q = q[order]
     scale = scales.t().contiguous().half()
     offset = (z.t().float() * scale.float()).half()
-    return QuantizedWeight(q.t().contiguous().to(torch.uint8), scale, offset, quantization.get("bits", 4))
+    return QuantizedWeight(q.t().contiguous().to(torch.uint8), scale, offset, quantization.get("bits", 4), order)
 
 
 def keeps_packed_quantized(quantization: dict | None) -> bool:
     """An AWQ or GPTQ checkpoint whose weights the quantized kernels take as they are: 4 or 8 bits,
-    groups of a multiple of 32 features in order (GPTQ's desc_act reorders them: dequantized)."""
+    groups of 16 or a multiple of 32 features (GPTQ's desc_act groups, sorted, as vLLM sorts them)."""
     if quantization is None or quantization.get("quant_method") not in ("awq", "gptq"):
         return False
     group_size = quantization.get("group_size", 128)
-    return quantization.get("bits", 4) in (4, 8) and not quantization.get("desc_act") \
-        and (group_size in (None, -1, 16) or group_size % 32 == 0)
+    return quantization.get("bits", 4) in (4, 8) and (group_size in (None, -1, 16) or group_size % 32 == 0)
 
 
 def dequantize_quantized(weights: Iterator[tuple[str, object]], quantization: dict, dtype: torch.dtype,

@@ -62,18 +62,19 @@ class QuantizedLinear(nn.Module):
         if rows >= DENSE_ROWS and not amx:
             return self._dense(x.to(dtype), bias)
         out = x.new_empty((rows, self.out_features), dtype=dtype)
-        if amx:
-            x = x.to(torch.bfloat16).contiguous()
-        else:
-            activations = kernels.quantize_activations(x)  # once for every part
+        inputs = {}  # id(input order) -> x in that order, as the kernel takes it: once for every part
         start = 0
         for weight in self.parts:
             end = start + weight.out_features
             part_bias, part_out = None if bias is None else bias[start:end], out[:, start:end]
+            if id(weight.input_order) not in inputs:
+                ordered = x if weight.input_order is None else x.index_select(1, weight.input_order)
+                inputs[id(weight.input_order)] = ordered.to(torch.bfloat16).contiguous() if amx \
+                    else kernels.quantize_activations(ordered)
             if amx:
-                kernels.linear_amx(x, weight, part_bias, part_out)
+                kernels.linear_amx(inputs[id(weight.input_order)], weight, part_bias, part_out)
             else:
-                kernels.linear(activations, weight, part_bias, part_out)
+                kernels.linear(inputs[id(weight.input_order)], weight, part_bias, part_out)
             start = end
         return out
 
@@ -82,7 +83,7 @@ class QuantizedLinear(nn.Module):
         for weight in self.parts:
             scratch = dense_scratch(weight.out_features * weight.in_features, x.dtype)
             dense = kernels.dequantize_weight(weight, scratch.view(weight.out_features, weight.in_features))
-            outs.append(F.linear(x, dense))
+            outs.append(F.linear(x if weight.input_order is None else x.index_select(1, weight.input_order), dense))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         return out if bias is None else out + bias.to(out.dtype)
 

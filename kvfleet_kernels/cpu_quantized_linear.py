@@ -44,6 +44,9 @@ class QuantizedWeight:
     scale: torch.Tensor  # fp16 [N, K / group_size]: a
     offset: torch.Tensor  # fp16 [N, K / group_size]: b, so that w = a * code - b
     bits: int  # 4 or 8
+    # Column j of the codes is input feature input_order[j] (GPTQ's desc_act, sorted into whole
+    # groups); None: in order. The caller feeds x[:, input_order].
+    input_order: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -56,7 +59,12 @@ class QuantizedWeight:
     def dequantize(self) -> torch.Tensor:
         """fp32 [N, K]: the weight the codes stand for."""
         expand = functools.partial(torch.repeat_interleave, repeats=self.group_size, dim=1)
-        return expand(self.scale.float()) * self.codes.float() - expand(self.offset.float())
+        stored = expand(self.scale.float()) * self.codes.float() - expand(self.offset.float())
+        if self.input_order is None:
+            return stored
+        dense = torch.empty_like(stored)
+        dense[:, self.input_order] = stored
+        return dense
 
 
 @dataclass
@@ -69,6 +77,7 @@ class PackedQuantizedWeight:
     group_size: int
     out_features: int
     in_features: int
+    input_order: torch.Tensor | None = None  # as QuantizedWeight's
 
     @property
     def nbytes(self) -> int:
@@ -79,7 +88,7 @@ def pack_weight(weight: QuantizedWeight) -> PackedQuantizedWeight:
     require_built()
     packed, scales = torch.ops.kvfleet_cpu.pack_quantized_weight(
         weight.codes.contiguous(), weight.scale.contiguous(), weight.offset.contiguous(), weight.bits)
-    return PackedQuantizedWeight(packed, scales, weight.bits, weight.group_size, *weight.shape)
+    return PackedQuantizedWeight(packed, scales, weight.bits, weight.group_size, *weight.shape, weight.input_order)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -234,7 +234,7 @@ def test_a_qwen3_and_a_moe_s_quantized_experts_load_too(tiny_models, tmp_path, a
         (o.outputs[0].token_ids, o.outputs[0].logprobs) for o in expected]
 
 
-@pytest.mark.parametrize("layout", ["awq", "gptq 4 bits", "gptq 8 bits"])
+@pytest.mark.parametrize("layout", ["awq", "gptq 4 bits", "gptq 8 bits", "gptq 8 bits, desc_act"])
 def test_awq_and_gptq_weights_stay_packed_on_the_quantized_kernels(tiny_llama, tmp_path, layout):
     """--quantized-kernels: every projection keeps its codes, scales and zero points (a = s,
     b = s z), and greedy answers stay within a near-tie of the same checkpoint dequantized at load."""
@@ -257,3 +257,19 @@ def test_awq_and_gptq_weights_stay_packed_on_the_quantized_kernels(tiny_llama, t
         close, _ = close_or_identical(a.token_ids, [top5(e) for e in a.logprobs], b.token_ids,
                                       [top5(e) for e in b.logprobs])
         assert close
+
+
+@pytest.mark.parametrize(("layout", "bits", "desc_act"), [("awq", 4, False), ("gptq", 4, False), ("gptq", 8, False),
+                                                         ("gptq", 4, True)])
+def test_a_packed_module_keeps_its_codes_and_its_values(layout, bits, desc_act):
+    """The kernels' form of an AWQ/GPTQ module (codes, a = s, b = s z) stands for the values the
+    packer wrote, b rounded once to fp16; with desc_act its columns come sorted by group, each
+    group whole, and input_order puts them back."""
+    from engine.quantized_checkpoint import packed_quantized_weight  # noqa: PLC0415
+
+    weight = torch.randn(48, 64, generator=torch.Generator().manual_seed(3))
+    parts, reference = awq(weight) if layout == "awq" else gptq(weight, bits=bits, desc_act=desc_act)
+    kept = packed_quantized_weight(parts, {"quant_method": layout, "bits": bits, "group_size": 16})
+    assert kept.codes.dtype == torch.uint8 and kept.scale.shape == (48, 4) and kept.bits == bits
+    assert (kept.input_order is not None) == desc_act
+    assert torch.allclose(kept.dequantize(), reference.float(), rtol=0, atol=2 ** -10 * reference.abs().max())
