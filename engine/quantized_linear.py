@@ -20,12 +20,14 @@ from kvfleet_kernels import cpu_quantized_linear as kernels
 
 # Which kernel a step's rows take (kvfleet_kernels/cpu_quantized_linear.py). The integer dot
 # products cost the same for each row; on AMX the tiles take 16 rows for the price of one after a
-# panel's dequantization. Measured on a 2-core Xeon with AMX over a 1B model's four linears of a
-# layer (Q4): integer 0.8 / 1.4 / 4.8 / 18.6 ms at 1 / 4 / 16 / 64 rows, AMX 5.4 / 5.4 / 5.4 / 9.1
-# (bf16 brgemm linears on the dense weights: 2.6 / 2.7 / 2.7 / 5.5).
+# panel's dequantization; for prefill-sized steps, dequantizing each weight whole into a scratch
+# buffer for oneDNN's blocked matmul wins, since the tile path streams x once a panel. Measured on a
+# 2-core Xeon with AMX over a 1B model's four linears of a layer (Q4), ms at 1 / 4 / 16 / 64 / 256 /
+# 1024 rows: integer 0.8 / 1.4 / 4.8 / 19; AMX 3.6 / 3.4 / 3.6 / 6.0 / 22 / 152; dense 16 / 23 / 70
+# at 64 / 256 / 1024 (bf16 brgemm linears on dense weights: 2.6 / 2.7 / 2.7 / 5.5 / 16).
 AMX_ROWS = 20
-# Without AMX: rows from which a step dequantizes each weight into a scratch buffer and runs
-# oneDNN's dense matmul.
+AMX_DENSE_ROWS = 256
+# Without AMX: rows from which steps take the dense path.
 DENSE_ROWS = 128
 
 
@@ -57,10 +59,10 @@ class QuantizedLinear(nn.Module):
         """x [T, in_features] -> [T, out_features] in x's dtype (bf16, else fp32)"""
         dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
         bias = None if self.bias is None else self.bias.detach().float()
-        rows = x.shape[0]
-        amx = rows >= AMX_ROWS and kernels.amx_available()
-        if rows >= DENSE_ROWS and not amx:
+        rows, amx_host = x.shape[0], kernels.amx_available()
+        if rows >= (AMX_DENSE_ROWS if amx_host else DENSE_ROWS):
             return self._dense(x.to(dtype), bias)
+        amx = amx_host and rows >= AMX_ROWS
         out = x.new_empty((rows, self.out_features), dtype=dtype)
         inputs = {}  # id(input order) -> x in that order, as the kernel takes it: once for every part
         start = 0

@@ -8,8 +8,8 @@
 //
 // Why beside the integer dot products (csrc/quantized_linear_cpu.cpp): those cost the same a row.
 // A 1B model's four linears of a layer on a 2-core Xeon, Q4 weights: 0.8 ms at 1 row there, 4.8 at
-// 16 and 18.6 at 64; here 5.4 at 1 to 16 rows (3.7 of it the dequantization, bound by its
-// conversions and permutes) and 9.1 at 64, since a tile product takes 16 rows for the price of one.
+// 16 and 19 at 64; here 3.6 at 1 to 16 rows (most of it the dequantization, bound by its
+// conversions and permutes) and 6.0 at 64, since a tile product takes 16 rows for the price of one.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/native/CPUBlas.h>
@@ -42,7 +42,6 @@ bool quantized_amx_available() {
 
 #if defined(KVFLEET_DECODE_AMX) && defined(__AVX512BF16__)
 using u32x16 = uint32_t __attribute__((vector_size(64)));
-using u32x8 = uint32_t __attribute__((vector_size(32)));
 
 // A group's scales spread over the lanes of a step's four code vectors (spread: 4 permutes each),
 // once a group rather than once a step.
@@ -55,36 +54,44 @@ struct SpreadScales {
   }
 };
 
-// Step s's 64 codes (16 columns x 4 features) dequantized to bf16 into word rows 2s and 2s + 1 of
-// the panel's VNNI buffer (16 columns of (feature 2p, 2p + 1) a row), with the group's scales.
-inline void store_step_pairs(uint32_t* pairs, int64_t s, u8x64 codes, const SpreadScales& g) {
-  u32x8 halves[4];  // vector i: columns 4i .. 4i + 3, each (t0 t1) then (t2 t3)
-#pragma GCC unroll 4
-  for (int i = 0; i < 4; ++i) {
-    u8x16 part;
-    std::memcpy(&part, reinterpret_cast<const uint8_t*>(&codes) + 16 * i, sizeof part);
-    const vfloat values = g.a[i] * codes_to_float(part) - g.b[i];
-    const __m256bh rounded = _mm512_cvtneps_pbh((__m512)values);  // to nearest even, as torch's cast
-    std::memcpy(&halves[i], &rounded, sizeof halves[i]);
-  }
-  u32x16 low, high;  // columns 0-7 and 8-15
-  std::memcpy(&low, halves, sizeof low), std::memcpy(&high, halves + 2, sizeof high);
+// Step s's dequantized values, as 4 vectors of 16 (vector i: columns 4i .. 4i + 3, features t0 .. t3
+// each), to bf16 into word rows 2s and 2s + 1 of the panel's VNNI buffer (16 columns of (feature 2p,
+// 2p + 1) a row).
+inline void store_step_pairs(uint32_t* pairs, int64_t s, const __m512 (&values)[4]) {
+  // Two vectors to one of 32 bf16 (the second argument's lanes first), to nearest even as torch's
+  // cast: columns 0-7 and 8-15, a column's (t0 t1) then (t2 t3) as words.
+  const u32x16 low = (u32x16)_mm512_cvtne2ps_pbh(values[1], values[0]);
+  const u32x16 high = (u32x16)_mm512_cvtne2ps_pbh(values[3], values[2]);
   const u32x16 even = __builtin_shufflevector(low, high, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const u32x16 odd = __builtin_shufflevector(low, high, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
   std::memcpy(pairs + 2 * s * kColumns, &even, sizeof even);
   std::memcpy(pairs + (2 * s + 1) * kColumns, &odd, sizeof odd);
 }
 
-// One panel's weight as bf16 VNNI pairs, [K / 2][16] words.
+// One panel's weight as bf16 VNNI pairs, [K / 2][16] words. Codes are read 16 bytes at a time
+// straight into the lanes they widen to: splitting a 64-byte vector into quarters cost a shuffle each.
 template <int BITS>
 void dequantize_panel(uint32_t* pairs, const uint8_t* panel, const at::Half* scales, int64_t k, int64_t group) {
   SpreadScales g;
   for (int64_t s = 0; s < k / 4; s += 2) {  // K is a multiple of 32: steps come in pairs
-    u8x64 codes[2];
-    load_steps<BITS, 2>(panel, s, codes);
     if (s * 4 % group == 0 || group == 16) g.load(scales + (s * 4 / group) * 2 * kColumns);  // a pair never spans two
-    store_step_pairs(pairs, s, codes[0], g);
-    store_step_pairs(pairs, s + 1, codes[1], g);
+    __m512 first[4], second[4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      __m128i codes_first, codes_second;
+      if constexpr (BITS == 8) {
+        codes_first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + s * 64 + 16 * i));
+        codes_second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + (s + 1) * 64 + 16 * i));
+      } else {  // steps s and s + 1 share 64 bytes: low nibbles, then high
+        const __m128i both = _mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + s * 32 + 16 * i));
+        codes_first = _mm_and_si128(both, _mm_set1_epi8(0x0F));
+        codes_second = _mm_and_si128(_mm_srli_epi16(both, 4), _mm_set1_epi8(0x0F));
+      }
+      first[i] = (__m512)(g.a[i] * (vfloat)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes_first)) - g.b[i]);
+      second[i] = (__m512)(g.a[i] * (vfloat)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes_second)) - g.b[i]);
+    }
+    store_step_pairs(pairs, s, first);
+    store_step_pairs(pairs, s + 1, second);
   }
 }
 
@@ -98,14 +105,47 @@ struct AmxArgs {
   int64_t rows, k, n, group, bits, out_stride;
 };
 
-// Every row of x against one panel, dequantized into `pairs` first.
+// One C tile's sums (+ bias) into out's rows [row0, row0 + rows) and the panel's columns.
+void store_sums(const AmxArgs& a, int tile, int64_t row0, int64_t rows, int64_t col0, int64_t cols) {
+  float sums[kTileRows][kColumns];
+  if (tile == KVFLEET_TILE_C0) _tile_stored(KVFLEET_TILE_C0, sums, 64);
+  else _tile_stored(KVFLEET_TILE_C1, sums, 64);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      const float value = sums[r][c] + (a.bias ? a.bias[col0 + c] : 0.0f);
+      const int64_t at = (row0 + r) * a.out_stride + col0 + c;
+      if (a.out_bf16) static_cast<at::BFloat16*>(a.out)[at] = value;
+      else static_cast<float*>(a.out)[at] = value;
+    }
+  }
+}
+
+// Every row of x against one panel, dequantized into `pairs` first: 32 rows a pass where there
+// are, two C tiles sharing each B tile (one tile product's result feeding the next alone left the
+// unit waiting on it: 64 rows took 3.9 ms beyond the dequantization on a 1B layer, 16 took ~1),
+// then what is left 16 rows or fewer at a time.
 void panel_rows_amx(const AmxArgs& a, int64_t panel, uint32_t* pairs, int64_t& configured_rows) {
   const uint8_t* weights = a.packed + panel * a.k * kColumns * a.bits / 8;
   const at::Half* scales = a.scales + panel * (a.k / a.group) * 2 * kColumns;
   if (a.bits == 8) dequantize_panel<8>(pairs, weights, scales, a.k, a.group);
   else dequantize_panel<4>(pairs, weights, scales, a.k, a.group);
   const int64_t col0 = panel * kColumns, cols = std::min<int64_t>(kColumns, a.n - col0);
-  for (int64_t row0 = 0; row0 < a.rows; row0 += kTileRows) {
+  int64_t row0 = 0;
+  for (; row0 + 2 * kTileRows <= a.rows; row0 += 2 * kTileRows) {  // tiles 0-4 alike: C0, C1, A1 (2), A0 (4)
+    if (configured_rows != kTileRows) kvfleet_cpu::configure_tiles(kTileRows, 64, 16), configured_rows = kTileRows;
+    _tile_zero(KVFLEET_TILE_C0);
+    _tile_zero(KVFLEET_TILE_C1);
+    for (int64_t f = 0; f < a.k; f += kTileFeatures) {
+      _tile_loadd(KVFLEET_TILE_B0, pairs + (f / 2) * kColumns, 64);
+      _tile_loadd(KVFLEET_TILE_A, a.x + row0 * a.k + f, a.k * 2);
+      _tile_loadd(KVFLEET_TILE_C2, a.x + (row0 + kTileRows) * a.k + f, a.k * 2);
+      _tile_dpbf16ps(KVFLEET_TILE_C0, KVFLEET_TILE_A, KVFLEET_TILE_B0);
+      _tile_dpbf16ps(KVFLEET_TILE_C1, KVFLEET_TILE_C2, KVFLEET_TILE_B0);
+    }
+    store_sums(a, KVFLEET_TILE_C0, row0, kTileRows, col0, cols);
+    store_sums(a, KVFLEET_TILE_C1, row0 + kTileRows, kTileRows, col0, cols);
+  }
+  for (; row0 < a.rows; row0 += kTileRows) {
     const int64_t rows = std::min(kTileRows, a.rows - row0);
     if (rows != configured_rows) kvfleet_cpu::configure_tiles(rows, 64, 16), configured_rows = rows;
     _tile_zero(KVFLEET_TILE_C0);
@@ -114,16 +154,7 @@ void panel_rows_amx(const AmxArgs& a, int64_t panel, uint32_t* pairs, int64_t& c
       _tile_loadd(KVFLEET_TILE_B0, pairs + (f / 2) * kColumns, 64);
       _tile_dpbf16ps(KVFLEET_TILE_C0, KVFLEET_TILE_A, KVFLEET_TILE_B0);
     }
-    float sums[kTileRows][kColumns];
-    _tile_stored(KVFLEET_TILE_C0, sums, 64);
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t c = 0; c < cols; ++c) {
-        const float value = sums[r][c] + (a.bias ? a.bias[col0 + c] : 0.0f);
-        const int64_t at = (row0 + r) * a.out_stride + col0 + c;
-        if (a.out_bf16) static_cast<at::BFloat16*>(a.out)[at] = value;
-        else static_cast<float*>(a.out)[at] = value;
-      }
-    }
+    store_sums(a, KVFLEET_TILE_C0, row0, rows, col0, cols);
   }
 }
 #endif
