@@ -1,14 +1,16 @@
-"""Linears and embeddings that keep a GGUF file's quantized weights as they are in memory
-(4 or 8 bits a weight and an fp16 scale and offset a group) and compute on them with
+"""Linears and embeddings that keep a checkpoint's quantized weights as they are in memory (4 or
+8 bits a weight and an fp16 scale and offset a group) and compute on them with
 kvfleet_kernels/cpu_quantized_linear.py: a decode step reads the file's bytes, not 3.5x them.
 
-`use_quantized_gguf_layers` swaps, before the weights load, every nn.Linear and nn.Embedding whose
-tensors in the file all have a kernel type (engine/quantized_weights.py) for QuantizedLinear or
-QuantizedEmbedding; engine/gguf_loader.py then hands those tensors to them (`checkpoint_parts`) instead of
-dequantizing. A merged projection (q/k/v, gate/up) keeps one packed weight a part, since a Q4_K_M
-file mixes types within one (Q6_K values beside Q4_K queries). A head tied to a quantized
-embedding shares its packed weight. Under tensor parallelism, with LoRA, on CUDA, and for MoE
-experts, weights are dequantized at load as before (model_runner decides)."""
+`swap_in_quantized_layers` swaps, before the weights load, every nn.Linear and nn.Embedding whose
+checkpoint sources are all quantized in a form the kernels take for QuantizedLinear or
+QuantizedEmbedding: a GGUF file's kernel types (engine/gguf_loader.py, engine/quantized_weights.py)
+or an AWQ/GPTQ checkpoint's packed modules (engine/loader.py, engine/quantized_checkpoint.py). The
+loaders then hand those sources to them (`checkpoint_parts`) instead of dequantizing. A merged
+projection (q/k/v, gate/up) keeps one packed weight a part, since a Q4_K_M file mixes types within
+one (Q6_K values beside Q4_K queries). A head tied to a quantized embedding shares its packed
+weight. Under tensor parallelism, with LoRA, on CUDA, and for MoE experts, weights are dequantized
+at load as before (model_runner decides)."""
 
 from __future__ import annotations
 
