@@ -53,8 +53,8 @@ class EngineConfig:
     onednn_linear: bool = True
     """On the CPU in fp32, reorder linear weights once for oneDNN (faster small-batch matmuls)."""
     quantized_kernels: bool = False
-    """On the CPU, a GGUF file's quantized linears and embeddings, and an AWQ or GPTQ checkpoint's
-    linears, stay quantized in memory and compute there (engine/quantized_linear.py); False
+    """On the CPU, a GGUF file's quantized linears and embeddings, and the linears of an AWQ, GPTQ or
+    compressed-tensors integer checkpoint, stay quantized in memory and compute there (engine/quantized_linear.py); False
     dequantizes them at load to `dtype`. Always dequantized under tensor parallelism and with LoRA."""
     enforce_eager: bool = True
     """False: on CUDA, replay decode steps from CUDA graphs (engine/cuda_graphs.py), as vLLM does

@@ -23,8 +23,9 @@ from engine.mxfp4 import dequantize_checkpoint
 from engine.quantized_checkpoint import (
     DEQUANTIZED_METHODS,
     dequantize_quantized,
-    keeps_packed_quantized,
+    kept_bits,
     quantization_of,
+    quantized_dtype,
 )
 from engine.quantized_linear import quantized_modules, swap_in_quantized_layers, weight_sources
 
@@ -68,19 +69,22 @@ def model_weights(model_name: str, model: nn.Module, hf_config, dtype: torch.dty
     quantization = quantization_of(hf_config)
     if quantization is not None and quantization.get("quant_method") in DEQUANTIZED_METHODS:
         receivers = {}
-        if keep_quantized and keeps_packed_quantized(quantization):
+        if keep_quantized and kept_bits(quantization) is not None:
             receivers = use_quantized_packed_layers(model, checkpoint.folder, quantization, dtype)
         weights = dequantize_quantized(weights, quantization, dtype, receivers)
     return weights
 
 
 def use_quantized_packed_layers(model: nn.Module, folder, quantization: dict, dtype: torch.dtype) -> dict:
-    """Swap every linear whose checkpoint modules are all AWQ/GPTQ-packed for a quantized module;
-    {checkpoint module: (quantized module, part)} for dequantize_quantized to deliver them to."""
-    packed = {name.removesuffix(".qweight") for name, _ in iterate_weights(folder) if name.endswith(".qweight")}
+    """Swap every linear whose checkpoint modules are all integer-quantized (AWQ/GPTQ qweight,
+    compressed-tensors weight_packed or an int8 weight) for a quantized module; {checkpoint module:
+    (quantized module, part)} for dequantize_quantized to deliver them to."""
+    packed = {name.rpartition(".")[0] for name, tensor in iterate_weights(folder)
+              if name.endswith((".qweight", ".weight_packed"))
+              or name.endswith(".weight") and quantized_dtype(tensor) == torch.int8}
     source_of = {f"{prefix}.weight": prefix for prefix in packed}
     swap_in_quantized_layers(model, lambda name: weight_sources(model, name, source_of), dtype)
-    model.quantized_kept = f"{quantization['quant_method']} {quantization.get('bits', 4)}-bit"
+    model.quantized_kept = f"{quantization['quant_method']} {kept_bits(quantization)}-bit"
     return {source: (module, part) for module in quantized_modules(model)
             for source, part in module.checkpoint_parts.items()}
 

@@ -194,13 +194,36 @@ def packed_quantized_weight(parts: dict, quantization: dict):
     return QuantizedWeight(q.t().contiguous().to(torch.uint8), scale, offset, quantization.get("bits", 4), order)
 
 
-def keeps_packed_quantized(quantization: dict | None) -> bool:
-    """An AWQ or GPTQ checkpoint whose weights the quantized kernels take as they are: 4 or 8 bits,
-    groups of 16 or a multiple of 32 features (GPTQ's desc_act groups, sorted, as vLLM sorts them)."""
-    if quantization is None or quantization.get("quant_method") not in ("awq", "gptq"):
-        return False
-    group_size = quantization.get("group_size", 128)
-    return quantization.get("bits", 4) in (4, 8) and (group_size in (None, -1, 16) or group_size % 32 == 0)
+def int_quantized_weight(parts: dict, bits: int):
+    """A compressed-tensors integer module (int8, or pack-quantized unpacked to signed values) as the
+    kernels' QuantizedWeight: codes q + 2^(bits - 1), a = s, b = s (2^(bits - 1) + zero point)."""
+    from kvfleet_kernels.cpu_quantized_linear import QuantizedWeight  # noqa: PLC0415
+
+    q = parts["weight"][:]
+    scale = parts["weight_scale"][:].float()
+    scale = scale.reshape(1, 1).expand(q.shape[0], 1) if scale.numel() == 1 else scale.reshape(q.shape[0], -1)
+    zero = parts["weight_zero_point"][:].float().reshape(scale.shape) if "weight_zero_point" in parts else 0
+    half = 1 << (bits - 1)
+    return QuantizedWeight((q.int() + half).to(torch.uint8), scale.half(), (scale * (half + zero)).half(), bits)
+
+
+def kept_bits(quantization: dict | None) -> int | None:
+    """The code width the quantized kernels keep a checkpoint's modules in, or None where they
+    cannot: AWQ, GPTQ (desc_act groups sorted, as vLLM sorts them) and compressed-tensors integer
+    weights (int8, pack-quantized 4 or 8 bits), in groups of 16 or a multiple of 32 features."""
+    if quantization is None:
+        return None
+    method, bits = quantization.get("quant_method"), quantization.get("bits", 4)
+    sizes = {quantization.get("group_size", 128)}
+    if method == "compressed-tensors":
+        formats = {"int-quantized": 8, "naive-quantized": 8}
+        bits = packed_bits(quantization) if quantization.get("format") == "pack-quantized" else \
+            formats.get(quantization.get("format"))
+        sizes = {(group.get("weights") or {}).get("group_size") for group in quantization.get("config_groups", {}).values()}
+    elif method not in ("awq", "gptq"):
+        return None
+    fits = all(size in (None, -1, 16) or size % 32 == 0 for size in sizes)
+    return bits if bits in (4, 8) and fits else None
 
 
 def dequantize_quantized(weights: Iterator[tuple[str, object]], quantization: dict, dtype: torch.dtype,
@@ -233,8 +256,14 @@ def dequantize_quantized(weights: Iterator[tuple[str, object]], quantization: di
                 continue
             yield f"{prefix}.weight", dequantize_packed(parts, quantization, dtype)
             continue
+        bits = 8
         if "weight_packed" in parts and {"weight_shape", "weight_scale"} <= set(parts):
-            parts = unpacked(parts, packed_bits(quantization))
+            bits = packed_bits(quantization)
+            parts = unpacked(parts, bits)
+        if prefix in receivers and "weight" in parts and "weight_scale" in parts:
+            module, part = receivers[prefix]
+            module.load_part(part, int_quantized_weight(parts, bits))
+            continue
         if "weight" not in parts or not {"weight_scale", "weight_scale_inv"} & set(parts):
             raise ValueError(f"checkpoint module {prefix!r}: a quantized weight needs its weight and its scale; "
                              f"found {sorted(parts)}")

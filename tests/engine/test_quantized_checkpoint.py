@@ -234,10 +234,13 @@ def test_a_qwen3_and_a_moe_s_quantized_experts_load_too(tiny_models, tmp_path, a
         (o.outputs[0].token_ids, o.outputs[0].logprobs) for o in expected]
 
 
-@pytest.mark.parametrize("layout", ["awq", "gptq 4 bits", "gptq 8 bits", "gptq 8 bits, desc_act"])
-def test_awq_and_gptq_weights_stay_packed_on_the_quantized_kernels(tiny_llama, tmp_path, layout):
-    """--quantized-kernels: every projection keeps its codes, scales and zero points (a = s,
-    b = s z), and greedy answers stay within a near-tie of the same checkpoint dequantized at load."""
+@pytest.mark.parametrize("layout", ["awq", "gptq 4 bits", "gptq 8 bits", "gptq 8 bits, desc_act",
+                                    "compressed-tensors int8", "compressed-tensors int8 groups",
+                                    "compressed-tensors w4a16", "compressed-tensors w4a16 asymmetric"])
+def test_integer_weights_stay_packed_on_the_quantized_kernels(tiny_llama, tmp_path, layout):
+    """--quantized-kernels: every projection keeps its integer codes, scales and zero points (a = s,
+    b = s z, the codes shifted to unsigned for compressed-tensors' signed ones), and greedy answers
+    stay within a near-tie of the same checkpoint dequantized at load."""
     from engine.quantized_linear import QuantizedLinear  # noqa: PLC0415
     from tests.engine.test_tensor_parallel import close_or_identical, top5  # noqa: PLC0415
 
@@ -248,7 +251,8 @@ def test_awq_and_gptq_weights_stay_packed_on_the_quantized_kernels(tiny_llama, t
     layers = kept.engine.model_runner.model.model.layers
     assert isinstance(layers[0].self_attn.qkv_proj, QuantizedLinear) and isinstance(layers[0].mlp.down_proj,
                                                                                     QuantizedLinear)
-    assert f"({quantization['quant_method']} {quantization['bits']}-bit kept quantized" in kept.engine.describe()
+    bits = 4 if "w4a16" in layout else quantization.get("bits", 8)
+    assert f"({quantization['quant_method']} {bits}-bit kept quantized" in kept.engine.describe()
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=5)
     got = kept.generate(PROMPTS, params)
     expected = LLM(quantized, num_kv_blocks=64).generate(PROMPTS, params)
