@@ -54,8 +54,9 @@ class EngineConfig:
     """On the CPU in fp32, reorder linear weights once for oneDNN (faster small-batch matmuls)."""
     quantized_kernels: bool = False
     """On the CPU, a GGUF file's quantized linears and embeddings, and the linears of an AWQ, GPTQ or
-    compressed-tensors integer checkpoint, stay quantized in memory and compute there (engine/quantized_linear.py); False
-    dequantizes them at load to `dtype`. Always dequantized under tensor parallelism and with LoRA."""
+    compressed-tensors integer checkpoint, stay quantized in memory and compute there
+    (engine/quantized_linear.py); False dequantizes them at load to `dtype`. Always dequantized
+    under tensor parallelism and with LoRA."""
     enforce_eager: bool = True
     """False: on CUDA, replay decode steps from CUDA graphs (engine/cuda_graphs.py), as vLLM does
     by default. True for now: the graphs are tested on the CPU only, until make gpu-check has
