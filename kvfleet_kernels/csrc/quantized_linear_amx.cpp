@@ -110,14 +110,7 @@ void store_sums(const AmxArgs& a, int tile, int64_t row0, int64_t rows, int64_t 
   float sums[kTileRows][kColumns];
   if (tile == KVFLEET_TILE_C0) _tile_stored(KVFLEET_TILE_C0, sums, 64);
   else _tile_stored(KVFLEET_TILE_C1, sums, 64);
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) {
-      const float value = sums[r][c] + (a.bias ? a.bias[col0 + c] : 0.0f);
-      const int64_t at = (row0 + r) * a.out_stride + col0 + c;
-      if (a.out_bf16) static_cast<at::BFloat16*>(a.out)[at] = value;
-      else static_cast<float*>(a.out)[at] = value;
-    }
-  }
+  for (int64_t r = 0; r < rows; ++r) store_columns(a.out, a.out_bf16, (row0 + r) * a.out_stride + col0, sums[r], col0, cols, a.bias);
 }
 
 // Every row of x against one panel, dequantized into `pairs` first: 32 rows a pass where there
@@ -167,10 +160,7 @@ void quantized_linear_amx(const at::Tensor& out, const at::Tensor& x, const at::
   const int64_t n = out.size(1), k = x.size(1);
   check_weight(packed, scales, bits, group, n, k);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x must be [M, K] bf16, contiguous");
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.stride(1) == 1 && out.device().is_cpu() &&
-                  (out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat),
-              "out must be [M, N] bf16 or fp32 on the CPU, rows dense");
-  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n), "bias must be [N] fp32");
+  check_output(out, x.size(0), bias);
 #if defined(KVFLEET_DECODE_AMX) && defined(__AVX512BF16__)
   const AmxArgs a{x.const_data_ptr<at::BFloat16>(), packed.const_data_ptr<uint8_t>(), scales.const_data_ptr<at::Half>(),
                   bias ? bias->const_data_ptr<float>() : nullptr, out.data_ptr(), out.scalar_type() == at::kBFloat16,

@@ -131,12 +131,7 @@ void panel_pass(const QuantArgs& a, int64_t row0, int64_t panel) {
   for (int r = 0; r < R; ++r) {
     float row[kColumns];
     kvfleet_cpu::store16(row, acc[r]);
-    for (int64_t c = 0; c < cols; ++c) {
-      const float value = row[c] + (a.bias ? a.bias[col0 + c] : 0.0f);
-      const int64_t at = (row0 + r) * a.out_stride + col0 + c;
-      if (a.out_bf16) static_cast<at::BFloat16*>(a.out)[at] = value;
-      else static_cast<float*>(a.out)[at] = value;
-    }
+    store_columns(a.out, a.out_bf16, (row0 + r) * a.out_stride + col0, row, col0, cols, a.bias);
   }
 }
 
@@ -217,10 +212,7 @@ void quantized_linear(const at::Tensor& out, const at::Tensor& xq, const at::Ten
   TORCH_CHECK(xq.scalar_type() == at::kChar && xq.is_contiguous() && xmeta.scalar_type() == at::kFloat &&
                   xmeta.is_contiguous() && xmeta.size(0) == xq.size(0) && xmeta.size(1) == k / 8,
               "xq and xmeta must come from quantize_activations");
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == xq.size(0) && out.stride(1) == 1 && out.device().is_cpu() &&
-                  (out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat),
-              "out must be [M, N] bf16 or fp32 on the CPU, rows dense");
-  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n), "bias must be [N] fp32");
+  check_output(out, xq.size(0), bias);
   const QuantArgs a{xq.const_data_ptr<int8_t>(), xmeta.const_data_ptr<float>(), packed.const_data_ptr<uint8_t>(),
                     scales.const_data_ptr<at::Half>(), bias ? bias->const_data_ptr<float>() : nullptr, out.data_ptr(),
                     out.scalar_type() == at::kBFloat16, xq.size(0), k, n, group, out.stride(0)};
@@ -239,8 +231,7 @@ std::tuple<at::Tensor, at::Tensor> pack_quantized_weight(const at::Tensor& codes
                   b.scalar_type() == at::kHalf && a.size(1) > 0 && codes.size(1) % a.size(1) == 0,
               "a and b must be [N, K / G] fp16");
   const int64_t n = codes.size(0), k = codes.size(1), groups = a.size(1), panels = (n + kColumns - 1) / kColumns;
-  check_weight(at::empty({panels * k * kColumns * bits / 8}, codes.options()),
-               at::empty({panels * groups * 2 * kColumns}, a.options()), bits, k / groups, n, k);
+  check_layout(bits, k / groups, k);
   at::Tensor padded = at::zeros({panels * kColumns, k}, codes.options());
   padded.narrow(0, 0, n).copy_(codes);
   // [panels, 16, K/4, 4] -> [panels, K/4, 16, 4]: step s of a panel is 64 contiguous bytes

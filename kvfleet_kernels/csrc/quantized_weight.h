@@ -4,12 +4,12 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 
 #include "cpu_vec.h"
 
 #include <cstdint>
 #include <cstring>
+#include <optional>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -72,15 +72,39 @@ inline vfloat spread(vfloat v, int i) {
   }
 }
 
-inline void check_weight(const at::Tensor& packed, const at::Tensor& scales, int64_t bits, int64_t group, int64_t n, int64_t k) {
-  const int64_t panels = (n + kColumns - 1) / kColumns;
+// The packed layout's own limits: 4 or 8 bits, K a multiple of 32 and of G, G 16 or a multiple of 32.
+inline void check_layout(int64_t bits, int64_t group, int64_t k) {
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   TORCH_CHECK(k % 32 == 0 && (group == 16 || (group % 32 == 0 && group > 0)) && k % group == 0,
               "K must be a multiple of 32 and of the group size (16, or a multiple of 32)");
+}
+
+inline void check_weight(const at::Tensor& packed, const at::Tensor& scales, int64_t bits, int64_t group, int64_t n, int64_t k) {
+  const int64_t panels = (n + kColumns - 1) / kColumns;
+  check_layout(bits, group, k);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == panels * k * kColumns * bits / 8,
               "packed must come from pack_quantized_weight for N, K and bits");
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.numel() == panels * (k / group) * 2 * kColumns,
               "scales must come from pack_quantized_weight for N, K and the group size");
+}
+
+// out [rows, N] of a linear (bf16 or fp32 on the CPU, rows dense) and its fp32 bias of N or none.
+inline void check_output(const at::Tensor& out, int64_t rows, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == rows && out.stride(1) == 1 && out.device().is_cpu() &&
+                  (out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat),
+              "out must be [M, N] bf16 or fp32 on the CPU, rows dense");
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == out.size(1)),
+              "bias must be [N] fp32");
+}
+
+// cols sums of one row (+ bias from column col0) into out at element `at` (bf16, rounded once, or fp32).
+inline void store_columns(void* out, bool out_bf16, int64_t at, const float* sums, int64_t col0, int64_t cols,
+                          const float* bias) {
+  for (int64_t c = 0; c < cols; ++c) {
+    const float value = sums[c] + (bias ? bias[col0 + c] : 0.0f);
+    if (out_bf16) static_cast<at::BFloat16*>(out)[at + c] = value;
+    else static_cast<float*>(out)[at + c] = value;
+  }
 }
 
 }  // namespace kvfleet_cpu::quantized
