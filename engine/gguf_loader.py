@@ -26,7 +26,7 @@ from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFReader, get_tensor_
 from gguf.quants import dequantize
 from torch import nn
 
-from engine.quantized_linear import quantized_modules, swap_in_quantized_layers, weight_sources
+from engine.quantized_linear import checkpoint_receivers, swap_in_quantized_layers, weight_sources
 
 Q = GGMLQuantizationType
 SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
@@ -181,7 +181,7 @@ def iterate_gguf_weights(path: str | Path, model: nn.Module, hf_config) -> Itera
     check_types(reader)
     arch = read_field(reader, "general.architecture")
     names = gguf_to_hf_names(model, arch, hf_config.num_hidden_layers)
-    quantized = {gguf: (module, part) for module in quantized_modules(model) for gguf, part in module.checkpoint_parts.items()}
+    quantized = checkpoint_receivers(model)
     for tensor in reader.tensors:
         if tensor.name in DERIVED_TENSORS:
             continue
@@ -194,6 +194,3 @@ def iterate_gguf_weights(path: str | Path, model: nn.Module, hf_config) -> Itera
         yield names[tensor.name], torch.tensor(weights)  # a copy: F32 tensors are read-only file views
     if quantized:  # the packed copies are all that is kept: let the file's pages go
         open_reader.cache_clear()
-    for module in quantized_modules(model):
-        if module.missing_parts():
-            raise ValueError(f"GGUF file lacks weights for {type(module).__name__} parts {module.missing_parts()}")

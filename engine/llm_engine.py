@@ -136,7 +136,8 @@ class LLMEngine:
         defaults = (f"{self.default_sampling_params} (from {source}; a request's own values win)"
                     if self.default_sampling_params else f"none (none from {source})")
         dtype = str(runner.dtype).removeprefix("torch.")
-        weights = "" if self.weights_summary() == dtype else f" ({self.weights_summary()})"
+        summary = self.weights_summary()
+        weights = "" if summary == dtype else f" ({summary})"
         return (f"engine: {architecture}, {self.num_params / 1e6:,.0f}M parameters{weights}, {dtype} on "
                 f"{runner.device}, "
                 f"{runner.backend.name} attention, {self.num_total_blocks} KV blocks of {config.block_size} tokens, "

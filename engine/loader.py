@@ -27,7 +27,7 @@ from engine.quantized_checkpoint import (
     quantization_of,
     quantized_dtype,
 )
-from engine.quantized_linear import quantized_modules, swap_in_quantized_layers, weight_sources
+from engine.quantized_linear import checkpoint_receivers, swap_in_quantized_layers, weight_sources
 
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -85,8 +85,7 @@ def use_quantized_packed_layers(model: nn.Module, folder, quantization: dict, dt
     source_of = {f"{prefix}.weight": prefix for prefix in packed}
     swap_in_quantized_layers(model, lambda name: weight_sources(model, name, source_of), dtype)
     model.quantized_kept = f"{quantization['quant_method']} {kept_bits(quantization)}-bit"
-    return {source: (module, part) for module in quantized_modules(model)
-            for source, part in module.checkpoint_parts.items()}
+    return checkpoint_receivers(model)
 
 
 def split_fused(model: nn.Module, name: str, tensor) -> list[tuple[str, object, int | None]]:

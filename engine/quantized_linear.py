@@ -147,24 +147,30 @@ def quantized_modules(model: nn.Module) -> list[QuantizedLinear | QuantizedEmbed
     return [m for m in model.modules() if isinstance(m, QuantizedLinear | QuantizedEmbedding)]
 
 
-def quantized_bytes(model: nn.Module) -> int:
-    """Bytes of the packed weights the model holds, each counted once (a tied head shares its table's)."""
+def packed_weights(model: nn.Module) -> list[kernels.PackedQuantizedWeight]:
+    """The packed weights the model holds, each once (a tied head shares its table's)."""
     weights = {}
     for module in quantized_modules(model):
         for weight in module.parts if isinstance(module, QuantizedLinear) else [module.weight]:
             if weight is not None:
-                weights[id(weight)] = weight.nbytes
-    return sum(weights.values())
+                weights[id(weight)] = weight
+    return list(weights.values())
+
+
+def quantized_bytes(model: nn.Module) -> int:
+    """Bytes of the packed weights the model holds."""
+    return sum(weight.nbytes for weight in packed_weights(model))
 
 
 def quantized_values(model: nn.Module) -> int:
-    """Weights the packed parts hold, each counted once: the parameters engine/loader.py never saw."""
-    weights = {}
-    for module in quantized_modules(model):
-        for weight in module.parts if isinstance(module, QuantizedLinear) else [module.weight]:
-            if weight is not None:
-                weights[id(weight)] = weight.out_features * weight.in_features
-    return sum(weights.values())
+    """Weights the packed parts hold: the parameters engine/loader.py never saw."""
+    return sum(weight.out_features * weight.in_features for weight in packed_weights(model))
+
+
+def checkpoint_receivers(model: nn.Module) -> dict[str, tuple[QuantizedLinear | QuantizedEmbedding, int]]:
+    """Checkpoint source -> (the quantized module that takes it, its part), for the loaders."""
+    return {source: (module, part) for module in quantized_modules(model)
+            for source, part in module.checkpoint_parts.items()}
 
 
 def swap_in_quantized_layers(model: nn.Module, sources_of, dtype: torch.dtype) -> set[str]:
