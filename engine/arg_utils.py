@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
-from engine.config import EngineConfig
+from engine.config import KV_CACHE_DTYPES, EngineConfig
 
 _DEFAULTS = {f.name: f.default for f in fields(EngineConfig)}
 
@@ -43,8 +43,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="--no-enforce-eager: on CUDA, decode steps replay CUDA graphs (not yet run on a GPU)")
     group.add_argument("--quantized-kernels", action=argparse.BooleanOptionalAction,
                        default=_DEFAULTS["quantized_kernels"],
-                       help="GGUF on the CPU: compute on the file's quantized weights (default); "
-                            "--no-quantized-kernels dequantizes them at load")
+                       help="on the CPU, compute on a GGUF file's or an AWQ/GPTQ/compressed-tensors "
+                            "checkpoint's quantized weights; --no-quantized-kernels (default) dequantizes them "
+                            "at load")
+    group.add_argument("--kv-cache-dtype", default=_DEFAULTS["kv_cache_dtype"], choices=list(KV_CACHE_DTYPES),
+                       help="auto: the model's dtype; fp8 (fp8_e4m3) or fp8_e5m2: one byte an element, twice "
+                            "the KV blocks in the same memory")
+    group.add_argument("--calculate-kv-scales", action="store_true",
+                       help="fp8 KV cache: each layer's scales from the first step's keys and values, where the "
+                            "checkpoint gives none")
     group.add_argument("--task", default=_DEFAULTS["task"], choices=["auto", "generate", "embed"],
                        help="auto: embed for encoders (BertModel, XLMRobertaModel) and sentence-transformers "
                             "folders, generate otherwise")

@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.kv_quant import KVScales, is_fp8, quantize_kv
 from kvfleet_kernels import reference
 
 logger = logging.getLogger(__name__)
+UNSCALED = KVScales()  # the scales of a cache that is not fp8: read as stored
 
 
 @dataclass
@@ -73,12 +75,14 @@ class TorchAttentionBackend:
         return key_cache, value_cache
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-        """key/value [T, Hkv, D] into their slots (slot_mapping [T] int64) of the caches."""
+                 slot_mapping: torch.Tensor, kv_scale: KVScales = UNSCALED) -> None:
+        """key/value [T, Hkv, D] into their slots (slot_mapping [T] int64) of the caches; into an fp8
+        cache as key / kv_scale.k and value / kv_scale.v (engine/kv_quant.py)."""
+        key, value = quantized_kv(key, value, key_cache.dtype, kv_scale)
         reference.store_kv(key, value, key_cache, value_cache, slot_mapping)
 
     def gather_keys(self, key_cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
-        """One sequence's first context_len keys in token order: [context_len, Hkv, D]."""
+        """One sequence's first context_len keys in token order: [context_len, Hkv, D], as stored."""
         return reference.gather_kv(key_cache, block_table, context_len)
 
     def gather_values(self, value_cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
@@ -87,32 +91,39 @@ class TorchAttentionBackend:
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float, sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                scale: float, sliding_window: int | None = None, sinks: torch.Tensor | None = None,
+                kv_scale: KVScales | None = None) -> torch.Tensor:
         """query [T, Hq, D], key/value [T, Hkv, D], caches as cache_views gives them -> [T, Hq, D];
-        sinks [Hq] or None (kvfleet_kernels/reference.py: prefill_attention)"""
-        self.store_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+        sinks [Hq] or None (kvfleet_kernels/reference.py: prefill_attention); kv_scale: the layer's
+        scales of an fp8 cache (engine/kv_quant.py)."""
+        kv_scale = kv_scale or UNSCALED
+        self.store_kv(key, value, key_cache, value_cache, meta.slot_mapping, kv_scale)
         if not meta.prefills:  # a decode-only step: the kernel's output is the layer's, no copy
-            return self.decode(query, key_cache, value_cache, meta, scale, sliding_window, sinks)
+            return self.decode(query, key_cache, value_cache, meta, scale, sliding_window, sinks, kv_scale)
         out = torch.empty_like(query)
         for span in meta.prefills:
             rows = slice(span.query_start, span.query_start + span.num_queries)
             self.prefill_span(out[rows], query[rows], key[rows], value[rows], key_cache, value_cache, span, scale,
-                              sliding_window, sinks)
+                              sliding_window, sinks, kv_scale)
         if meta.num_prefill_tokens < query.shape[0]:
             decodes = slice(meta.num_prefill_tokens, None)
-            out[decodes] = self.decode(query[decodes], key_cache, value_cache, meta, scale, sliding_window, sinks)
+            out[decodes] = self.decode(query[decodes], key_cache, value_cache, meta, scale, sliding_window, sinks,
+                                       kv_scale)
         return out
 
     def prefill_span(self, out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      key_cache: torch.Tensor, value_cache: torch.Tensor, span: PrefillSpan, scale: float,
-                     sliding_window: int | None, sinks: torch.Tensor | None) -> None:
+                     sliding_window: int | None, sinks: torch.Tensor | None, kv_scale: KVScales = UNSCALED) -> None:
         """One sequence's prefill into out [Q, Hq, D]: its query/key/value rows [Q, H, D] over its
-        whole context, whose earlier positions are read from the caches."""
+        whole context, whose earlier positions are read from the caches (an fp8 cache's times its
+        scales; the step's own rows as computed, as vLLM's prefill reads them)."""
         if span.context_len == span.num_queries:  # nothing cached: use the fresh K/V directly
             keys, values = key, value
         else:
-            keys = self.gather_keys(key_cache, span.block_table, span.context_len)
-            values = self.gather_values(value_cache, span.block_table, span.context_len)
+            keys = reference.dequantized(self.gather_keys(key_cache, span.block_table, span.context_len),
+                                         kv_scale.k, query.dtype)
+            values = reference.dequantized(self.gather_values(value_cache, span.block_table, span.context_len),
+                                           kv_scale.v, query.dtype)
         out.copy_(self.prefill(query, keys, values, span, scale, sliding_window, sinks))
 
     def prefill(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, span: PrefillSpan, scale: float,
@@ -129,12 +140,12 @@ class TorchAttentionBackend:
 
     def decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float, sliding_window: int | None,
-               sinks: torch.Tensor | None = None) -> torch.Tensor:
+               sinks: torch.Tensor | None = None, kv_scale: KVScales = UNSCALED) -> torch.Tensor:
         """query [num_decodes, Hq, D] -> [num_decodes, Hq, D]"""
         tables = meta.decode_block_tables
         return reference.paged_decode_attention(
             query, key_cache, value_cache, tables, meta.decode_context_lens, scale, sliding_window,
-            self.gather_buffers(key_cache, tables.shape[0] * tables.shape[1]), sinks)
+            self.gather_buffers(key_cache, tables.shape[0] * tables.shape[1]), sinks, (kv_scale.k, kv_scale.v))
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -171,7 +182,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return self._kernels.key_cache_view(key_cache), self._kernels.value_cache_view(value_cache)
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+                 slot_mapping: torch.Tensor, kv_scale: KVScales = UNSCALED) -> None:
+        key, value = quantized_kv(key, value, key_cache.dtype, kv_scale)
         self._kernels.store_kv(key, value, key_cache, value_cache, slot_mapping)
 
     def gather_keys(self, key_cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
@@ -182,12 +194,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def prefill_span(self, out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      key_cache: torch.Tensor, value_cache: torch.Tensor, span: PrefillSpan, scale: float,
-                     sliding_window: int | None, sinks: torch.Tensor | None) -> None:
+                     sliding_window: int | None, sinks: torch.Tensor | None, kv_scale: KVScales = UNSCALED) -> None:
         if self.paged_prefill and self._prefill_native.supports_paged(query, key_cache, sinks):
             self._prefill_native.paged_prefill_attention(query, key_cache, value_cache, span.block_table,
                                                          span.context_len, scale, sliding_window, out=out)
             return
-        super().prefill_span(out, query, key, value, key_cache, value_cache, span, scale, sliding_window, sinks)
+        super().prefill_span(out, query, key, value, key_cache, value_cache, span, scale, sliding_window, sinks,
+                             kv_scale)
 
     def prefill(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, span: PrefillSpan, scale: float,
                 sliding_window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
@@ -197,9 +210,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float, sliding_window: int | None,
-               sinks: torch.Tensor | None = None) -> torch.Tensor:
+               sinks: torch.Tensor | None = None, kv_scale: KVScales = UNSCALED) -> torch.Tensor:
         return self._decode(query, key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens,
-                            scale, sliding_window, sinks=sinks)
+                            scale, sliding_window, sinks=sinks, kv_scales=(kv_scale.k, kv_scale.v))
 
 
 class TritonAttentionBackend:
@@ -222,20 +235,35 @@ class TritonAttentionBackend:
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float, sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                scale: float, sliding_window: int | None = None, sinks: torch.Tensor | None = None,
+                kv_scale: KVScales | None = None) -> torch.Tensor:
         """query [T, Hq, D], key/value [T, Hkv, D], caches [num_blocks, block_size, Hkv, D] -> [T, Hq, D];
-        sinks [Hq] or None (kvfleet_kernels/reference.py: prefill_attention)"""
+        sinks [Hq] or None (kvfleet_kernels/reference.py: prefill_attention); kv_scale: an fp8
+        cache's scales (the kernels read its bytes and multiply)."""
+        kv_scale = kv_scale or UNSCALED
+        key, value = quantized_kv(key, value, key_cache.dtype, kv_scale)
         self._store_kv(key, value, key_cache, value_cache, meta.slot_mapping)
         out = torch.empty_like(query)
-        num_prefill = meta.num_prefill_tokens
+        num_prefill, scales = meta.num_prefill_tokens, (kv_scale.k, kv_scale.v)
         if num_prefill:
             self._prefill(query[:num_prefill], key_cache, value_cache, meta.prefill_block_tables,
                           meta.prefill_query_starts, meta.prefill_context_lens, meta.max_prefill_queries, scale,
-                          sliding_window, out=out[:num_prefill], sinks=sinks)
+                          sliding_window, out=out[:num_prefill], sinks=sinks, kv_scales=scales)
         if num_prefill < query.shape[0]:
             self._decode(query[num_prefill:], key_cache, value_cache, meta.decode_block_tables,
-                         meta.decode_context_lens, scale, sliding_window, out=out[num_prefill:], sinks=sinks)
+                         meta.decode_context_lens, scale, sliding_window, out=out[num_prefill:], sinks=sinks,
+                         kv_scales=scales)
         return out
+
+
+def quantized_kv(key: torch.Tensor, value: torch.Tensor, cache_dtype: torch.dtype,
+                 kv_scale: KVScales) -> tuple[torch.Tensor, torch.Tensor]:
+    """key/value [T, Hkv, D] as an fp8 cache stores them (x / scale; the scales first computed
+    from them where they are still to be); as they are for another cache."""
+    if not is_fp8(cache_dtype):
+        return key, value
+    kv_scale.observe(key, value)
+    return quantize_kv(key, kv_scale.k, cache_dtype), quantize_kv(value, kv_scale.v, cache_dtype)
 
 
 def resolve_backend_name(name: str, device: torch.device) -> str:

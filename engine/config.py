@@ -5,6 +5,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+# vLLM's names for the KV cache's element type (engine/kv_quant.py maps them to torch dtypes).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
 
@@ -57,6 +60,15 @@ class EngineConfig:
     compressed-tensors integer checkpoint, stay quantized in memory and compute there
     (engine/quantized_linear.py); False dequantizes them at load to `dtype`. Always dequantized
     under tensor parallelism and with LoRA."""
+    kv_cache_dtype: str = "auto"
+    """The KV cache's element type, by vLLM's names: auto (the model's dtype), or fp8 (= fp8_e4m3)
+    and fp8_e5m2, one byte an element: twice the blocks in the same memory, half the bytes a decode
+    step reads. Stored as x / scale with a scale per layer and K/V: the checkpoint's k_scale and
+    v_scale where it has them, else 1.0, or computed once (`calculate_kv_scales`). engine/kv_quant.py."""
+    calculate_kv_scales: bool = False
+    """With an fp8 KV cache: each layer's K and V scales from the first step's own keys and values
+    (their largest magnitude over vLLM's K_SCALE_CONSTANT 200 and V_SCALE_CONSTANT 100), where the
+    checkpoint gives none."""
     enforce_eager: bool = True
     """False: on CUDA, replay decode steps from CUDA graphs (engine/cuda_graphs.py), as vLLM does
     by default. True for now: the graphs are tested on the CPU only, until make gpu-check has
@@ -111,6 +123,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
             raise ValueError(f"attention_backend must be auto, torch, cpu or triton, got {self.attention_backend!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.task not in ("auto", "generate", "embed"):

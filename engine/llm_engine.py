@@ -126,6 +126,12 @@ class LLMEngine:
             return f"{quantization.get('quant_method')} checkpoint, dequantized at load"
         return dtype
 
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The KV cache's element type: the model's dtype, or fp8_e4m3 / fp8_e5m2."""
+        name = str(self.model_runner.kv_cache_dtype).removeprefix("torch.")
+        return {"float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}.get(name, name)
+
     def describe(self) -> str:
         """What the engine chose, in one line for the start-up log: where a user sees which
         dtype, attention path and generation defaults their run took."""
@@ -140,7 +146,8 @@ class LLMEngine:
         weights = "" if summary == dtype else f" ({summary})"
         return (f"engine: {architecture}, {self.num_params / 1e6:,.0f}M parameters{weights}, {dtype} on "
                 f"{runner.device}, "
-                f"{runner.backend.name} attention, {self.num_total_blocks} KV blocks of {config.block_size} tokens, "
+                f"{runner.backend.name} attention, {self.num_total_blocks} KV blocks of {config.block_size} tokens "
+                f"({self.kv_cache_dtype}), "
                 f"max_model_len {self.max_model_len}, tensor parallel {config.tensor_parallel_size}; "
                 f"generation defaults: {defaults}")
 

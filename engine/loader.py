@@ -18,6 +18,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.checkpoint import resolve_checkpoint
+from engine.kv_quant import take_kv_scales
 from engine.models.parallel_layers import copy_checked
 from engine.mxfp4 import dequantize_checkpoint
 from engine.quantized_checkpoint import (
@@ -65,7 +66,9 @@ def model_weights(model_name: str, model: nn.Module, hf_config, dtype: torch.dty
         if keep_quantized:
             use_quantized_gguf_layers(model, checkpoint.gguf_path, hf_config, dtype)
         return iterate_gguf_weights(checkpoint.gguf_path, model, hf_config)
-    weights = dequantize_checkpoint(iterate_weights(checkpoint.folder), dtype)
+    model.checkpoint_kv_scales = {}  # {layer: {"k": .., "v": ..}}, filled as the weights are read
+    weights = dequantize_checkpoint(take_kv_scales(iterate_weights(checkpoint.folder), model.checkpoint_kv_scales),
+                                    dtype)
     quantization = quantization_of(hf_config)
     if quantization is not None and quantization.get("quant_method") in DEQUANTIZED_METHODS:
         receivers = {}

@@ -24,6 +24,7 @@ from engine.cpu_runtime import pin_threads
 from engine.cuda_graphs import DecodeGraphs, ineligible_reason
 from engine.devices import host_default_device
 from engine.kv_cache import KVGroup, kv_groups, pool_sizes
+from engine.kv_quant import is_fp8, kv_cache_torch_dtype, layer_kv_scales
 from engine.loader import load_weights, model_weights
 from engine.lora.manager import LoRAModelManager, SlotTable
 from engine.lora.request import LoRARequest
@@ -115,6 +116,7 @@ class ModelRunner:
         self.rank, self.world_size = rank, config.tensor_parallel_size
         self.device = rank_device(resolve_device(config.device), rank)
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device, config.attention_backend)
+        self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
         self.vocab_size = hf_config.vocab_size
         max_positions = hf_config.max_position_embeddings
         self.max_model_len = config.max_model_len or max_positions
@@ -153,10 +155,14 @@ class ModelRunner:
         attention_layers = [m for m in self.model.modules() if hasattr(m, "num_kv_heads")]
         self.num_layers = len(attention_layers)
         self.num_kv_heads, self.head_dim = attention_layers[0].num_kv_heads, attention_layers[0].head_dim
+        if is_fp8(self.kv_cache_dtype):  # engine/kv_quant.py: each layer's scales
+            layer_kv_scales(attention_layers, getattr(self.model, "checkpoint_kv_scales", {}),
+                            config.calculate_kv_scales)
         self._allocate_kv_cache(kv_groups(attention_layers))
         self.model_inputs = ModelInputBuilder(self.device, self.block_size, len(self.kv_groups),
                                               self.backend.reads_prefill_spans, self.long_rope_after)
-        self.decode_graphs = None if config.enforce_eager else self._try_decode_graphs()
+        # Scales still to be computed would be frozen into the graphs at capture.
+        self.decode_graphs = None if config.enforce_eager or config.calculate_kv_scales else self._try_decode_graphs()
         self.sampler = Sampler(argmax_rows if self.backend.name == "cpu" else first_argmax)
         self.structured = None  # engine.structured_outputs.StructuredOutputs, set with the first constraint
 
@@ -226,7 +232,7 @@ class ModelRunner:
 
     @property
     def bytes_per_layer_block(self) -> int:
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.kv_cache_dtype.itemsize
 
     @property
     def bytes_per_block(self) -> int:
@@ -264,7 +270,7 @@ class ModelRunner:
         self.kv_pools = [(size, group.sliding_window) for size, group in zip(sizes, groups)]
         self.num_kv_blocks = sizes[0]
         self.kv_cache_groups = [torch.zeros(len(group.layers), 2, size, self.block_size, self.num_kv_heads,
-                                            self.head_dim, dtype=self.dtype, device=self.device)
+                                            self.head_dim, dtype=self.kv_cache_dtype, device=self.device)
                                 for size, group in zip(sizes, groups)]
         self.kv_caches = [None] * self.num_layers
         self.layer_groups = [0] * self.num_layers  # the pool each layer reads

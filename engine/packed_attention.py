@@ -47,9 +47,10 @@ class TorchPackedAttention:
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache, value_cache,
                 meta: PackedAttentionMetadata, scale: float, sliding_window: int | None = None,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
+                sinks: torch.Tensor | None = None, kv_scale=None) -> torch.Tensor:
         """query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq, D]. A sliding window never
-        binds: the embedding engine limits inputs to the smallest window."""
+        binds: the embedding engine limits inputs to the smallest window. No KV cache: kv_scale
+        (an fp8 cache's, engine/kv_quant.py) is never set here."""
         if sinks is not None:
             raise ValueError("attention sinks are not supported in embedding models")
         if meta.padding_plan is None:
@@ -66,7 +67,7 @@ class CpuPackedAttention(TorchPackedAttention):
     name = "cpu"
 
     def forward(self, query, key, value, key_cache, value_cache, meta: PackedAttentionMetadata, scale: float,
-                sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, sinks: torch.Tensor | None = None, kv_scale=None) -> torch.Tensor:
         from kvfleet_kernels.cpu_varlen_attention import varlen_attention  # noqa: PLC0415 (builds on first use)
 
         if sinks is not None:
@@ -85,7 +86,7 @@ class TritonPackedAttention(TorchPackedAttention):
         self._attention = varlen_attention
 
     def forward(self, query, key, value, key_cache, value_cache, meta: PackedAttentionMetadata, scale: float,
-                sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, sinks: torch.Tensor | None = None, kv_scale=None) -> torch.Tensor:
         if sinks is not None:
             raise ValueError("attention sinks are not supported in embedding models")
         return self._attention(query, key, value, meta.cu_seqlens, meta.max_seqlen, scale, meta.causal)

@@ -89,10 +89,14 @@ def require_built() -> None:
         raise RuntimeError(f"the native CPU kernels could not be built: {error}")
 
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def key_word_elements(dtype: torch.dtype) -> int:
-    """x of the key cache layout: elements to a 32-bit word (2 for bf16 and fp16, 1 for fp32);
-    csrc/decode_keys.h's key_word_elements is its C++ twin."""
-    return 2 if dtype.itemsize == 2 else 1
+    """x of the key cache layout: elements to a word (1 for fp32; 2 for bf16 and fp16, a 32-bit
+    word, and for fp8, one bf16 pair once widened); csrc/decode_keys.h's key_word_elements is its
+    C++ twin."""
+    return 1 if dtype == torch.float32 else 2
 
 
 def key_cache_view(key_cache: torch.Tensor) -> torch.Tensor:
@@ -116,9 +120,9 @@ def pack_key_cache(key_cache: torch.Tensor) -> torch.Tensor:
 
 
 def value_word_elements(dtype: torch.dtype) -> int:
-    """y of the value cache layout: positions to a 32-bit word (2 for bf16, 1 otherwise);
+    """y of the value cache layout: positions to a word (2 for bf16 and fp8, 1 otherwise);
     csrc/decode_values.h's value_word_elements is its C++ twin."""
-    return 2 if dtype == torch.bfloat16 else 1
+    return 2 if dtype == torch.bfloat16 or dtype in FP8_DTYPES else 1
 
 
 def value_cache_view(value_cache: torch.Tensor) -> torch.Tensor:
@@ -181,14 +185,17 @@ def decode_amx_available() -> bool:
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            sliding_window: int | None = None, out: torch.Tensor | None = None,
-                           sinks: torch.Tensor | None = None, allow_amx: bool = True) -> torch.Tensor:
+                           sinks: torch.Tensor | None = None, allow_amx: bool = True,
+                           kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     """The contract of kvfleet_kernels.reference.paged_decode_attention, with the keys in this
     kernel's layouts (key_cache_view, pack_key_cache, value_cache_view, pack_value_cache). bf16 caches of head size 64 or 128 run on
     AMX tiles where the CPU has them (csrc/decode_amx.h); allow_amx=False keeps them on
-    avx512_bf16 (tests compare the two).
+    avx512_bf16 (tests compare the two). fp8 caches (float8_e4m3fn, float8_e5m2; x = y = 1) are
+    read as their values times kv_scales (k_scale, v_scale), widened in registers.
 
     query:        [num_seqs, num_heads, head_dim]
     key_cache:    [num_blocks, num_kv_heads, head_dim // x, block_size, x], x = key_word_elements(dtype)
+                  (the query's dtype, or fp8)
     value_cache:  [num_blocks, num_kv_heads, block_size // y, head_dim, y], y = value_word_elements(dtype)
     block_tables: [num_seqs, max_blocks_per_seq] int64
     context_lens: [num_seqs] int64, including the new token
@@ -200,5 +207,6 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     # Shapes, dtypes and strides are checked in the C++ op (TORCH_CHECK), where they are read.
     torch.ops.kvfleet_cpu.paged_decode_attention(out, query, key_cache, value_cache, block_tables, context_lens,
                                                  scale, sliding_window or 0,
-                                                 None if sinks is None else sinks.float().contiguous(), allow_amx)
+                                                 None if sinks is None else sinks.float().contiguous(), allow_amx,
+                                                 float(kv_scales[0]), float(kv_scales[1]))
     return out

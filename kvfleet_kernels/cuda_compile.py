@@ -27,31 +27,40 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 # Per kernel: its argument types ("T" is the activation/cache dtype under test), then the
-# compile-time shapes to build: the engine's common cases at both ends of the grid.
+# compile-time shapes to build: the engine's common cases at both ends of the grid. A variant's
+# "types" overrides argument types (an fp8 KV cache is passed as its bytes, *u8).
 # Integer arguments are strides and counts: i32, as Triton's launcher passes values below 2**31.
+FP8_CACHES = {"key_cache_ptr": "*u8", "value_cache_ptr": "*u8"}
 KERNELS = {
     # Decode: whole context per program (Llama-8B's heads, 64-token tiles and 128), and split-K
     # partitions (gpt-oss-like: 7 heads a KV head padded to 16 rows, sinks, 32-token blocks).
     "paged_attention": ("kvfleet_kernels.paged_attention", "_paged_decode_kernel", {
         "out_ptr": "*T", "partial_ptr": "*fp32", "query_ptr": "*T", "key_cache_ptr": "*T", "value_cache_ptr": "*T",
-        "block_tables_ptr": "*i64", "context_lens_ptr": "*i64", "sinks_ptr": "*T", "scale": "fp32"},
+        "block_tables_ptr": "*i64", "context_lens_ptr": "*i64", "sinks_ptr": "*T", "scale": "fp32",
+        "k_scale": "fp32", "v_scale": "fp32"},
         [{"NUM_QUERIES_PER_KV": 4, "ROWS": 16, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "TILE": 64, "PARTITION_TILES": 1,
-          "SPLIT": False, "HAS_SINKS": False, "DOT_PRECISION": "tf32"},
+          "SPLIT": False, "HAS_SINKS": False, "DOT_PRECISION": "tf32", "FP8": 0},
          {"NUM_QUERIES_PER_KV": 4, "ROWS": 16, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "TILE": 128, "PARTITION_TILES": 1,
-          "SPLIT": False, "HAS_SINKS": False, "DOT_PRECISION": "tf32"},
+          "SPLIT": False, "HAS_SINKS": False, "DOT_PRECISION": "tf32", "FP8": 0},
          {"NUM_QUERIES_PER_KV": 7, "ROWS": 16, "HEAD_DIM": 64, "BLOCK_SIZE": 32, "TILE": 64, "PARTITION_TILES": 8,
-          "SPLIT": True, "HAS_SINKS": True, "DOT_PRECISION": "tf32"}]),
+          "SPLIT": True, "HAS_SINKS": True, "DOT_PRECISION": "tf32", "FP8": 0},
+         {"NUM_QUERIES_PER_KV": 4, "ROWS": 16, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "TILE": 128, "PARTITION_TILES": 1,
+          "SPLIT": False, "HAS_SINKS": False, "DOT_PRECISION": "tf32", "FP8": 1, "types": FP8_CACHES},
+         {"NUM_QUERIES_PER_KV": 7, "ROWS": 16, "HEAD_DIM": 64, "BLOCK_SIZE": 32, "TILE": 64, "PARTITION_TILES": 8,
+          "SPLIT": True, "HAS_SINKS": True, "DOT_PRECISION": "tf32", "FP8": 2, "types": FP8_CACHES}]),
     "paged_attention_combine": ("kvfleet_kernels.paged_attention", "_combine_partitions_kernel", {
         "out_ptr": "*T", "partial_ptr": "*fp32", "sinks_ptr": "*T"},
         [{"HEAD_DIM": 128, "PARTITIONS": 8, "HAS_SINKS": False}, {"HEAD_DIM": 64, "PARTITIONS": 32, "HAS_SINKS": True}]),
     "prefill_attention": ("kvfleet_kernels.prefill_attention", "_prefill_kernel", {
         "out_ptr": "*T", "query_ptr": "*T", "key_cache_ptr": "*T", "value_cache_ptr": "*T",
         "block_tables_ptr": "*i64", "query_starts_ptr": "*i64", "context_lens_ptr": "*i64", "sinks_ptr": "*T",
-        "scale": "fp32"},
+        "scale": "fp32", "k_scale": "fp32", "v_scale": "fp32"},
         [{"NUM_QUERIES_PER_KV": 4, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "BLOCK_M": 64, "TILE": 64,
-          "DOT_PRECISION": "tf32", "HAS_SINKS": False},
+          "DOT_PRECISION": "tf32", "HAS_SINKS": False, "FP8": 0},
          {"NUM_QUERIES_PER_KV": 8, "HEAD_DIM": 64, "BLOCK_SIZE": 32, "BLOCK_M": 16, "TILE": 64,
-          "DOT_PRECISION": "tf32", "HAS_SINKS": True}]),
+          "DOT_PRECISION": "tf32", "HAS_SINKS": True, "FP8": 0},
+         {"NUM_QUERIES_PER_KV": 4, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "BLOCK_M": 64, "TILE": 64,
+          "DOT_PRECISION": "tf32", "HAS_SINKS": False, "FP8": 1, "types": FP8_CACHES}]),
     # Packed whole inputs of embedding models: an encoder's bidirectional attention at head size 32
     # (all-MiniLM), a decoder's causal one at 128 (Qwen3-Embedding), and a padded head size (48).
     "varlen_attention": ("kvfleet_kernels.varlen_attention", "_varlen_attention_kernel", {
@@ -107,7 +116,8 @@ def _cuobjdump() -> Path:
 
 def compile_kernel(kernel: str, variant: int, arch: int, dtype: str) -> Compiled:
     module_name, function_name, typed, variants = KERNELS[kernel]
-    constexprs = variants[variant]
+    constexprs = {name: value for name, value in variants[variant].items() if name != "types"}
+    typed = typed | variants[variant].get("types", {})
     module = __import__(module_name, fromlist=[function_name])
     function = getattr(module, function_name)
     if not isinstance(function, triton.runtime.JITFunction):

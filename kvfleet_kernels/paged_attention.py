@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from kvfleet_kernels import cdiv
+from kvfleet_kernels.kv_fp8 import fp8_kind, kernel_view, load_kv
 
 # Tokens a program reads per iteration (whole cache blocks). On an H200 (bf16, Llama-8B heads,
 # 16-token blocks, batch 64 x 4096): 128 reads at 98% of the copy bandwidth, 64 at 74%, 32 at
@@ -37,17 +38,18 @@ def _paged_decode_kernel(
     out_ptr,  # [num_seqs, num_heads, head_dim]
     partial_ptr,  # SPLIT: [num_seqs, num_heads, num_partitions, head_dim + 2] fp32 (acc, max, sum)
     query_ptr,  # [num_seqs, num_heads, head_dim]
-    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] (FP8: its bytes)
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] (FP8: its bytes)
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int
     context_lens_ptr,  # [num_seqs] int
     sinks_ptr,  # [num_heads] (HAS_SINKS) or any pointer
     scale, sliding_window,  # sliding_window 0: none
+    k_scale, v_scale,  # an fp8 cache's (kvfleet_kernels/kv_fp8.py), else 1
     query_seq_stride, query_head_stride, out_seq_stride, out_head_stride, block_table_stride,
     cache_block_stride, cache_slot_stride, cache_head_stride,
     NUM_QUERIES_PER_KV: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr, PARTITION_TILES: tl.constexpr, SPLIT: tl.constexpr, HAS_SINKS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
     seq, kv_head, partition = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_partitions = tl.num_programs(2)
@@ -76,8 +78,8 @@ def _paged_decode_kernel(
         blocks = tl.load(block_tables_ptr + seq * block_table_stride + positions // BLOCK_SIZE, mask=valid,
                          other=0).to(tl.int64)  # [TILE]: each token's cache block
         offsets = blocks[:, None] * cache_block_stride + slot_offsets  # [TILE, D]
-        key = tl.load(key_cache_ptr + offsets, mask=valid[:, None], other=0.0)
-        value = tl.load(value_cache_ptr + offsets, mask=valid[:, None], other=0.0)
+        key = load_kv(key_cache_ptr, offsets, valid[:, None], k_scale, FP8, query.dtype)
+        value = load_kv(value_cache_ptr, offsets, valid[:, None], v_scale, FP8, query.dtype)
         scores = tl.dot(query, tl.trans(key), input_precision=DOT_PRECISION) * scale  # [M, TILE]
         scores = tl.where(valid[None, :], scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
@@ -154,9 +156,11 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            sliding_window: int | None = None, out: torch.Tensor | None = None,
                            sinks: torch.Tensor | None = None, partition_tokens: int | None = None,
-                           tile_tokens: int | None = None, num_warps: int = 4) -> torch.Tensor:
-    """Same contract as kvfleet_kernels.reference.paged_decode_attention. partition_tokens,
-    tile_tokens and num_warps override the plan (decode_plan) for tests and benchmarks."""
+                           tile_tokens: int | None = None, num_warps: int = 4,
+                           kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+    """Same contract as kvfleet_kernels.reference.paged_decode_attention (fp8 caches times
+    kv_scales included). partition_tokens, tile_tokens and num_warps override the plan
+    (decode_plan) for tests and benchmarks."""
     num_seqs, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, cache_head_dim = key_cache.shape
     assert cache_head_dim == head_dim and value_cache.shape == key_cache.shape
@@ -165,12 +169,13 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     assert query.stride(2) == 1 and key_cache.is_contiguous() and value_cache.is_contiguous()
     assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs and block_tables.stride(1) == 1
     assert context_lens.shape == (num_seqs,)
-    assert query.dtype == key_cache.dtype == value_cache.dtype
+    assert key_cache.dtype == value_cache.dtype and (query.dtype == key_cache.dtype or fp8_kind(key_cache))
     assert sinks is None or (sinks.shape == (num_heads,) and sinks.is_contiguous())
     out = torch.empty_like(query) if out is None else out
     assert out.shape == query.shape and out.stride(2) == 1
     if num_seqs == 0:
         return out
+    fp8 = fp8_kind(key_cache)
     tile, partition_tokens, num_partitions = decode_plan(num_seqs, num_kv_heads, block_size, block_tables.shape[1],
                                                          _num_multiprocessors(query.device), partition_tokens,
                                                          tile_tokens)
@@ -178,12 +183,13 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     partial = query.new_empty((num_seqs, num_heads, num_partitions, head_dim + 2), dtype=torch.float32) \
         if split else query  # (acc, max, sum) per partition of each head
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_partitions)](
-        out, partial, query, key_cache, value_cache, block_tables, context_lens, sink_ptr, scale, sliding_window or 0,
+        out, partial, query, kernel_view(key_cache), kernel_view(value_cache), block_tables, context_lens, sink_ptr,
+        scale, sliding_window or 0, float(kv_scales[0]), float(kv_scales[1]),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         NUM_QUERIES_PER_KV=group, ROWS=max(MIN_ROWS, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, TILE=tile, PARTITION_TILES=partition_tokens // tile if split else 1, SPLIT=split,
-        HAS_SINKS=sinks is not None, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        HAS_SINKS=sinks is not None, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", FP8=fp8,
         num_warps=num_warps)
     if split:
         _combine_partitions_kernel[(num_seqs, num_heads)](

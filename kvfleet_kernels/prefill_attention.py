@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvfleet_kernels.kv_fp8 import fp8_kind, kernel_view, load_kv
+
 # Keys a program reads per iteration. One 16-token cache block an iteration ran at 131 TFLOP/s on
 # an H200 (4 x 1,024 causal, bf16; SDPA 372); the decode kernel's move from one block to 128-token
 # tiles took it from 15% to 98% of its bound. 64 until gpu_check's sweep (benchmarks/kernels_gpu.py:
@@ -26,14 +28,16 @@ TILE_KEYS = 64
 def _prefill_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     query_ptr,  # [num_tokens, num_heads, head_dim]
-    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] (FP8: its bytes)
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] (FP8: its bytes)
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int
     query_starts_ptr,  # [num_seqs + 1] int: first row of each sequence in query/out
     context_lens_ptr,  # [num_seqs] int: cached + new tokens
     sinks_ptr,  # [num_heads] (HAS_SINKS) or any pointer
     scale,
     sliding_window,  # 0: none
+    k_scale,  # an fp8 cache's scales (kvfleet_kernels/kv_fp8.py), else 1
+    v_scale,
     query_token_stride,
     query_head_stride,
     out_token_stride,
@@ -49,6 +53,7 @@ def _prefill_kernel(
     TILE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -84,7 +89,7 @@ def _prefill_kernel(
             # [TILE, D]; each key's slot from its own position: a tile may be smaller than a block
             offsets = blocks[:, None] * cache_block_stride + (key_positions % BLOCK_SIZE)[:, None] * cache_slot_stride \
                 + head_offsets
-            key = tl.load(key_cache_ptr + offsets, mask=in_context[:, None], other=0.0)  # [TILE, D]
+            key = load_kv(key_cache_ptr, offsets, in_context[:, None], k_scale, FP8, query.dtype)  # [TILE, D]
             scores = tl.dot(query, tl.trans(key), input_precision=DOT_PRECISION) * scale  # [M, TILE]
             visible = (key_positions[None, :] <= query_positions[:, None]) & in_context[None, :]
             visible &= (sliding_window == 0) | (key_positions[None, :] > query_positions[:, None] - sliding_window)
@@ -95,7 +100,7 @@ def _prefill_kernel(
             probs = tl.exp(scores - shift[:, None])
             correction = tl.exp(running_max - shift)
             running_sum = running_sum * correction + tl.sum(probs, axis=1)
-            value = tl.load(value_cache_ptr + offsets, mask=in_context[:, None], other=0.0)  # [TILE, D]
+            value = load_kv(value_cache_ptr, offsets, in_context[:, None], v_scale, FP8, query.dtype)  # [TILE, D]
             acc = acc * correction[:, None] + tl.dot(probs.to(value.dtype), value, input_precision=DOT_PRECISION)
             running_max = new_max
         out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]  # padded rows: 0, not 0/0
@@ -107,9 +112,11 @@ def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
                       block_tables: torch.Tensor, query_starts: torch.Tensor, context_lens: torch.Tensor,
                       max_num_queries: int, scale: float, sliding_window: int | None = None,
                       out: torch.Tensor | None = None, sinks: torch.Tensor | None = None, block_m: int | None = None,
-                      tile_keys: int | None = None, num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
+                      tile_keys: int | None = None, num_warps: int = 4, num_stages: int | None = None,
+                      kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     """query: [num_tokens, num_heads, head_dim], the new tokens of every sequence back to
-    back (query_starts[i]:query_starts[i + 1]); their K/V must already be in the cache.
+    back (query_starts[i]:query_starts[i + 1]); their K/V must already be in the cache (an fp8
+    cache's, read times kv_scales).
     sinks: [num_heads] or None (kvfleet_kernels/reference.py: prefill_attention). block_m,
     tile_keys, num_warps and num_stages override the launch plan, for tests and benchmarks."""
     num_tokens, num_heads, head_dim = query.shape
@@ -120,7 +127,8 @@ def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     assert head_dim == triton.next_power_of_2(head_dim) and block_size == triton.next_power_of_2(block_size)
     assert query.stride(2) == 1 and key_cache.is_contiguous() and value_cache.is_contiguous()
     assert query_starts.shape == (num_seqs + 1,) and block_tables.shape[0] == num_seqs
-    assert block_tables.stride(1) == 1 and query.dtype == key_cache.dtype == value_cache.dtype
+    assert block_tables.stride(1) == 1 and key_cache.dtype == value_cache.dtype
+    assert query.dtype == key_cache.dtype or fp8_kind(key_cache)
     assert sinks is None or (sinks.shape == (num_heads,) and sinks.is_contiguous())
     out = torch.empty_like(query) if out is None else out
     assert out.shape == query.shape and out.stride(2) == 1
@@ -132,11 +140,11 @@ def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     grid = (num_seqs, num_heads, triton.cdiv(max_num_queries, block_m))
     launch = {"num_warps": num_warps} | ({"num_stages": num_stages} if num_stages else {})
     _prefill_kernel[grid](
-        out, query, key_cache, value_cache, block_tables, query_starts, context_lens,
-        query if sinks is None else sinks, scale, sliding_window or 0,
+        out, query, kernel_view(key_cache), kernel_view(value_cache), block_tables, query_starts, context_lens,
+        query if sinks is None else sinks, scale, sliding_window or 0, float(kv_scales[0]), float(kv_scales[1]),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         NUM_QUERIES_PER_KV=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m,
         TILE=tile, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", HAS_SINKS=sinks is not None,
-        **launch)
+        FP8=fp8_kind(key_cache), **launch)
     return out

@@ -4,6 +4,8 @@ Triton kernels are tested against.
 Paged KV layout, per layer: [num_blocks, block_size, num_kv_heads, head_dim].
 A token at position p of a sequence lives in slot
 block_table[p // block_size] * block_size + p % block_size.
+An fp8 cache (float8_e4m3fn, float8_e5m2) holds x / scale: store_kv takes rows already
+quantized (engine/kv_quant.py), and the decode path reads them back times its kv_scales.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ import torch.nn.functional as F
 
 from kvfleet_kernels import cdiv
 
+# The grouped matmuls' references (MoE experts, LoRA segments), kept under reference.* as well.
+from kvfleet_kernels.reference_grouped import fused_moe, gated_activation, sgmv  # noqa: F401
+
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
@@ -25,16 +30,28 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
     store_rows(value, value_cache, slot_mapping)
 
 
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """An fp8 tensor's bytes (torch's index_copy_ and index_select take no fp8), others as they are."""
+    return tensor.view(torch.uint8) if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else tensor
+
+
+def dequantized(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """fp8 cache rows -> rows * scale in `dtype`; rows of another dtype as they are."""
+    if x.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return x
+    return (x.float() * scale).to(dtype)
+
+
 def store_rows(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """rows [num_tokens, num_kv_heads, head_dim] into their slots of one plain cache,
     [num_blocks, block_size, num_kv_heads, head_dim]."""
-    cache.view(-1, *rows.shape[1:]).index_copy_(0, slot_mapping, rows)
+    as_bytes(cache).view(-1, *rows.shape[1:]).index_copy_(0, slot_mapping, as_bytes(rows))
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
     """One sequence's first context_len K (or V) rows: cache [num_blocks, block_size,
     num_kv_heads, head_dim], block_table [num_blocks_of_seq] -> [context_len, Hkv, D]."""
-    return cache[block_table].flatten(0, 1)[:context_len]
+    return as_bytes(cache)[block_table].flatten(0, 1)[:context_len].view(cache.dtype)
 
 
 def _window_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, sliding_window: int | None):
@@ -235,7 +252,8 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            sliding_window: int | None = None,
                            gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
-                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+                           sinks: torch.Tensor | None = None,
+                           kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     """One new token per sequence attending over its paged context.
 
     query:        [num_seqs, num_heads, head_dim]
@@ -243,6 +261,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     block_tables: [num_seqs, max_blocks_per_seq] int (entries past a sequence's blocks are ignored)
     context_lens: [num_seqs] int, including the new token
     sinks:        [num_heads] or None (prefill_attention says what they are)
+    kv_scales:    (k_scale, v_scale) of fp8 caches: what they hold times these is K and V
     returns       [num_seqs, num_heads, head_dim]
 
     NOTE: two equivalent paths. One padded [num_seqs, max_context] gather and a single
@@ -256,28 +275,34 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     padded_tokens = len(lens) * max(lens)
     if sinks is None and padded_tokens <= sum(lens) + PER_SEQUENCE_OVERHEAD_TOKENS * len(lens):
         return _decode_padded(query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window,
-                              gather_buffers)
-    return _decode_per_sequence(query, key_cache, value_cache, block_tables, lens, scale, sliding_window, sinks)
+                              gather_buffers, kv_scales)
+    return _decode_per_sequence(query, key_cache, value_cache, block_tables, lens, scale, sliding_window, sinks,
+                                kv_scales)
 
 
-def _gather_blocks(cache: torch.Tensor, table: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:
-    """cache rows `table` -> [len(table), block_size, Hkv, D], into `buffer` when it is large enough."""
+def _gather_blocks(cache: torch.Tensor, table: torch.Tensor, buffer: torch.Tensor | None, scale: float,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """cache rows `table` -> [len(table), block_size, Hkv, D] in `dtype` (an fp8 cache's times
+    `scale`), gathered into `buffer` when it is large enough."""
     if buffer is None or buffer.shape[0] < table.shape[0]:
-        return cache.index_select(0, table)
-    return torch.index_select(cache, 0, table, out=buffer[: table.shape[0]])
+        rows = as_bytes(cache).index_select(0, table)
+    else:
+        rows = torch.index_select(as_bytes(cache), 0, table, out=as_bytes(buffer[: table.shape[0]]))
+    return dequantized(rows.view(cache.dtype), scale, dtype)
 
 
 def _decode_padded(query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window,
-                   gather_buffers=None):
+                   gather_buffers=None, kv_scales=(1.0, 1.0)):
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     num_blocks = cdiv(int(context_lens.max()), block_size)
     table = block_tables[:, :num_blocks].reshape(-1)
     key_buffer, value_buffer = gather_buffers or (None, None)
     # [num_seqs, Hkv, max_context, D]
-    keys = _gather_blocks(key_cache, table, key_buffer).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
-    values = _gather_blocks(value_cache, table, value_buffer).view(num_seqs, -1, num_kv_heads,
-                                                                    head_dim).transpose(1, 2)
+    keys = _gather_blocks(key_cache, table, key_buffer, kv_scales[0], query.dtype)
+    keys = keys.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    values = _gather_blocks(value_cache, table, value_buffer, kv_scales[1], query.dtype)
+    values = values.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
     positions = torch.arange(keys.shape[2], device=query.device)
     mask = positions[None, :] < context_lens[:, None]  # [num_seqs, max_context]
     if sliding_window is not None:
@@ -287,7 +312,8 @@ def _decode_padded(query, key_cache, value_cache, block_tables, context_lens, sc
     return out[:, :, 0, :]
 
 
-def _decode_per_sequence(query, key_cache, value_cache, block_tables, lens, scale, sliding_window, sinks=None):
+def _decode_per_sequence(query, key_cache, value_cache, block_tables, lens, scale, sliding_window, sinks=None,
+                         kv_scales=(1.0, 1.0)):
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -297,8 +323,10 @@ def _decode_per_sequence(query, key_cache, value_cache, block_tables, lens, scal
     for index, context_len in enumerate(lens):
         first = 0 if sliding_window is None else max(0, context_len - sliding_window)
         blocks = block_tables[index, : cdiv(context_len, block_size)]
-        keys = key_cache.index_select(0, blocks).flatten(0, 1)[first:context_len].transpose(0, 1)  # [Hkv, C, D]
-        values = value_cache.index_select(0, blocks).flatten(0, 1)[first:context_len].transpose(0, 1)
+        keys = _gather_blocks(key_cache, blocks, None, kv_scales[0], query.dtype)
+        keys = keys.flatten(0, 1)[first:context_len].transpose(0, 1)  # [Hkv, C, D]
+        values = _gather_blocks(value_cache, blocks, None, kv_scales[1], query.dtype)
+        values = values.flatten(0, 1)[first:context_len].transpose(0, 1)
         scores = torch.matmul(keys, grouped_query[index]) * scale  # [Hkv, C, G]
         probs = softmax_with_sinks(scores.transpose(1, 2), head_sinks).transpose(1, 2)  # [Hkv, C, G]
         out[index] = torch.matmul(probs.transpose(1, 2), values).reshape(num_heads, head_dim)
@@ -329,71 +357,3 @@ def rotary(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch
     """Rotary embedding, rotate-half (GPT-NeoX / Llama) style, on query [T, Hq, D] and
     key [T, Hkv, D] with cos, sin [T, D]. Returns new (query, key)."""
     return rotate_half(query, cos, sin), rotate_half(key, cos, sin)
-
-
-# -- mixture of experts -------------------------------------------------------------
-
-def gated_activation(gate_up: torch.Tensor, activation: str, swiglu_alpha: float = 1.702,
-                     swiglu_limit: float = 7.0) -> torch.Tensor:
-    """gate_up [N, 2 * I], the gate's features then the up projection's -> [N, I].
-
-    silu:      silu(gate) * up (SwiGLU: Mixtral, Qwen3-MoE)
-    swigluoai: gpt-oss's variant: gate clamped from above and up on both sides at
-               swiglu_limit, gate * sigmoid(alpha * gate) * (up + 1)
-    """
-    gate, up = gate_up.chunk(2, dim=-1)
-    if activation == "silu":
-        return F.silu(gate) * up
-    if activation == "swigluoai":
-        gate, up = gate.clamp(max=swiglu_limit), up.clamp(min=-swiglu_limit, max=swiglu_limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * swiglu_alpha))
-    raise ValueError(f"MoE activation {activation!r} is not supported; supported: silu, swigluoai")
-
-
-def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, activation: str = "silu", w13_bias: torch.Tensor | None = None,
-              w2_bias: torch.Tensor | None = None, linear=F.linear, **activation_args) -> torch.Tensor:
-    """The expert sum of a mixture-of-experts layer: the torch path, and the oracle of
-    kvfleet_kernels/fused_moe.py.
-
-    hidden:       [T, H]
-    w13:          [E, 2 * I, H] (each expert's gate rows, then its up rows); w13_bias [E, 2 * I]
-    w2:           [E, H, I]; w2_bias [E, H]
-    topk_weights: [T, k] float; topk_ids: [T, k] int
-    returns       [T, H]: sum over j of topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t])
-
-    Rows sorted by expert, two matmuls per expert (a loop over experts, never tokens), added
-    in expert order as transformers adds them; `linear(x, weight, bias)` runs each matmul
-    (w13 and w2 may be lists of what it takes, e.g. oneDNN-packed weights)."""
-    num_tokens, top_k = topk_ids.shape
-    flat_ids = topk_ids.flatten()  # [T * k], row t * k + j
-    order = torch.argsort(flat_ids, stable=True)  # rows grouped by expert, token order within
-    counts = torch.bincount(flat_ids, minlength=len(w13)).tolist()
-    token_of_row = order // top_k
-    rows = hidden[token_of_row]  # [T * k, H]
-    out_rows = torch.empty_like(rows)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        part = slice(start, start + count)
-        gate_up = linear(rows[part], w13[expert], None if w13_bias is None else w13_bias[expert])
-        out_rows[part] = linear(gated_activation(gate_up, activation, **activation_args), w2[expert],
-                                None if w2_bias is None else w2_bias[expert])
-        start += count
-    weighted = (out_rows * topk_weights.flatten()[order, None]).to(hidden.dtype)
-    return torch.zeros_like(hidden).index_add_(0, token_of_row, weighted)
-
-
-
-def sgmv(x: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, seg_starts: torch.Tensor,
-         seg_slots: torch.Tensor, accumulate: bool = False) -> torch.Tensor:
-    """Segmented gather matmul (punica's SGMV: the LoRA shrink and expand): segment i's rows of
-    x [T, K] times weights[seg_slots[i]] [N, K].T into out [T, N]; slot -1 leaves its rows be."""
-    bounds = seg_starts.tolist()
-    for index, slot in enumerate(seg_slots.tolist()):
-        rows = slice(bounds[index], bounds[index + 1])
-        if slot >= 0:
-            product = (x[rows].float() @ weights[slot].float().T).to(out.dtype)  # [rows, N]
-            out[rows] = out[rows] + product if accumulate else product
-    return out

@@ -1,10 +1,13 @@
-"""store_kv: write each new token's K and V rows into their paged-cache slots."""
+"""store_kv: write each new token's K and V rows into their paged-cache slots (an fp8 cache's
+bytes as they are: the rows arrive quantized, engine/kv_quant.py)."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from kvfleet_kernels.kv_fp8 import kernel_view
 
 
 @triton.jit
@@ -37,10 +40,11 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
     assert key_cache.is_contiguous() and value_cache.is_contiguous()
     for tensor in (key, value):  # each token's [num_kv_heads, head_dim] row must be contiguous
         assert tensor.stride(2) == 1 and tensor.stride(1) == head_dim, tensor.stride()
-    assert key.dtype == value.dtype == key_cache.dtype == value_cache.dtype
+    assert key.dtype == value.dtype == key_cache.dtype == value_cache.dtype  # fp8: quantized before (engine/kv_quant.py)
     assert slot_mapping.shape == (num_tokens,) and slot_mapping.dtype == torch.int64
     if num_tokens == 0:
         return
     row = num_kv_heads * head_dim
+    key, value, key_cache, value_cache = (kernel_view(t) for t in (key, value, key_cache, value_cache))
     _store_kv_kernel[(num_tokens,)](key, value, key_cache, value_cache, slot_mapping, key.stride(0),
                                     value.stride(0), ROW=row, ROW_BLOCK=triton.next_power_of_2(row))

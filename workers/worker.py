@@ -283,6 +283,8 @@ class Worker:
                   "tensor_parallel_size": self.engine.config.tensor_parallel_size,
                   "num_params": self.engine.num_params, "num_active_params": self.engine.num_active_params,
                   "weights": self.engine.weights_summary(),
+                  # an embedding engine keeps no KV cache
+                  "kv_cache_dtype": getattr(self.engine, "kv_cache_dtype", None),
                   "free_blocks": stats.num_free_blocks, "total_blocks": stats.num_total_blocks,
                   "running": stats.num_running, "waiting": stats.num_waiting, "unstarted": stats.num_unstarted,
                   "unstarted_blocks_needed": stats.num_unstarted_blocks_needed,

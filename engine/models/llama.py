@@ -39,6 +39,7 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.sliding_window = sliding_window
         self.sinks: nn.Parameter | None = None  # [Hq] attention sinks (gpt-oss)
+        self.kv_scale = None  # engine.kv_quant.KVScales of an fp8 KV cache, set by the model runner
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         full_q = total_heads * self.head_dim
         kv_rows = (kv_start * self.head_dim, kv_end * self.head_dim)
@@ -68,7 +69,7 @@ class LlamaAttention(nn.Module):
         q, k = rotary(positions, q, k, ctx.meta.seq_lens)
         key_cache, value_cache = ctx.kv_caches[self.layer_idx]
         out = ctx.backend.forward(q, k, v, key_cache, value_cache, ctx.layer_meta(self.layer_idx), self.scale,
-                                  self.sliding_window, self.sinks)
+                                  self.sliding_window, self.sinks, self.kv_scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

@@ -22,6 +22,7 @@ class OPTAttention(nn.Module):
         self.num_heads = self.num_kv_heads = parallel.divide(config.num_attention_heads, parallel.tp_size(),
                                                              "num_attention_heads")  # this rank's
         self.scale = self.head_dim**-0.5
+        self.kv_scale = None  # engine.kv_quant.KVScales of an fp8 KV cache, set by the model runner
         self.qkv_proj = merged_column_linear(config.hidden_size, [config.hidden_size] * 3, bias=config.enable_bias)
         self.out_proj = row_parallel_linear(config.hidden_size, config.hidden_size, bias=config.enable_bias)
 
@@ -29,7 +30,8 @@ class OPTAttention(nn.Module):
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).view(num_tokens, 3, self.num_heads, self.head_dim).unbind(1)
         key_cache, value_cache = ctx.kv_caches[self.layer_idx]
-        out = ctx.backend.forward(q, k, v, key_cache, value_cache, ctx.layer_meta(self.layer_idx), self.scale)  # [T, H, D]
+        out = ctx.backend.forward(q, k, v, key_cache, value_cache, ctx.layer_meta(self.layer_idx), self.scale,
+                                  kv_scale=self.kv_scale)  # [T, H, D]
         return self.out_proj(out.reshape(num_tokens, -1))
 
 

@@ -7,6 +7,8 @@
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -15,6 +17,10 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
+
+#if defined(__AVX512BW__)
+#include <immintrin.h>
+#endif
 
 namespace kvfleet_cpu {
 
@@ -63,6 +69,69 @@ inline vfloat load16(const at::Half* p) {
   std::memcpy(&raw, p, sizeof raw);
   return __builtin_convertvector(raw, vfloat);
 }
+// fp8, the elements of an fp8 KV cache (engine/kv_quant.py). Its pairs (dimensions d and d + 1 of
+// a key, positions 2j and 2j + 1 of a value) are stored as bf16's are, two bytes for four.
+template <typename T>
+constexpr bool kIsFp8 = std::is_same_v<T, c10::Float8_e4m3fn> || std::is_same_v<T, c10::Float8_e5m2>;
+
+// fp8 bytes (one per 16-bit lane) -> fp32, through fp16, whose conversion every x86-64-v3 CPU has
+// (F16C). e5m2 is the top byte of an fp16. e4m3's sign, exponent and mantissa moved into fp16's
+// places as they are read 2^-8 of its value: fp16's exponent bias is 8 more, and e4m3's subnormals
+// land on fp16 subnormals of the same 2^-8 (its NaN, 0x7F, is never stored).
+using u16x16 = uint16_t __attribute__((vector_size(32)));
+template <typename fp8_t>
+inline vfloat fp8_bytes_to_float(u16x16 bytes) {
+  using f16x16 = _Float16 __attribute__((vector_size(32)));
+  const u16x16 bits = std::is_same_v<fp8_t, c10::Float8_e5m2> ? u16x16(bytes << 8)
+                                                               : u16x16(((bytes & 0x80) << 8) | ((bytes & 0x7F) << 7));
+  f16x16 halves;
+  std::memcpy(&halves, &bits, sizeof halves);
+  const vfloat v = __builtin_convertvector(halves, vfloat);
+  return std::is_same_v<fp8_t, c10::Float8_e5m2> ? v : v * 256.f;
+}
+// 16 words of fp8 pairs -> their even and odd elements in fp32.
+template <typename fp8_t>
+inline void load_fp8_pairs(const fp8_t* words, vfloat& even, vfloat& odd) {
+  u16x16 w;
+  std::memcpy(&w, words, sizeof w);
+  even = fp8_bytes_to_float<fp8_t>(w & 0xFF);
+  odd = fp8_bytes_to_float<fp8_t>(w >> 8);
+}
+
+#if defined(__AVX512BW__)
+// The bf16 bits of fp8 subnormal i (i times 2^-step_exponent), a normal bf16 number.
+constexpr uint16_t fp8_subnormal_bf16(int i, int step_exponent) {
+  if (i == 0) return 0;
+  const int e = i >= 4 ? 2 : i >= 2 ? 1 : 0;  // floor(log2 i)
+  return static_cast<uint16_t>(((127 - step_exponent + e) << 7) | ((i << (7 - e)) & 0x7F));
+}
+// 32 bf16 (one __m512i) from 32 elements: bf16's as they are, fp8's widened exactly. A normal fp8
+// number's exponent and mantissa shift into bf16's places, the exponent rebased (bias 7 or 15 to
+// 127); subnormals (e4m3's magnitudes below 8, e5m2's below 4) are looked up, as bf16 reads its
+// own subnormals as zero in the dot product.
+template <typename cache_t>
+inline __m512i bf16_words32(const cache_t* p) {
+  if constexpr (!kIsFp8<cache_t>) {
+    return _mm512_loadu_si512(p);
+  } else {
+    constexpr bool e4m3 = std::is_same_v<cache_t, c10::Float8_e4m3fn>;
+    constexpr int mantissa_bits = e4m3 ? 3 : 2, bias = e4m3 ? 7 : 15, step = bias - 1 + mantissa_bits;
+    alignas(64) static constexpr uint16_t subnormals[32] = {
+        fp8_subnormal_bf16(0, step), fp8_subnormal_bf16(1, step), fp8_subnormal_bf16(2, step),
+        fp8_subnormal_bf16(3, step), fp8_subnormal_bf16(4, step), fp8_subnormal_bf16(5, step),
+        fp8_subnormal_bf16(6, step), fp8_subnormal_bf16(7, step)};
+    const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m512i magnitude = _mm512_and_si512(bytes, _mm512_set1_epi16(0x7F));
+    __m512i words = _mm512_add_epi16(_mm512_slli_epi16(magnitude, 7 - mantissa_bits),
+                                     _mm512_set1_epi16(static_cast<int16_t>((127 - bias) << 7)));
+    const __mmask32 subnormal = _mm512_cmplt_epu16_mask(magnitude, _mm512_set1_epi16(1 << mantissa_bits));
+    words = _mm512_mask_permutexvar_epi16(words, subnormal, magnitude, _mm512_load_si512(subnormals));
+    const __m512i sign = _mm512_and_si512(_mm512_slli_epi16(bytes, 8), _mm512_set1_epi16(static_cast<int16_t>(0x8000)));
+    return _mm512_or_si512(words, sign);
+  }
+}
+#endif
+
 inline void store16(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
 inline float reduce_add(vfloat v) {  // a tree of halves: log2(16) dependent adds, not 15
   using v8 = float __attribute__((vector_size(32)));

@@ -26,17 +26,21 @@ struct Strides {
       key_head;
 };
 
-// What one launch reads and writes, and its work split (below).
-template <typename scalar_t>
+// What one launch reads and writes, and its work split (below). cache_t: the caches' element, the
+// query's own or fp8 (c10::Float8_e4m3fn, c10::Float8_e5m2), whose stored values times k_scale and
+// v_scale are the keys and values (1 for the others).
+template <typename scalar_t, typename cache_t = scalar_t>
 struct DecodeArgs {
   scalar_t* out;
-  const scalar_t *query, *key_cache, *value_cache;
+  const scalar_t* query;
+  const cache_t *key_cache, *value_cache;
   const int64_t *block_tables, *context_lens;
   const float* sinks;
   int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size, sliding_window, max_context;
   float scale;
   Strides st;
   bool allow_amx;  // AMX tiles where the shapes suit them (csrc/decode_amx.h)
+  float k_scale, v_scale;
 };
 
 // A work item is one sequence and a span of its KV heads: its first KV head, its context
@@ -60,17 +64,22 @@ constexpr int64_t kPrefetchBlocks = 2;
 // of keys (csrc/decode_keys.h), the V pass reads each value word row once for the whole group,
 // its accumulators in registers for the block (csrc/decode_values.h). On AMX both passes run on
 // tiles instead (csrc/decode_amx.h).
-template <typename scalar_t, int HEAD_DIM>
+// An fp8 cache is read as bf16 pairs (csrc/cpu_vec.h: bf16_words32 widens them in registers) by
+// the bf16 paths, or widened to fp32 for an fp32 query, with k_scale folded into the scores' scale
+// and v_scale into the output's 1/sum.
+template <typename scalar_t, int HEAD_DIM, typename cache_t = scalar_t>
 class ItemDecoder {
  public:
   // bf16 caches of head size 64 or 128 on avx512_bf16: both passes on its dot product.
-  static constexpr bool kDotBf16 = kHasBf16Dot && std::is_same_v<scalar_t, at::BFloat16> && HEAD_DIM > 0 &&
+  static constexpr bool kDotBf16 = kHasBf16Dot && std::is_same_v<scalar_t, at::BFloat16> &&
+                                   (std::is_same_v<cache_t, scalar_t> || kIsFp8<cache_t>) && HEAD_DIM > 0 &&
                                    HEAD_DIM % 32 == 0;
   // ... and on AMX tiles where the CPU has them (csrc/decode_amx.h; amx_ below for the shapes).
-  static constexpr bool kAmx = kHasAmxBf16 && kDotBf16 && HEAD_DIM % kAmxValueDims == 0;
-  static constexpr int64_t kY = kValueWordElements<scalar_t>;  // positions to a value word
+  static constexpr bool kAmx = kHasAmxBf16 && kDotBf16 && std::is_same_v<cache_t, scalar_t> &&
+                               HEAD_DIM % kAmxValueDims == 0;
+  static constexpr int64_t kY = kValueWordElements<cache_t>;  // positions to a value word
 
-  ItemDecoder(const DecodeArgs<scalar_t>& args, int64_t span)
+  ItemDecoder(const DecodeArgs<scalar_t, cache_t>& args, int64_t span)
       : a_(args), st_(args.st), runtime_head_dim_(args.head_dim), bs_(args.block_size),
         group_(args.num_heads / args.num_kv_heads), span_(span), rows_(span * group_),
         // Row stride of the score buffers: whole blocks, as the K pass writes runs of 16 slots.
@@ -82,7 +91,7 @@ class ItemDecoder {
   // Both passes on AMX tiles: the CPU has them, and the shapes fit (GQA groups of up to 16 query
   // heads, blocks of whole runs of 16 positions) with a positive scale (the AMX K pass leaves
   // the scale to the softmax, which takes the max of unscaled scores).
-  static bool uses_amx(const DecodeArgs<scalar_t>& args) {
+  static bool uses_amx(const DecodeArgs<scalar_t, cache_t>& args) {
     const int64_t group = args.num_heads / args.num_kv_heads;
     return kAmx && args.allow_amx && group <= 16 && args.block_size % kLanes == 0 && args.scale > 0;
   }
@@ -113,11 +122,11 @@ class ItemDecoder {
     return a_.query + item_.seq * st_.query_seq + (item_.first_kv_head * group_ + r) * st_.query_head;
   }
   // KV head `kv_head` (of the model) in block `block`: its keys [head_dim / x, block_size, x], contiguous.
-  const scalar_t* keys_of(int64_t block, int64_t kv_head) const {
+  const cache_t* keys_of(int64_t block, int64_t kv_head) const {
     return a_.key_cache + block * st_.key_block + kv_head * st_.key_head;
   }
   // Head `head` of the span in block `block`: its first value word row.
-  const scalar_t* values_of(int64_t block, int64_t head) const {
+  const cache_t* values_of(int64_t block, int64_t head) const {
     return a_.value_cache + block * st_.value_block + (item_.first_kv_head + head) * st_.value_head;
   }
   KVFLEET_PREFETCH_HELPER void prefetch_keys(int64_t block, int64_t kv_head) const {
@@ -138,18 +147,19 @@ class ItemDecoder {
     }
   }
 
-  void load_queries() {  // fp32, pre-scaled
+  void load_queries() {  // fp32, pre-scaled (k_scale too: q . (k_scale k) = (k_scale q) . k)
+    const float scale = a_.scale * a_.k_scale;
     for (int64_t r = 0; r < rows_; ++r) {
       const scalar_t* q = raw_query(r);
-      for (int64_t d = 0; d < head_dim(); ++d) queries_[r * head_dim() + d] = static_cast<float>(q[d]) * a_.scale;
+      for (int64_t d = 0; d < head_dim(); ++d) queries_[r * head_dim() + d] = static_cast<float>(q[d]) * scale;
     }
   }
 
   // Scores of the GQA group [r0, r0 + group) at the slots [lo, hi) of one KV head's block,
   // into s [group, score_stride] (at the block's start). Whole runs of 16 slots compute all
   // 16, those outside [lo, hi) never read; the scalar loop serves other head sizes and blocks.
-  void key_scores(float* s, int64_t r0, const scalar_t* keys, int64_t lo, int64_t hi) const {
-    constexpr int64_t x = kKeyWordElements<scalar_t>;
+  void key_scores(float* s, int64_t r0, const cache_t* keys, int64_t lo, int64_t hi) const {
+    constexpr int64_t x = kKeyWordElements<cache_t>;
     if constexpr (HEAD_DIM > 0 && HEAD_DIM % kLanes == 0) {
       if (bs_ % kLanes == 0) {
         if constexpr (kAmx) {
@@ -164,7 +174,7 @@ class ItemDecoder {
             constexpr int kTile = decltype(tile)::value;
             if constexpr (kDotBf16) {
               key_scores16_bf16<HEAD_DIM, kTile>(s + t * score_stride_ + c, score_stride_, raw_query(r0 + t),
-                                                 st_.query_head, keys + c * x, bs_ * x, a_.scale);
+                                                 st_.query_head, keys + c * x, bs_ * x, a_.scale * a_.k_scale);
             } else {
               key_scores16<HEAD_DIM, kTile>(s + t * score_stride_ + c, score_stride_,
                                             queries_.data() + (r0 + t) * head_dim(), keys + c * x, bs_ * x);
@@ -234,7 +244,7 @@ class ItemDecoder {
         if constexpr (kDotBf16) p[pos] = static_cast<at::BFloat16>(numerator); else s[pos] = numerator;
         total += numerator;
       }
-      inv_sum_[r] = 1.f / total;
+      inv_sum_[r] = a_.v_scale / total;
     }
   }
 
@@ -256,7 +266,7 @@ class ItemDecoder {
   void value_pass(const Item& next) {
     for_each_block([&](int64_t j, int64_t start, int64_t head, int64_t lo, int64_t hi) {
       prefetch_next_keys(next, start + lo, start + lo + 1, head);
-      const scalar_t* values = values_of(table_[j], head);  // pair rows (bf16) or rows
+      const cache_t* values = values_of(table_[j], head);  // pair rows (bf16) or rows
       const int64_t r = head * group_;  // the group's first query row
       if constexpr (kDotBf16) {
         const auto* weights = reinterpret_cast<const uint16_t*>(probs_.data() + r * score_stride_ + start);
@@ -285,7 +295,7 @@ class ItemDecoder {
           zero_value_tiles();
           for (int64_t c0 = item_.first - item_.first % positions; c0 < item_.len; c0 += positions) {
             if (d0 == 0) prefetch_next_keys(next, c0, c0 + positions, head);
-            const scalar_t* pairs = values_of(table_[c0 / bs_], head) + (c0 % bs_) / 2 * st_.value_row + 2 * d0;
+            const cache_t* pairs = values_of(table_[c0 / bs_], head) + (c0 % bs_) / 2 * st_.value_row + 2 * d0;
             const at::BFloat16* probs = probs_.data() + r * score_stride_ + c0;
             if (c0 >= item_.first && c0 + positions <= item_.len) {
               amx_weighted_values(probs, score_stride_, pairs, st_.value_row);
@@ -306,10 +316,10 @@ class ItemDecoder {
   void value_pass_other_sizes() {
     for_each_block([&](int64_t j, int64_t start, int64_t head, int64_t lo, int64_t hi) {
       if (start + kPrefetchBlocks * bs_ < item_.len) prefetch_values<3>(table_[j + kPrefetchBlocks], head);
-      const scalar_t* rows_of_head = values_of(table_[j], head);
+      const cache_t* rows_of_head = values_of(table_[j], head);
       const float* values = reinterpret_cast<const float*>(rows_of_head);
       int64_t stride = st_.value_row;
-      if constexpr (!std::is_same_v<scalar_t, float>) {
+      if constexpr (!std::is_same_v<cache_t, float>) {
         widen_rows(widened_.data(), rows_of_head, st_.value_row, lo, hi, head_dim());
         values = widened_.data(), stride = head_dim();
       }
@@ -326,7 +336,7 @@ class ItemDecoder {
     }
   }
 
-  const DecodeArgs<scalar_t>& a_;
+  const DecodeArgs<scalar_t, cache_t>& a_;
   const Strides st_;
   const int64_t runtime_head_dim_, bs_, group_, span_, rows_, score_stride_;
   std::vector<float> scores_;   // [rows, score_stride]

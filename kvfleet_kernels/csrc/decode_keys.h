@@ -11,6 +11,7 @@
 // ~0.73 -> ~0.45 ms a layer with the cache in L3.
 #pragma once
 
+#include <c10/core/ScalarType.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -26,11 +27,12 @@
 
 namespace kvfleet_cpu {
 
-// x: elements of a key cache dtype to one 32-bit word of the layout (2 for bf16 and fp16, 1 for
-// fp32); kvfleet_kernels/cpu_paged_attention.py's key_word_elements is its Python twin.
-constexpr int64_t key_word_elements(int64_t element_size) { return element_size == 2 ? 2 : 1; }
+// x: elements of a key cache dtype to one word of the layout: 1 for fp32, else 2 (bf16 and fp16: a
+// 32-bit word; fp8: 16 bits, which become one bf16 pair in registers);
+// kvfleet_kernels/cpu_paged_attention.py's key_word_elements is its Python twin.
+inline int64_t key_word_elements(at::ScalarType dtype) { return dtype == at::kFloat ? 1 : 2; }
 template <typename scalar_t>
-constexpr int64_t kKeyWordElements = key_word_elements(sizeof(scalar_t));
+constexpr int64_t kKeyWordElements = std::is_same_v<scalar_t, float> ? 1 : 2;
 
 // Dimensions d and d + 1 of 16 consecutive positions, from one row of 16 words (bf16, fp16).
 template <typename scalar_t>
@@ -38,7 +40,9 @@ inline void load_word_pairs(const scalar_t* words, vfloat& even, vfloat& odd) {
   using u32x16 = uint32_t __attribute__((vector_size(64)));
   u32x16 w;
   std::memcpy(&w, words, sizeof w);
-  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {  // bf16 is the top half of an fp32
+  if constexpr (kIsFp8<scalar_t>) {  // 16 positions' (d, d + 1) byte pairs
+    load_fp8_pairs(words, even, odd);
+  } else if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {  // bf16 is the top half of an fp32
     const u32x16 low = w << 16, high = w & 0xFFFF0000u;
     std::memcpy(&even, &low, sizeof even);
     std::memcpy(&odd, &high, sizeof odd);
@@ -81,12 +85,13 @@ inline void key_scores16(float* s, int64_t s_stride, const float* q, const scala
 constexpr int kKeyTile = kVfloatRegisters >= 32 ? 4 : 2;
 
 #if defined(__AVX512BF16__)
-// key_scores16 for bf16 query rows (q_stride apart) and a bf16 cache on avx512_bf16's dot
+// key_scores16 for bf16 query rows (q_stride apart) and a bf16 or fp8 cache on avx512_bf16's dot
 // product: a word row is 16 positions' (d, d + 1) pairs, which meet the query's own pair,
-// broadcast, in one instruction. Each bf16 x bf16 product is exact in fp32, as after widening.
-template <int HEAD_DIM, int TILE>
+// broadcast, in one instruction. Each bf16 x bf16 product is exact in fp32, as after widening;
+// fp8 pairs are widened to bf16 exactly first (bf16_words32).
+template <int HEAD_DIM, int TILE, typename cache_t>
 inline void key_scores16_bf16(float* s, int64_t s_stride, const at::BFloat16* q, int64_t q_stride,
-                              const at::BFloat16* keys, int64_t word_row, float scale) {
+                              const cache_t* keys, int64_t word_row, float scale) {
   __m512 even_sum[TILE], odd_sum[TILE];  // pairs (d, d + 1) with d / 2 even, and odd
   for (int t = 0; t < TILE; ++t) even_sum[t] = odd_sum[t] = _mm512_setzero_ps();
   // Unrolled whole: rolled, g++ (12) kept two temporaries for the loop, re-loading a word row
@@ -94,8 +99,8 @@ inline void key_scores16_bf16(float* s, int64_t s_stride, const at::BFloat16* q,
   // positions went from ~0.356 to ~0.329 ms unrolled (2-core EPYC, interleaved runs).
 #pragma GCC unroll 32
   for (int p = 0; p < HEAD_DIM / 2; p += 2) {
-    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(keys + p * word_row);
-    const __m512bh k1 = (__m512bh)_mm512_loadu_si512(keys + (p + 1) * word_row);
+    const __m512bh k0 = (__m512bh)bf16_words32(keys + p * word_row);
+    const __m512bh k1 = (__m512bh)bf16_words32(keys + (p + 1) * word_row);
     for (int t = 0; t < TILE; ++t) {
       int32_t q0, q1;
       std::memcpy(&q0, q + t * q_stride + 2 * p, sizeof q0);
@@ -109,8 +114,8 @@ inline void key_scores16_bf16(float* s, int64_t s_stride, const at::BFloat16* q,
     _mm512_storeu_ps(s + t * s_stride, _mm512_mul_ps(_mm512_add_ps(even_sum[t], odd_sum[t]), scale16));
 }
 #else
-template <int HEAD_DIM, int TILE>
-inline void key_scores16_bf16(float*, int64_t, const at::BFloat16*, int64_t, const at::BFloat16*, int64_t,
+template <int HEAD_DIM, int TILE, typename cache_t>
+inline void key_scores16_bf16(float*, int64_t, const at::BFloat16*, int64_t, const cache_t*, int64_t,
                               float) {}  // never called
 #endif
 

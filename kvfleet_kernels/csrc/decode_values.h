@@ -30,11 +30,14 @@
 
 namespace kvfleet_cpu {
 
-// y of the value layout: positions to a 32-bit word of a value cache of this dtype;
+// y of the value layout: positions to a word of a value cache of this dtype: 2 for bf16 (a
+// 32-bit word) and fp8 (16 bits, one bf16 pair in registers), else 1;
 // kvfleet_kernels/cpu_paged_attention.py's value_word_elements is its Python twin.
-inline int64_t value_word_elements(at::ScalarType dtype) { return dtype == at::kBFloat16 ? 2 : 1; }
+inline int64_t value_word_elements(at::ScalarType dtype) {
+  return dtype == at::kBFloat16 || dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2 ? 2 : 1;
+}
 template <typename scalar_t>
-constexpr int64_t kValueWordElements = std::is_same_v<scalar_t, at::BFloat16> ? 2 : 1;
+constexpr int64_t kValueWordElements = std::is_same_v<scalar_t, at::BFloat16> || kIsFp8<scalar_t> ? 2 : 1;
 
 // 8 fp32 lanes, half a vfloat: fp32 loops whose 16-lane sums would spill on AVX2 and NEON.
 using vfloat8 = float __attribute__((vector_size(32)));
@@ -54,9 +57,9 @@ inline void store8(float* p, vfloat8 v) { std::memcpy(p, &v, sizeof v); }
 // to bf16, as torch's bf16 attention rounds its probabilities before the product with V; the sums
 // stay fp32. A pair with one position outside [lo, hi) loads that half as zero: its weight is zero
 // too, but its slot may hold a freed sequence's values, NaN included, and 0 x NaN is NaN.
-template <int HEAD_DIM, int TILE>
+template <int HEAD_DIM, int TILE, typename cache_t>
 inline void weighted_pairs_add_tile_bf16(float* acc, int64_t acc_stride, const uint16_t* weights,
-                                         int64_t weight_stride, const at::BFloat16* pairs, int64_t pair_stride,
+                                         int64_t weight_stride, const cache_t* pairs, int64_t pair_stride,
                                          int64_t lo, int64_t hi) {
   constexpr int kWords = HEAD_DIM / 16;  // 16-word registers per pair row: 16 dimensions each
   __m512 sum[TILE][kWords];
@@ -64,7 +67,10 @@ inline void weighted_pairs_add_tile_bf16(float* acc, int64_t acc_stride, const u
     for (int k = 0; k < kWords; ++k) sum[t][k] = _mm512_loadu_ps(acc + t * acc_stride + 16 * k);
   auto accumulate = [&](int64_t j, __mmask32 keep) {
     __m512i words[kWords];
-    for (int k = 0; k < kWords; ++k) words[k] = _mm512_maskz_loadu_epi16(keep, pairs + j * pair_stride + 32 * k);
+    for (int k = 0; k < kWords; ++k) {
+      if constexpr (kIsFp8<cache_t>) words[k] = _mm512_maskz_mov_epi16(keep, bf16_words32(pairs + j * pair_stride + 32 * k));
+      else words[k] = _mm512_maskz_loadu_epi16(keep, pairs + j * pair_stride + 32 * k);
+    }
     for (int t = 0; t < TILE; ++t) {
       uint32_t w;
       std::memcpy(&w, weights + t * weight_stride + 2 * j, sizeof(w));
@@ -90,8 +96,8 @@ inline void store_probabilities16(at::BFloat16* p, vfloat v) {
 }
 
 #else
-template <int HEAD_DIM, int TILE>
-inline void weighted_pairs_add_tile_bf16(float*, int64_t, const uint16_t*, int64_t, const at::BFloat16*, int64_t,
+template <int HEAD_DIM, int TILE, typename cache_t>
+inline void weighted_pairs_add_tile_bf16(float*, int64_t, const uint16_t*, int64_t, const cache_t*, int64_t,
                                          int64_t, int64_t) {}  // never called
 inline void store_probabilities16(at::BFloat16* p, vfloat v) { store16(p, v); }  // never called
 #endif

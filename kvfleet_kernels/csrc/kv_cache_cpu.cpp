@@ -1,7 +1,7 @@
 // Writes and reads of the CPU cache layouts (kvfleet_kernels/cpu_paged_attention.py): keys as
 // [num_blocks, num_kv_heads, head_dim / x, block_size, x] (csrc/decode_keys.h), values as
 // [num_blocks, num_kv_heads, block_size / y, head_dim, y] (csrc/decode_values.h), x and y the
-// elements to a 32-bit word of each (2 for bf16; the keys also 2 for fp16, 1 otherwise). A decode
+// elements to a word of each (2 for bf16 and fp8; the keys also 2 for fp16, 1 for fp32). A decode
 // step's new keys and values into their slots, and a sequence's back in token order for a
 // prefill over a cached prefix. torch's index_put_ on the permuted view did the key store at
 // 7.5x index_copy_'s time (60 against 8 us for 64 tokens; 5.1 against 0.6 ms for 8,192).
@@ -41,12 +41,13 @@ struct CacheLayout {
     cache = static_cast<char*>(cache_tensor.data_ptr());
     num_blocks = cache_tensor.size(0), num_heads = cache_tensor.size(1), head_stride = cache_tensor.stride(1);
     if (keys) {
-      TORCH_CHECK(x == kvfleet_cpu::key_word_elements(element), "key_cache's x must be 2 for 2-byte dtypes, 1 otherwise");
+      TORCH_CHECK(x == kvfleet_cpu::key_word_elements(cache_tensor.scalar_type()),
+                  "key_cache's x must be 1 for fp32, 2 otherwise");
       block_size = cache_tensor.size(3), word = x, head_units = cache_tensor.size(2);
       unit_stride = block_size * x, group = 1, group_stride = x;
     } else {
       TORCH_CHECK(x == kvfleet_cpu::value_word_elements(cache_tensor.scalar_type()),
-                  "value_cache's y must be 2 for bf16, 1 otherwise");
+                  "value_cache's y must be 2 for bf16 and fp8, 1 otherwise");
       block_size = cache_tensor.size(2) * x, word = 1, head_units = cache_tensor.size(3);
       unit_stride = x, group = x, group_stride = head_units * x;
     }

@@ -96,7 +96,8 @@ def test_the_workers_page_shows_total_and_active_parameters(console_api, r):
                                             "num_active_params": 3_345_000_000}, 30)
     heartbeats.record_heartbeat(r, "w-dense", {**base, "models": ["dense"], "num_params": 134_515_008,
                                               "num_active_params": 134_515_008,
-                                              "weights": "GGUF Q4_1/Q8_0 kept quantized, 98 MiB"}, 30)
+                                              "weights": "GGUF Q4_1/Q8_0 kept quantized, 98 MiB",
+                                              "kv_cache_dtype": "fp8_e4m3"}, 30)
     with httpx.Client(base_url=console_api.url, headers={"Authorization": f"Bearer {API_KEY}"}) as client:
         page = client.get("/ui/workers").text
     moe_row = page[page.index("w-moe"):].split("</tr>")[0]
@@ -104,6 +105,7 @@ def test_the_workers_page_shows_total_and_active_parameters(console_api, r):
     assert "30.5B" in moe_row and "(3.35B active)" in moe_row
     assert "135M" in dense_row and "active" not in dense_row
     assert "GGUF Q4_1/Q8_0 kept quantized, 98 MiB" in dense_row and "kept quantized" not in moe_row
+    assert "KV cache fp8_e4m3" in dense_row and "KV cache" not in moe_row
 
 
 def test_the_workers_page_shows_a_tenant_only_its_own_adapters(console_api, r, monkeypatch):

@@ -203,7 +203,8 @@ def test_n_samples_come_back_as_n_choices_with_summed_usage(worker, r):
 def test_heartbeat_reports_the_model_and_its_active_parameters(tiny_models, r):
     from jobs import heartbeats
 
-    engine = LLMEngine(EngineConfig(model=tiny_models["qwen3_moe"], num_kv_blocks=16, onednn_linear=False))
+    engine = LLMEngine(EngineConfig(model=tiny_models["qwen3_moe"], num_kv_blocks=16, onednn_linear=False,
+                                    kv_cache_dtype="fp8"))
     worker = Worker(engine, r, WorkerOptions(name="w-moe", served_model_names=["moe"], maintain_seconds=0.05))
     try:
         worker._heartbeat()
@@ -215,3 +216,4 @@ def test_heartbeat_reports_the_model_and_its_active_parameters(tiny_models, r):
     experts = sum(p.numel() for name, p in engine.model_runner.model.named_parameters() if ".experts." in name)
     assert record["num_params"] == total
     assert record["num_active_params"] == total - experts + experts * 4 // 8  # top 4 of 8 experts
+    assert (record["weights"], record["kv_cache_dtype"]) == ("float32", "fp8_e4m3")
