@@ -89,6 +89,7 @@ bench: $(STAMP) $(BENCH_VENV)/.installed-stamp
 	$(BIN)/python -m benchmarks.embeddings
 	$(BIN)/python -m benchmarks.multi_lora
 	$(BIN)/python -m benchmarks.quantized
+	$(BIN)/python -m benchmarks.kv_cache_fp8
 
 # On a GPU machine: every kernel test, engine parity and timing in one run (see scripts/gpu_check.py).
 # It needs only the engine's dependencies, so it runs on the machine's own python3.

@@ -114,11 +114,12 @@ def free_port() -> int:
 class LlamaServer:
     """llama-server on `model` with `slots` parallel slots (continuous batching, all cores)."""
 
-    def __init__(self, bin_dir: Path, model: str, slots: int, context_per_slot: int) -> None:
+    def __init__(self, bin_dir: Path, model: str, slots: int, context_per_slot: int,
+                 extra_args: list[str] | None = None) -> None:
         self.port = free_port()
         self.command = [str(bin_dir / "llama-server"), "-m", model, "--host", "127.0.0.1", "--port", str(self.port),
                         "-np", str(slots), "-c", str(slots * context_per_slot), "-t", str(os.cpu_count()),
-                        "--cont-batching"]
+                        "--cont-batching", *(extra_args or [])]
 
     def __enter__(self) -> LlamaServer:
         self.process = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

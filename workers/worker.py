@@ -283,8 +283,6 @@ class Worker:
                   "tensor_parallel_size": self.engine.config.tensor_parallel_size,
                   "num_params": self.engine.num_params, "num_active_params": self.engine.num_active_params,
                   "weights": self.engine.weights_summary(),
-                  # an embedding engine keeps no KV cache
-                  "kv_cache_dtype": getattr(self.engine, "kv_cache_dtype", None),
                   "free_blocks": stats.num_free_blocks, "total_blocks": stats.num_total_blocks,
                   "running": stats.num_running, "waiting": stats.num_waiting, "unstarted": stats.num_unstarted,
                   "unstarted_blocks_needed": stats.num_unstarted_blocks_needed,
@@ -295,6 +293,8 @@ class Worker:
                   "heartbeat_seconds": self.options.maintain_seconds,
                   "forwarded_waiting": self.batch_lane.forwarded.num_waiting,
                   "max_num_seqs": self.engine.config.max_num_seqs, **self._lora_record(stats)}
+        if hasattr(self.engine, "kv_cache_dtype"):  # an embedding engine keeps no KV cache
+            record["kv_cache_dtype"] = self.engine.kv_cache_dtype
         heartbeats.record_heartbeat(self.r, self.options.name, record, max(3, int(self.options.lease_seconds)))
 
     def _lora_record(self, stats) -> dict:
