@@ -139,9 +139,11 @@ def to_hf_layout(arch: str, gguf_name: str, weights: np.ndarray, hf_config) -> n
     return weights
 
 
-def use_quantized_gguf_layers(model: nn.Module, path: str | Path, hf_config, dtype: torch.dtype) -> None:
+def use_quantized_gguf_layers(model: nn.Module, path: str | Path, hf_config, dtype: torch.dtype,
+                              kernel: str = "cpu") -> None:
     """Swap every nn.Linear / nn.Embedding of `model` whose tensors in the GGUF file all have a kernel
-    type for a quantized module that will receive them (engine/quantized_linear.py)."""
+    type for a quantized module that will receive them (engine/quantized_linear.py; `kernel` cpu or
+    triton)."""
     from engine.quantized_weights import KERNEL_TYPES  # noqa: PLC0415
 
     reader = open_reader(Path(path))
@@ -153,7 +155,7 @@ def use_quantized_gguf_layers(model: nn.Module, path: str | Path, hf_config, dty
         sources = weight_sources(model, name, gguf_of)
         return sources if all(types.get(gguf) in KERNEL_TYPES for gguf in sources) else {}
 
-    kept = swap_in_quantized_layers(model, sources_of, dtype)
+    kept = swap_in_quantized_layers(model, sources_of, dtype, kernel)
     model.quantized_kept = "GGUF " + "/".join(sorted({types[gguf].name for gguf in kept}))
 
 

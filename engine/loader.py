@@ -54,17 +54,18 @@ def iterate_weights(model_dir: str | Path) -> Iterator[tuple[str, object]]:
 
 
 def model_weights(model_name: str, model: nn.Module, hf_config, dtype: torch.dtype,
-                  keep_quantized: bool = False) -> Iterator[tuple[str, object]]:
+                  keep_quantized: str | None = None) -> Iterator[tuple[str, object]]:
     """The weights of the checkpoint `model_name` names (engine/checkpoint.py), by HF name;
     MXFP4, fp8, compressed-tensors, AWQ and GPTQ tensors dequantized into `dtype`. With
-    `keep_quantized`, a GGUF file's kernel-typed linears and embeddings are first swapped for
-    quantized modules, which take their tensors as they are (engine/gguf_loader.py)."""
+    `keep_quantized` ("cpu" or "triton": whose kernels compute on them), a GGUF file's kernel-typed
+    linears and embeddings, and an integer checkpoint's packed linears, are first swapped for
+    quantized modules, which take their tensors as they are (engine/quantized_linear.py)."""
     checkpoint = resolve_checkpoint(model_name)
     if checkpoint.gguf_file:
         from engine.gguf_loader import iterate_gguf_weights, use_quantized_gguf_layers  # noqa: PLC0415 (imports gguf)
 
         if keep_quantized:
-            use_quantized_gguf_layers(model, checkpoint.gguf_path, hf_config, dtype)
+            use_quantized_gguf_layers(model, checkpoint.gguf_path, hf_config, dtype, keep_quantized)
         return iterate_gguf_weights(checkpoint.gguf_path, model, hf_config)
     model.checkpoint_kv_scales = {}  # {layer: {"k": .., "v": ..}}, filled as the weights are read
     weights = dequantize_checkpoint(take_kv_scales(iterate_weights(checkpoint.folder), model.checkpoint_kv_scales),
@@ -73,12 +74,13 @@ def model_weights(model_name: str, model: nn.Module, hf_config, dtype: torch.dty
     if quantization is not None and quantization.get("quant_method") in DEQUANTIZED_METHODS:
         receivers = {}
         if keep_quantized and kept_bits(quantization) is not None:
-            receivers = use_quantized_packed_layers(model, checkpoint.folder, quantization, dtype)
+            receivers = use_quantized_packed_layers(model, checkpoint.folder, quantization, dtype, keep_quantized)
         weights = dequantize_quantized(weights, quantization, dtype, receivers)
     return weights
 
 
-def use_quantized_packed_layers(model: nn.Module, folder, quantization: dict, dtype: torch.dtype) -> dict:
+def use_quantized_packed_layers(model: nn.Module, folder, quantization: dict, dtype: torch.dtype,
+                                kernel: str = "cpu") -> dict:
     """Swap every linear whose checkpoint modules are all integer-quantized (AWQ/GPTQ qweight,
     compressed-tensors weight_packed or an int8 weight) for a quantized module; {checkpoint module:
     (quantized module, part)} for dequantize_quantized to deliver them to."""
@@ -86,7 +88,7 @@ def use_quantized_packed_layers(model: nn.Module, folder, quantization: dict, dt
               if name.endswith((".qweight", ".weight_packed"))
               or name.endswith(".weight") and quantized_dtype(tensor) == torch.int8}
     source_of = {f"{prefix}.weight": prefix for prefix in packed}
-    swap_in_quantized_layers(model, lambda name: weight_sources(model, name, source_of), dtype)
+    swap_in_quantized_layers(model, lambda name: weight_sources(model, name, source_of), dtype, kernel)
     model.quantized_kept = f"{quantization['quant_method']} {kept_bits(quantization)}-bit"
     return checkpoint_receivers(model)
 

@@ -17,7 +17,7 @@ import random
 import torch
 
 from engine import parallel
-from engine.attention import ForwardContext, select_backend
+from engine.attention import ForwardContext, resolve_backend_name, select_backend
 from engine.checkpoint import load_hf_config
 from engine.config import EngineConfig
 from engine.cpu_runtime import pin_threads
@@ -38,7 +38,7 @@ from engine.models.layers import (
     use_triton_layers,
 )
 from engine.models.moe import active_parameter_fraction
-from engine.quantized_linear import quantized_bytes, quantized_modules, quantized_values
+from engine.quantized_linear import finish_quantized_load, quantized_bytes, quantized_values
 from engine.sampler import Sampler, SamplerOutput, SamplerRow, first_argmax, token_seed
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
@@ -199,10 +199,7 @@ class ModelRunner:
             torch.set_default_dtype(previous)
         counts = load_weights(model, model_weights(self.config.model, model, hf_config, self.dtype,
                                                    keep_quantized=self._keeps_quantized()))
-        for module in quantized_modules(model):
-            if module.missing_parts():
-                raise ValueError(f"checkpoint is missing weights for a quantized {type(module).__name__} "
-                                 f"(parts {module.missing_parts()} of {sorted(module.checkpoint_parts)})")
+        finish_quantized_load(model, self.device)
         counts.total += quantized_values(model)  # weights kept quantized bypass load_weights
         self.quantized_weight_bytes = quantized_bytes(model)
         # What one token reads: all but the experts, and top_k / num_experts of those.
@@ -212,15 +209,17 @@ class ModelRunner:
             self.num_active_params += round(counts.experts * active_parameter_fraction(hf_config))
         return model.eval()
 
-    def _keeps_quantized(self) -> bool:
-        """Quantized GGUF weights stay quantized: on the CPU, on one rank, without LoRA (whose
-        wrappers read dense weights), where the native library builds."""
-        if not self.config.quantized_kernels or self.device.type != "cpu" or self.world_size > 1 \
-                or self.config.enable_lora:
-            return False
+    def _keeps_quantized(self) -> str | None:
+        """Whose matmuls compute on quantized weights kept as they are: Triton's where attention runs
+        on Triton (CUDA, or the interpreter), else the native CPU library's where it builds; None on
+        several ranks and with LoRA (whose wrappers read dense weights)."""
+        if not self.config.quantized_kernels or self.world_size > 1 or self.config.enable_lora:
+            return None
+        if resolve_backend_name(self.config.attention_backend, self.device) == "triton":
+            return "triton"
         from kvfleet_kernels.cpu_quantized_linear import available  # noqa: PLC0415 (builds the library)
 
-        return available()
+        return "cpu" if self.device.type == "cpu" and available() else None
 
     def _enable_lora(self) -> tuple[LoRAModelManager, SlotTable | None]:
         """LoRA-aware linears in place of the loaded ones (before any kernel swap); rank 0

@@ -10,7 +10,9 @@ loaders then hand those sources to them (`checkpoint_parts`) instead of dequanti
 projection (q/k/v, gate/up) keeps one packed weight a part, since a Q4_K_M file mixes types within
 one (Q6_K values beside Q4_K queries). A head tied to a quantized embedding shares its packed
 weight. Under tensor parallelism, with LoRA, on CUDA, and for MoE experts, weights are dequantized
-at load as before (model_runner decides)."""
+at load as before (model_runner decides). On CUDA (and under TRITON_INTERPRET=1 with the triton
+attention backend) the same modules compute with kvfleet_kernels/quantized_matmul.py instead
+(`kernel="triton"`): codes two a byte, dequantized a tile at a time in registers."""
 
 from __future__ import annotations
 
@@ -19,6 +21,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvfleet_kernels import cpu_quantized_linear as kernels
+
+KERNELS = ("cpu", "triton")
+
+
+def pack_for(kernel: str, weight: kernels.QuantizedWeight):
+    """A QuantizedWeight in the form `kernel`'s matmuls read (on the host; move_quantized_weights
+    takes the Triton ones to the model's device)."""
+    if kernel == "cpu":
+        return kernels.pack_weight(weight)
+    from kvfleet_kernels import quantized_matmul  # noqa: PLC0415 (imports triton)
+
+    return quantized_matmul.pack_weight(weight)
 
 # Which kernel a step's rows take (kvfleet_kernels/cpu_quantized_linear.py). The integer dot
 # products cost the same for each row; on AMX the tiles take 16 rows for the price of one after a
@@ -37,9 +51,10 @@ class QuantizedLinear(nn.Module):
     """x [T, in_features] @ W^T + bias for W quantized, in parts of `part_sizes` output features
     (one per checkpoint tensor), each packed once at load."""
 
-    def __init__(self, in_features: int, part_sizes: list[int], bias: nn.Parameter | None) -> None:
+    def __init__(self, in_features: int, part_sizes: list[int], bias: nn.Parameter | None, kernel: str = "cpu") -> None:
         super().__init__()
         self.in_features, self.part_sizes, self.out_features = in_features, list(part_sizes), sum(part_sizes)
+        self.kernel = kernel  # cpu (kvfleet_kernels/cpu_quantized_linear.py) or triton (quantized_matmul.py)
         self.parts: list[kernels.PackedQuantizedWeight | None] = [None] * len(part_sizes)
         self.bias = bias  # the replaced linear's parameter, still filled by engine/loader.py
         self.checkpoint_parts: dict[str, int] = {}  # checkpoint source -> part, set by swap_in_quantized_layers
@@ -48,7 +63,7 @@ class QuantizedLinear(nn.Module):
         expected = (self.part_sizes[part], self.in_features)
         if tuple(weight.shape) != expected:
             raise ValueError(f"shape {tuple(weight.shape)}, the model expects {expected}")
-        self.parts[part] = kernels.pack_weight(weight)
+        self.parts[part] = pack_for(self.kernel, weight)
 
     def missing_parts(self) -> list[int]:
         return [index for index, part in enumerate(self.parts) if part is None]
@@ -59,6 +74,8 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in_features] -> [T, out_features] in x's dtype (bf16, else fp32)"""
+        if self.kernel == "triton":
+            return self._triton(x)
         dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
         bias = None if self.bias is None else self.bias.detach().float()
         rows, amx_host = x.shape[0], kernels.amx_available()
@@ -81,6 +98,16 @@ class QuantizedLinear(nn.Module):
                 kernels.linear(inputs[id(weight.input_order)], weight, part_bias, part_out)
             start = end
         return out
+
+    def _triton(self, x: torch.Tensor) -> torch.Tensor:
+        from kvfleet_kernels.quantized_matmul import quantized_matmul  # noqa: PLC0415
+
+        out = x.new_empty((x.shape[0], self.out_features))
+        start = 0
+        for weight in self.parts:
+            quantized_matmul(x, weight, out[:, start:start + weight.out_features])
+            start += weight.out_features
+        return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def _dense(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         outs = []
@@ -113,9 +140,9 @@ class QuantizedEmbedding(nn.Module):
     """An embedding table kept quantized: each step dequantizes only the rows it looks up. A
     head tied to it (`tie`) computes on the same packed weight."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> None:
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, kernel: str = "cpu") -> None:
         super().__init__()
-        self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
+        self.num_embeddings, self.embedding_dim, self.dtype, self.kernel = num_embeddings, embedding_dim, dtype, kernel
         self.weight: kernels.PackedQuantizedWeight | None = None
         self.checkpoint_parts: dict[str, int] = {}
         self._tied_heads: list[QuantizedLinear] = []  # a plain list: not submodules
@@ -127,7 +154,7 @@ class QuantizedEmbedding(nn.Module):
         expected = (self.num_embeddings, self.embedding_dim)
         if tuple(weight.shape) != expected:
             raise ValueError(f"shape {tuple(weight.shape)}, the model expects {expected}")
-        self.weight = kernels.pack_weight(weight)
+        self.weight = pack_for(self.kernel, weight)
         for head in self._tied_heads:
             head.parts[0] = self.weight
 
@@ -140,6 +167,10 @@ class QuantizedEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T] -> [T, embedding_dim] in the model's dtype"""
+        if self.kernel == "triton":
+            from kvfleet_kernels.quantized_matmul import dequantize_rows  # noqa: PLC0415
+
+            return dequantize_rows(self.weight, ids).to(self.dtype)
         return kernels.dequantize_rows(self.weight, ids).to(self.dtype)
 
 
@@ -167,27 +198,48 @@ def quantized_values(model: nn.Module) -> int:
     return sum(weight.out_features * weight.in_features for weight in packed_weights(model))
 
 
+def finish_quantized_load(model: nn.Module, device: torch.device) -> None:
+    """Once the checkpoint is read: every quantized module must have all its parts, and the Triton
+    modules' packed weights go to the model's device (the loaders read them on the host; a tied
+    head's table moves once)."""
+    moved = {}
+    for module in quantized_modules(model):
+        if module.missing_parts():
+            raise ValueError(f"checkpoint is missing weights for a quantized {type(module).__name__} "
+                             f"(parts {module.missing_parts()} of {sorted(module.checkpoint_parts)})")
+        if module.kernel != "triton":
+            continue
+        weights = module.parts if isinstance(module, QuantizedLinear) else [module.weight]
+        for index, weight in enumerate(weights):
+            if id(weight) not in moved:
+                moved[id(weight)] = weight.to(device)
+            weights[index] = moved[id(weight)]
+        if isinstance(module, QuantizedEmbedding):
+            module.weight = weights[0]
+
+
 def checkpoint_receivers(model: nn.Module) -> dict[str, tuple[QuantizedLinear | QuantizedEmbedding, int]]:
     """Checkpoint source -> (the quantized module that takes it, its part), for the loaders."""
     return {source: (module, part) for module in quantized_modules(model)
             for source, part in module.checkpoint_parts.items()}
 
 
-def swap_in_quantized_layers(model: nn.Module, sources_of, dtype: torch.dtype) -> set[str]:
+def swap_in_quantized_layers(model: nn.Module, sources_of, dtype: torch.dtype, kernel: str = "cpu") -> set[str]:
     """Swap every nn.Linear / nn.Embedding of `model` for which `sources_of(module name)` names its
     checkpoint sources ({source: part}; {} to keep it) for a quantized module that will receive
-    them by those names; a head tied to a swapped embedding shares its table. Returns the sources."""
+    them by those names and compute with `kernel`'s matmuls; a head tied to a swapped embedding
+    shares its table. Returns the sources."""
     swapped, kept = {}, set()
     for name, module in [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear | nn.Embedding)]:
         sources = sources_of(name)
         if not sources or module.weight.shape[-1] % 32:
             continue
         if isinstance(module, nn.Embedding):
-            replacement = QuantizedEmbedding(module.num_embeddings, module.embedding_dim, dtype)
+            replacement = QuantizedEmbedding(module.num_embeddings, module.embedding_dim, dtype, kernel)
         else:
             sizes = getattr(module, "sizes", [module.out_features])  # a merged projection's parts
             replacement = QuantizedLinear(module.in_features, sizes if len(sizes) == len(sources) else
-                                          [module.out_features], module.bias)  # one checkpoint tensor: one part
+                                          [module.out_features], module.bias, kernel)  # one checkpoint tensor: one part
         replacement.checkpoint_parts = sources
         swapped[id(module.weight)] = replacement
         model.set_submodule(name, replacement)
@@ -195,7 +247,7 @@ def swap_in_quantized_layers(model: nn.Module, sources_of, dtype: torch.dtype) -
     for name, module in [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]:
         table = swapped.get(id(module.weight))  # a head tied to a table swapped above
         if isinstance(table, QuantizedEmbedding):
-            head = QuantizedLinear(module.in_features, [module.out_features], module.bias)
+            head = QuantizedLinear(module.in_features, [module.out_features], module.bias, kernel)
             table.tie(head)
             model.set_submodule(name, head)
     return kept

@@ -84,6 +84,16 @@ KERNELS = {
     "lora_sgmv": ("kvfleet_kernels.lora", "_sgmv_kernel", {
         "x_ptr": "*T", "w_ptr": "*T", "out_ptr": "*T", "seg_starts_ptr": "*i64", "seg_slots_ptr": "*i64"},
         [{"ACCUMULATE": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "DOT_PRECISION": "tf32"}]),
+    # Matmuls on quantized weights: 4-bit codes in AWQ/GPTQ's groups of 128 at decode (16 rows) and
+    # prefill (64) tiles, 8-bit codes in GGUF's groups of 32; fp8 weights with per-channel scales.
+    "quantized_matmul": ("kvfleet_kernels.quantized_matmul", "_quantized_matmul_kernel", {
+        "x_ptr": "*T", "codes_ptr": "*u8", "scale_ptr": "*fp16", "offset_ptr": "*fp16", "out_ptr": "*T"},
+        [{"BITS": 4, "GROUP": 128, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "DOT_PRECISION": "tf32"},
+         {"BITS": 4, "GROUP": 128, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "DOT_PRECISION": "tf32"},
+         {"BITS": 8, "GROUP": 32, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 32, "DOT_PRECISION": "tf32"}]),
+    "fp8_matmul": ("kvfleet_kernels.quantized_matmul", "_fp8_matmul_kernel", {
+        "x_ptr": "*T", "weight_ptr": "*u8", "scale_ptr": "*fp32", "out_ptr": "*T"},
+        [{"PER_CHANNEL": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "DOT_PRECISION": "tf32"}]),
     "store_kv": ("kvfleet_kernels.store_kv", "_store_kv_kernel", {
         "key_ptr": "*T", "value_ptr": "*T", "key_cache_ptr": "*T", "value_cache_ptr": "*T",
         "slot_mapping_ptr": "*i64"}, [{"ROW": 1024, "ROW_BLOCK": 1024}, {"ROW": 320, "ROW_BLOCK": 512}]),

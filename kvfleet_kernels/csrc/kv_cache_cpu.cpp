@@ -73,6 +73,10 @@ struct CacheLayout {
         copy_half_words<kToCache>(first - offset % 2 * element, mine, offset % 2);
         continue;
       }
+      if (group == 2 && element == 1 && head_units % 32 == 0) {  // fp8 values: one byte of each pair
+        copy_half_pairs<kToCache>(first - offset % 2, mine, offset % 2);
+        continue;
+      }
 #endif
       for (int64_t u = 0; u < head_units; ++u) {
         if constexpr (kToCache) std::memcpy(first + u * stride, mine + u * unit, unit);
@@ -98,6 +102,25 @@ struct CacheLayout {
         __m512i wide = _mm512_loadu_si512(at);
         if (half) wide = _mm512_srli_epi32(wide, 16);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(token + i * 2), _mm512_cvtepi32_epi16(wide));
+      }
+    }
+  }
+
+  // copy_half_words for an fp8 value token: head_units bytes to or from byte `half` of the 16-bit
+  // pairs at `pairs`, 32 at a time (a byte's memcpy each cost store_kv most of its time).
+  template <bool kToCache>
+  void copy_half_pairs(char* pairs, char* token, int64_t half) const {
+    const __mmask64 mine = half ? 0xAAAAAAAAAAAAAAAAull : 0x5555555555555555ull;
+    for (int64_t i = 0; i < head_units; i += 32) {
+      void* at = pairs + i * 2;
+      if constexpr (kToCache) {
+        __m512i wide = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(token + i)));
+        if (half) wide = _mm512_slli_epi16(wide, 8);
+        _mm512_mask_storeu_epi8(at, mine, wide);
+      } else {
+        __m512i wide = _mm512_loadu_si512(at);
+        if (half) wide = _mm512_srli_epi16(wide, 8);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(token + i), _mm512_cvtepi16_epi8(wide));
       }
     }
   }

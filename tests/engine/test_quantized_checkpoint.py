@@ -234,28 +234,33 @@ def test_a_qwen3_and_a_moe_s_quantized_experts_load_too(tiny_models, tmp_path, a
         (o.outputs[0].token_ids, o.outputs[0].logprobs) for o in expected]
 
 
-@pytest.mark.parametrize("layout", ["awq", "gptq 4 bits", "gptq 8 bits", "gptq 8 bits, desc_act",
-                                    "compressed-tensors int8", "compressed-tensors int8 groups",
-                                    "compressed-tensors w4a16", "compressed-tensors w4a16 asymmetric"])
-def test_integer_weights_stay_packed_on_the_quantized_kernels(tiny_llama, tmp_path, layout):
+@pytest.mark.parametrize("layout, backend", [
+    *[(layout, "auto") for layout in ("awq", "gptq 4 bits", "gptq 8 bits", "gptq 8 bits, desc_act",
+                                      "compressed-tensors int8", "compressed-tensors int8 groups",
+                                      "compressed-tensors w4a16", "compressed-tensors w4a16 asymmetric")],
+    # The Triton matmuls (kvfleet_kernels/quantized_matmul.py), as on CUDA, in the interpreter.
+    *[(layout, "triton") for layout in ("awq", "gptq 8 bits, desc_act", "compressed-tensors w4a16 asymmetric")]])
+def test_integer_weights_stay_packed_on_the_quantized_kernels(tiny_llama, tmp_path, layout, backend):
     """--quantized-kernels: every projection keeps its integer codes, scales and zero points (a = s,
     b = s z, the codes shifted to unsigned for compressed-tensors' signed ones), and greedy answers
-    stay within a near-tie of the same checkpoint dequantized at load."""
+    stay within a near-tie of the same checkpoint dequantized at load, with the CPU's kernels or
+    Triton's."""
     from engine.quantized_linear import QuantizedLinear  # noqa: PLC0415
     from tests.engine.test_tensor_parallel import close_or_identical, top5  # noqa: PLC0415
 
     quantization, quantize = LAYOUTS.get(layout) or (
         {"quant_method": "gptq", "bits": 8, "group_size": 16, "desc_act": False}, lambda w: gptq(w, bits=8))
     quantized, _ = write_pair(tiny_llama, tmp_path, quantization, quantize)
-    kept = LLM(quantized, num_kv_blocks=64, quantized_kernels=True)
+    kept = LLM(quantized, num_kv_blocks=64, quantized_kernels=True, attention_backend=backend)
     layers = kept.engine.model_runner.model.model.layers
     assert isinstance(layers[0].self_attn.qkv_proj, QuantizedLinear) and isinstance(layers[0].mlp.down_proj,
                                                                                     QuantizedLinear)
+    assert layers[0].mlp.down_proj.kernel == ("triton" if backend == "triton" else "cpu")
     bits = 4 if "w4a16" in layout else quantization.get("bits", 8)
     assert f"({quantization['quant_method']} {bits}-bit kept quantized" in kept.engine.describe()
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=5)
     got = kept.generate(PROMPTS, params)
-    expected = LLM(quantized, num_kv_blocks=64).generate(PROMPTS, params)
+    expected = LLM(quantized, num_kv_blocks=64, attention_backend=backend).generate(PROMPTS, params)
     for a, b in zip(got, expected):
         a, b = a.outputs[0], b.outputs[0]
         close, _ = close_or_identical(a.token_ids, [top5(e) for e in a.logprobs], b.token_ids,

@@ -42,10 +42,13 @@ def q4_k_m_like(name: str, shape) -> Q:
     return next((qtype for part, qtype in Q4_K_M_LIKE.items() if name.startswith(part) or f".{part}" in name), Q.Q4_K)
 
 
-def test_a_q4_k_m_mix_stays_quantized_in_its_own_bytes_and_generates_as_dequantized(wide_llama, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("backend", ["auto", "triton"])  # triton: the CUDA path's matmuls, in the interpreter
+def test_a_q4_k_m_mix_stays_quantized_in_its_own_bytes_and_generates_as_dequantized(wide_llama, tmp_path,  # noqa: F811
+                                                                                      backend):
     written = write_gguf(wide_llama, tmp_path / "model.gguf", q4_k_m_like)
-    quantized = LLM(str(tmp_path / "model.gguf"), skip_tokenizer_init=True, num_kv_blocks=256, quantized_kernels=True)
-    dequantized = LLM(str(tmp_path / "model.gguf"), skip_tokenizer_init=True, num_kv_blocks=256)
+    options = {"skip_tokenizer_init": True, "num_kv_blocks": 256, "attention_backend": backend}
+    quantized = LLM(str(tmp_path / "model.gguf"), quantized_kernels=True, **options)
+    dequantized = LLM(str(tmp_path / "model.gguf"), **options)
     model = quantized.engine.model_runner.model
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, QuantizedLinear) and [p.bits for p in qkv.parts] == [4, 4, 8]  # q, k Q4_K; v Q6_K
@@ -59,9 +62,13 @@ def test_a_q4_k_m_mix_stays_quantized_in_its_own_bytes_and_generates_as_dequanti
     bits_and_group = {Q.Q4_K: (4, 32), Q.Q6_K: (8, 16), Q.Q8_0: (8, 32)}  # codes, and an fp16 a and b a group
     held = sum(-(-n // 16) * 16 * (k * bits_and_group[qtype][0] // 8 + k // bits_and_group[qtype][1] * 4)
                for qtype, (n, k) in kept)
+    if backend == "triton":  # codes two a byte, one scale and offset a group, no panel padding
+        held = sum(n * (k * bits_and_group[qtype][0] // 8 + k // bits_and_group[qtype][1] * 4) for qtype, (n, k) in kept)
     assert quantized_bytes(model) == held
     assert held <= 1.4 * file_bytes  # Q6_K (6.56 bits a weight) is held in 10: the most of any type
     prompts, params = workload(VOCAB)
+    if backend == "triton":  # the interpreter runs each program in Python: four prompts, 8 tokens each
+        prompts, params = prompts[2::5], [SamplingParams(temperature=0, max_tokens=8)] * 4
     params = [SamplingParams(**{**vars(p), "logprobs": 5}) for p in params]
     ours = quantized.generate(prompts, params, use_tqdm=False)
     theirs = dequantized.generate(prompts, params, use_tqdm=False)
