@@ -67,6 +67,8 @@ def quantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tens
     """x [T, Hkv, D] -> x / scale in the fp8 `dtype`, rounded to nearest and clamped to its
     largest finite value (e5m2 would round beyond it to inf)."""
     largest = torch.finfo(dtype).max
+    if scale == 1.0:  # x is exact in fp32 already: one rounding either way, without the fp32 copy
+        return x.clamp(-largest, largest).to(dtype)
     return (x.float() / scale).clamp_(-largest, largest).to(dtype)
 
 
