@@ -78,21 +78,21 @@ def test_the_native_kernels_read_an_fp8_cache_as_the_torch_reference_does(tiny_m
     assert_close_runs(ours, theirs)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
-def test_the_demo_model_answers_within_a_near_tie_from_an_fp8_cache(kv_cache_dtype):
-    """SmolLM2-135M-Instruct on its 16 chat questions, fp8 cache against its own dtype's."""
+def test_the_demo_model_answers_within_a_near_tie_from_an_fp8_cache():
+    """SmolLM2-135M-Instruct on its 16 chat questions, each fp8 cache against its own dtype's."""
     from tests.engine.test_real_model import MAX_TOKENS, QUESTIONS, chat_prompts  # noqa: PLC0415
 
-    fp8 = LLM("demo", num_kv_blocks=256, kv_cache_dtype=kv_cache_dtype)
     plain = LLM("demo", num_kv_blocks=256)
-    prompts = chat_prompts(fp8.get_tokenizer())
+    prompts = chat_prompts(plain.get_tokenizer())
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=5)
-    ours, theirs = fp8.generate(prompts, params, use_tqdm=False), plain.generate(prompts, params, use_tqdm=False)
-    for question, a, b in zip(QUESTIONS, ours, theirs):
-        close, _ = close_or_identical(a.token_ids, [top5(e) for e in a.logprobs], b.token_ids,
-                                      [top5(e) for e in b.logprobs])
-        assert close, f"{question!r}: the fp8 cache's answer and the model dtype's diverge beyond a near-tie"
-    assert "Paris" in ours[0].text
+    theirs = plain.generate(prompts, params, use_tqdm=False)
+    for kv_cache_dtype in ("fp8_e4m3", "fp8_e5m2"):
+        ours = LLM("demo", num_kv_blocks=256, kv_cache_dtype=kv_cache_dtype).generate(prompts, params, use_tqdm=False)
+        for question, a, b in zip(QUESTIONS, ours, theirs):
+            close, _ = close_or_identical(a.token_ids, [top5(e) for e in a.logprobs], b.token_ids,
+                                          [top5(e) for e in b.logprobs])
+            assert close, f"{kv_cache_dtype}, {question!r}: the fp8 cache's answer and the model dtype's diverge"
+        assert "Paris" in ours[0].text
 
 
 def with_kv_scales(model: str, tmp_path, names: dict[str, float]) -> str:

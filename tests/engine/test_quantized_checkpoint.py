@@ -239,7 +239,7 @@ def test_a_qwen3_and_a_moe_s_quantized_experts_load_too(tiny_models, tmp_path, a
                                       "compressed-tensors int8", "compressed-tensors int8 groups",
                                       "compressed-tensors w4a16", "compressed-tensors w4a16 asymmetric")],
     # The Triton matmuls (kvfleet_kernels/quantized_matmul.py), as on CUDA, in the interpreter.
-    *[(layout, "triton") for layout in ("awq", "gptq 8 bits, desc_act", "compressed-tensors w4a16 asymmetric")]])
+    *[(layout, "triton") for layout in ("awq", "gptq 8 bits, desc_act")]])
 def test_integer_weights_stay_packed_on_the_quantized_kernels(tiny_llama, tmp_path, layout, backend):
     """--quantized-kernels: every projection keeps its integer codes, scales and zero points (a = s,
     b = s z, the codes shifted to unsigned for compressed-tensors' signed ones), and greedy answers
