@@ -24,14 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from benchmarks.common import WORKLOADS, Workload
 from benchmarks.llama_cpp import LlamaServer, build_llama_cpp, write_random_llama_1b
-from benchmarks.quantized import peak_rss_mib
+from benchmarks.quantized import peak_rss_mib, run_child
 
 KV_MEMORY = "1GiB"
 KVFLEET_CACHES = {"kvfleet_bf16_kv": "auto", "kvfleet_fp8_kv": "fp8", "kvfleet_fp8_e5m2_kv": "fp8_e5m2"}
@@ -70,14 +69,7 @@ def run_kvfleet_child(model: str, kv_cache_dtype: str, workload_name: str) -> di
 
 
 def run_kvfleet(model: str, kv_cache_dtype: str, workload_name: str) -> dict:
-    done = subprocess.run([sys.executable, "-m", "benchmarks.kv_cache_fp8", "--child", model, kv_cache_dtype,
-                           workload_name], capture_output=True, text=True, timeout=3600)
-    marked = [line for line in done.stdout.splitlines() if line.startswith("KVFLEET_RESULT ")]
-    if done.returncode != 0 or not marked:
-        raise RuntimeError(f"kvfleet child failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    result = json.loads(marked[-1].removeprefix("KVFLEET_RESULT "))
-    result["output_tokens_per_s"] = result["output_tokens"] / result["seconds"]
-    return result
+    return run_child("benchmarks.kv_cache_fp8", model, kv_cache_dtype, workload_name)
 
 
 def run_llama_server(bin_dir: Path, model: str, cache_type: str, workload_name: str) -> dict:

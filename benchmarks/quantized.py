@@ -69,15 +69,21 @@ def peak_rss_mib(pid: str | int) -> float:
     return float("nan")
 
 
-def run_kvfleet(model: str, quantized: bool, concurrency: int) -> dict:
-    done = subprocess.run([sys.executable, "-m", "benchmarks.quantized", "--child", model, str(int(quantized)),
-                           str(concurrency)], capture_output=True, text=True, timeout=3600)
+def run_child(module: str, *args: str) -> dict:
+    """`python -m module --child args...` in a fresh process: the result its last KVFLEET_RESULT line
+    carries, with output tokens/s."""
+    done = subprocess.run([sys.executable, "-m", module, "--child", *args], capture_output=True, text=True,
+                          timeout=3600)
     marked = [line for line in done.stdout.splitlines() if line.startswith("KVFLEET_RESULT ")]
     if done.returncode != 0 or not marked:
         raise RuntimeError(f"kvfleet child failed ({done.returncode}):\n{done.stderr[-3000:]}")
     result = json.loads(marked[-1].removeprefix("KVFLEET_RESULT "))
     result["output_tokens_per_s"] = result["output_tokens"] / result["seconds"]
     return result
+
+
+def run_kvfleet(model: str, quantized: bool, concurrency: int) -> dict:
+    return run_child("benchmarks.quantized", model, str(int(quantized)), str(concurrency))
 
 
 def run_llama_server(bin_dir: Path, model: str, concurrency: int) -> dict:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.kv_quant import KVScales, is_fp8, quantize_kv
+from engine.kv_quant import KVScales, quantize_kv
 from kvfleet_kernels import reference
 
 logger = logging.getLogger(__name__)
@@ -260,7 +260,7 @@ def quantized_kv(key: torch.Tensor, value: torch.Tensor, cache_dtype: torch.dtyp
                  kv_scale: KVScales) -> tuple[torch.Tensor, torch.Tensor]:
     """key/value [T, Hkv, D] as an fp8 cache stores them (x / scale; the scales first computed
     from them where they are still to be); as they are for another cache."""
-    if not is_fp8(cache_dtype):
+    if not reference.is_fp8(cache_dtype):
         return key, value
     kv_scale.observe(key, value)
     return quantize_kv(key, kv_scale.k, cache_dtype), quantize_kv(value, kv_scale.v, cache_dtype)

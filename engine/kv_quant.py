@@ -39,10 +39,6 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch
     return model_dtype if kv_cache_dtype == "auto" else FP8_KV_DTYPES[kv_cache_dtype]
 
 
-def is_fp8(dtype: torch.dtype) -> bool:
-    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
 @dataclass
 class KVScales:
     """One layer's scales: stored = x / scale, read = stored * scale. `calculate`: not yet
@@ -89,15 +85,12 @@ def take_kv_scales(weights: Iterator[tuple[str, object]], found: dict[int, dict[
             found.setdefault(int(match.group(1)), {})[kind] = value
 
 
-def layer_kv_scales(attention_layers, found: dict[int, dict[str, float]], calculate: bool) -> list[KVScales]:
+def layer_kv_scales(attention_layers, found: dict[int, dict[str, float]], calculate: bool) -> None:
     """Gives each attention layer (its `layer_idx`) its KVScales: the checkpoint's, else 1.0 or
     computed from its first keys (`calculate`)."""
-    scales = []
     for layer in attention_layers:
         given = found.get(layer.layer_idx, {})
         layer.kv_scale = KVScales(given.get("k", 1.0), given.get("v", 1.0), calculate and not given)
-        scales.append(layer.kv_scale)
     if not found and not calculate:
         logger.warning("fp8 KV cache with scales of 1.0: the checkpoint gives no k_scale/v_scale "
                        "(--calculate-kv-scales computes them from the first step)")
-    return scales

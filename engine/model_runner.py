@@ -24,7 +24,7 @@ from engine.cpu_runtime import pin_threads
 from engine.cuda_graphs import DecodeGraphs, ineligible_reason
 from engine.devices import host_default_device
 from engine.kv_cache import KVGroup, kv_groups, pool_sizes
-from engine.kv_quant import is_fp8, kv_cache_torch_dtype, layer_kv_scales
+from engine.kv_quant import kv_cache_torch_dtype, layer_kv_scales
 from engine.loader import load_weights, model_weights
 from engine.lora.manager import LoRAModelManager, SlotTable
 from engine.lora.request import LoRARequest
@@ -45,6 +45,7 @@ from engine.sequence import Sequence
 from engine.shard import StepInputs, free_init_method, send_exit, start_shards
 from kvfleet_kernels import cdiv
 from kvfleet_kernels.cpu_layers import argmax_rows
+from kvfleet_kernels.reference import is_fp8
 
 logger = logging.getLogger(__name__)
 

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from kvfleet_kernels.reference import is_fp8
+
 # One library, kvfleet_cpu: the decode kernel, the packed attention of embedding models
 # (kvfleet_kernels/cpu_varlen_attention.py), bf16 prefill attention (kvfleet_kernels/cpu_prefill_attention.py),
 # the CPU layers and the LoRA delta (kvfleet_kernels/cpu_layers.py), bf16 linears on the brgemm microkernel
@@ -89,9 +91,6 @@ def require_built() -> None:
         raise RuntimeError(f"the native CPU kernels could not be built: {error}")
 
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
 def key_word_elements(dtype: torch.dtype) -> int:
     """x of the key cache layout: elements to a word (1 for fp32; 2 for bf16 and fp16, a 32-bit
     word, and for fp8, one bf16 pair once widened); csrc/decode_keys.h's key_word_elements is its
@@ -122,7 +121,7 @@ def pack_key_cache(key_cache: torch.Tensor) -> torch.Tensor:
 def value_word_elements(dtype: torch.dtype) -> int:
     """y of the value cache layout: positions to a word (2 for bf16 and fp8, 1 otherwise);
     csrc/decode_values.h's value_word_elements is its C++ twin."""
-    return 2 if dtype == torch.bfloat16 or dtype in FP8_DTYPES else 1
+    return 2 if dtype == torch.bfloat16 or is_fp8(dtype) else 1
 
 
 def value_cache_view(value_cache: torch.Tensor) -> torch.Tensor:

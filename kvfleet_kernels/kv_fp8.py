@@ -18,11 +18,6 @@ def fp8_kind(cache: torch.Tensor) -> int:
     return {torch.float8_e4m3fn: FP8_E4M3, torch.float8_e5m2: FP8_E5M2}.get(cache.dtype, NOT_FP8)
 
 
-def kernel_view(cache: torch.Tensor) -> torch.Tensor:
-    """What a kernel is passed for a cache: an fp8 cache's bytes, another as it is."""
-    return cache.view(torch.uint8) if fp8_kind(cache) != NOT_FP8 else cache
-
-
 @triton.jit
 def load_kv(ptr, offsets, mask, scale, FP8: tl.constexpr, dtype: tl.constexpr):
     """Cache elements at ptr + offsets (masked ones 0) in `dtype`: as stored, or an fp8 cache's

@@ -22,7 +22,8 @@ import triton
 import triton.language as tl
 
 from kvfleet_kernels import cdiv
-from kvfleet_kernels.kv_fp8 import fp8_kind, kernel_view, load_kv
+from kvfleet_kernels.kv_fp8 import fp8_kind, load_kv
+from kvfleet_kernels.reference import as_bytes
 
 # Tokens a program reads per iteration (whole cache blocks). On an H200 (bf16, Llama-8B heads,
 # 16-token blocks, batch 64 x 4096): 128 reads at 98% of the copy bandwidth, 64 at 74%, 32 at
@@ -183,7 +184,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     partial = query.new_empty((num_seqs, num_heads, num_partitions, head_dim + 2), dtype=torch.float32) \
         if split else query  # (acc, max, sum) per partition of each head
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_partitions)](
-        out, partial, query, kernel_view(key_cache), kernel_view(value_cache), block_tables, context_lens, sink_ptr,
+        out, partial, query, as_bytes(key_cache), as_bytes(value_cache), block_tables, context_lens, sink_ptr,
         scale, sliding_window or 0, float(kv_scales[0]), float(kv_scales[1]),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),

@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfleet_kernels.kv_fp8 import fp8_kind, kernel_view, load_kv
+from kvfleet_kernels.kv_fp8 import fp8_kind, load_kv
+from kvfleet_kernels.reference import as_bytes
 
 # Keys a program reads per iteration. One 16-token cache block an iteration ran at 131 TFLOP/s on
 # an H200 (4 x 1,024 causal, bf16; SDPA 372); the decode kernel's move from one block to 128-token
@@ -140,7 +141,7 @@ def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     grid = (num_seqs, num_heads, triton.cdiv(max_num_queries, block_m))
     launch = {"num_warps": num_warps} | ({"num_stages": num_stages} if num_stages else {})
     _prefill_kernel[grid](
-        out, query, kernel_view(key_cache), kernel_view(value_cache), block_tables, query_starts, context_lens,
+        out, query, as_bytes(key_cache), as_bytes(value_cache), block_tables, query_starts, context_lens,
         query if sinks is None else sinks, scale, sliding_window or 0, float(kv_scales[0]), float(kv_scales[1]),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),

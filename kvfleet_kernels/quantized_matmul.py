@@ -50,8 +50,9 @@ class TritonQuantizedWeight:
                                      self.group_size, self.in_features, order)
 
 
-def pack_weight(weight: QuantizedWeight, device: torch.device | str | None = None) -> TritonQuantizedWeight:
-    """The kernel's form of a QuantizedWeight: 4-bit codes two a byte, everything contiguous on `device`."""
+def pack_weight(weight: QuantizedWeight) -> TritonQuantizedWeight:
+    """The kernel's form of a QuantizedWeight: 4-bit codes two a byte, everything contiguous, where
+    the weight is (TritonQuantizedWeight.to moves it)."""
     n, k = weight.shape
     if weight.bits not in (4, 8) or k % 2 or weight.group_size % 16:
         raise ValueError(f"quantized_matmul takes 4- or 8-bit codes in groups of a multiple of 16 features, "
@@ -59,10 +60,8 @@ def pack_weight(weight: QuantizedWeight, device: torch.device | str | None = Non
     codes = weight.codes
     if weight.bits == 4:
         codes = codes[:, 0::2] | (codes[:, 1::2] << 4)  # [N, K / 2]
-    device = device or weight.codes.device
-    order = None if weight.input_order is None else weight.input_order.to(device)
-    return TritonQuantizedWeight(codes.contiguous().to(device), weight.scale.contiguous().to(device),
-                                 weight.offset.contiguous().to(device), weight.bits, weight.group_size, k, order)
+    return TritonQuantizedWeight(codes.contiguous(), weight.scale.contiguous(), weight.offset.contiguous(),
+                                 weight.bits, weight.group_size, k, weight.input_order)
 
 
 def dequantize_rows(weight: TritonQuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
@@ -109,7 +108,8 @@ def _quantized_matmul_kernel(
              mask=row_mask[:, None] & col_mask[None, :])
 
 
-def _launch_shape(m: int, n: int, block_k: int) -> tuple[int, int, int]:
+def _launch_shape(m: int, block_k: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K): rows by the step's size (tl.dot takes 16 at least)."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     return block_m, 64, block_k
 
@@ -124,7 +124,7 @@ def quantized_matmul(x: torch.Tensor, weight: TritonQuantizedWeight, out: torch.
     out = x.new_empty((m, n)) if out is None else out
     if m == 0:
         return out
-    block_m, block_n, block_k = _launch_shape(m, n, min(weight.group_size, 128))
+    block_m, block_n, block_k = _launch_shape(m, min(weight.group_size, 128))
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _quantized_matmul_kernel[grid](x, weight.codes, weight.scale, weight.offset, out, m, n, k, x.stride(0),
                                    out.stride(0), BITS=weight.bits, GROUP=weight.group_size, BLOCK_M=block_m,
@@ -177,7 +177,7 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     out = x.new_empty((m, n)) if out is None else out
     if m == 0:
         return out
-    block_m, block_n, block_k = _launch_shape(m, n, 64)
+    block_m, block_n, block_k = _launch_shape(m, 64)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _fp8_matmul_kernel[grid](x, weight.view(torch.uint8), scale, out, m, n, k, x.stride(0), out.stride(0),
                              PER_CHANNEL=scale.numel() > 1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,

@@ -30,15 +30,23 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
     store_rows(value, value_cache, slot_mapping)
 
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # an fp8 KV cache's element types
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in FP8_DTYPES
+
+
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """An fp8 tensor's bytes (torch's index_copy_ and index_select take no fp8), others as they are."""
-    return tensor.view(torch.uint8) if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else tensor
+    """An fp8 tensor's bytes (torch's index_copy_ and index_select take no fp8; the Triton kernels
+    read an fp8 cache's bytes), others as they are."""
+    return tensor.view(torch.uint8) if is_fp8(tensor.dtype) else tensor
 
 
 def dequantized(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """fp8 cache rows -> rows * scale in `dtype`; rows of another dtype as they are. Every fp8 value
     is exact in bf16, fp16 and fp32, so the product is rounded once, as in fp32."""
-    if x.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+    if not is_fp8(x.dtype):
         return x
     widened = x.to(dtype)
     return widened if scale == 1.0 else widened.mul_(scale)

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfleet_kernels.kv_fp8 import kernel_view
+from kvfleet_kernels.reference import as_bytes
 
 
 @triton.jit
@@ -45,6 +45,6 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
     if num_tokens == 0:
         return
     row = num_kv_heads * head_dim
-    key, value, key_cache, value_cache = (kernel_view(t) for t in (key, value, key_cache, value_cache))
+    key, value, key_cache, value_cache = (as_bytes(t) for t in (key, value, key_cache, value_cache))
     _store_kv_kernel[(num_tokens,)](key, value, key_cache, value_cache, slot_mapping, key.stride(0),
                                     value.stride(0), ROW=row, ROW_BLOCK=triton.next_power_of_2(row))
