@@ -18,7 +18,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512BW__)
+#if defined(__AVX512BW__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -64,10 +64,20 @@ inline vfloat load16(const at::BFloat16* p) {  // bf16 is the top half of an fp3
   return v;
 }
 inline vfloat load16(const at::Half* p) {
+#if defined(__AVX512F__)
+  return (vfloat)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__)  // g++ lowers its own conversion to 16 scalar ones without AVX-512
+  const __m128i* raw = reinterpret_cast<const __m128i*>(p);
+  const __m256 halves[2] = {_mm256_cvtph_ps(_mm_loadu_si128(raw)), _mm256_cvtph_ps(_mm_loadu_si128(raw + 1))};
+  vfloat v;
+  std::memcpy(&v, halves, sizeof v);
+  return v;
+#else
   using f16x16 = _Float16 __attribute__((vector_size(32)));
   f16x16 raw;
   std::memcpy(&raw, p, sizeof raw);
   return __builtin_convertvector(raw, vfloat);
+#endif
 }
 // fp8, the elements of an fp8 KV cache (engine/kv_quant.py). Its pairs (dimensions d and d + 1 of
 // a key, positions 2j and 2j + 1 of a value) are stored as bf16's are, two bytes for four.

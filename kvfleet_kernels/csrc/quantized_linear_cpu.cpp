@@ -38,8 +38,10 @@
 #include <cstring>
 #include <optional>
 
-#if defined(__AVX512VNNI__)
+#if defined(__AVX512VNNI__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512VNNI__)
 #define KVFLEET_NATIVE_DOT true
 #else
 #define KVFLEET_NATIVE_DOT false
@@ -51,7 +53,6 @@ using kvfleet_cpu::vfloat;
 using namespace kvfleet_cpu::quantized;  // NOLINT: the packed layout's names
 using i32x16 = int32_t __attribute__((vector_size(64)));
 
-constexpr int kMaxRows = 6;  // rows sharing each unpacked weight vector (3 accumulators each)
 constexpr int64_t kBlockRows = 64;  // rows an item: a panel read from cache by each further pass
 
 bool native_dot() { return KVFLEET_NATIVE_DOT; }
@@ -87,15 +88,132 @@ struct QuantArgs {
   int64_t rows, k, n, group, out_stride;
 };
 
-// Output columns of one panel for R rows from row0: units of UNIT features (32, or 16 for
-// groups of 16), each two integer dot products (the activations' high and low digits) joined
-// and scaled once into the fp32 sums.
+#if KVFLEET_NATIVE_DOT || !defined(__AVX2__)
+// Rows sharing each unpacked weight vector (3 accumulators each).
+constexpr int kMaxRows = 6;
+
+// dot[r] = the 16 columns' integer products of unit u (UNIT features) with row row0 + r's
+// activations: two dot products of bytes, one a digit, joined as 256 high + low.
 template <int BITS, int UNIT, int R>
-void panel_pass(const QuantArgs& a, int64_t row0, int64_t panel) {
+inline void unit_dots(const QuantArgs& a, int64_t row0, const uint8_t* weights, int64_t u, i32x16 (&dot)[R]) {
   constexpr int kSteps = UNIT / 4;
   // Independent sums a row and digit: a dot product's latency is several of its issue slots, and
   // one chain a unit leaves a single row waiting on it.
   constexpr int kChains = R >= 3 ? 1 : 4 / R;
+  u8x64 w[kSteps];
+  load_steps<BITS, kSteps>(weights, u * kSteps, w);
+  i32x16 high[R][kChains] = {}, low[R][kChains] = {};
+  for (int s = 0; s < kSteps; ++s) {
+    for (int r = 0; r < R; ++r) {
+      const int8_t* x = a.xq + (row0 + r) * 2 * a.k + u * UNIT + 4 * s;
+      int32_t x_high, x_low;
+      std::memcpy(&x_high, x, sizeof x_high), std::memcpy(&x_low, x + a.k, sizeof x_low);
+      high[r][s % kChains] = dot4(high[r][s % kChains], w[s], x_high);
+      low[r][s % kChains] = dot4(low[r][s % kChains], w[s], x_low);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    dot[r] = (high[r][0] << 8) + low[r][0];
+    for (int chain = 1; chain < kChains; ++chain) dot[r] += (high[r][chain] << 8) + low[r][chain];
+  }
+}
+#else
+// AVX2 without VNNI: 4-bit codes take vpmaddubsw (u8 x s8 pair sums into int16) on each digit,
+// summed in int16 over a unit (8 steps x 2 x 15 x 128 fits) and widened once with vpmaddwd;
+// 8-bit codes would saturate there, so they are widened to int16 and multiplied by the whole
+// int16 activation with vpmaddwd (255 x 32512 x 2 fits int32). Both exact, as the digits are.
+// 2 rows a pass: 4 accumulators a row besides the codes fill the 16 registers.
+constexpr int kMaxRows = 2;
+
+inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+
+// 4 digits (or int16 pairs) of row r at feature f, in every 32-bit (64-bit) lane.
+inline __m256i digits4(const QuantArgs& a, int64_t row, int64_t f, bool low) {
+  int32_t x4;
+  std::memcpy(&x4, a.xq + row * 2 * a.k + (low ? a.k : 0) + f, sizeof x4);
+  return _mm256_set1_epi32(x4);
+}
+
+template <int BITS, int UNIT, int R>
+inline void unit_dots(const QuantArgs& a, int64_t row0, const uint8_t* weights, int64_t u, i32x16 (&dot)[R])
+  requires(BITS == 4)
+{
+  constexpr int kSteps = UNIT / 4;
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  __m256i high[R][2], low[R][2];  // int16 pair sums of columns 0-7 and 8-15
+  for (int r = 0; r < R; ++r) high[r][0] = high[r][1] = low[r][0] = low[r][1] = _mm256_setzero_si256();
+  for (int s = 0; s < kSteps; ++s) {
+    const uint8_t* pair = weights + (u * kSteps + (s & ~1)) * 32;  // steps 2j and 2j + 1 share 64 bytes
+    __m256i codes[2] = {load256(pair), load256(pair + 32)};
+    for (__m256i& c : codes) c = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(c, 4) : c, mask);
+    for (int r = 0; r < R; ++r) {
+      const int64_t f = u * UNIT + 4 * s;
+      const __m256i x_high = digits4(a, row0 + r, f, false), x_low = digits4(a, row0 + r, f, true);
+      for (int half = 0; half < 2; ++half) {
+        high[r][half] = _mm256_add_epi16(high[r][half], _mm256_maddubs_epi16(codes[half], x_high));
+        low[r][half] = _mm256_add_epi16(low[r][half], _mm256_maddubs_epi16(codes[half], x_low));
+      }
+    }
+  }
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < R; ++r) {
+    __m256i columns[2];
+    for (int half = 0; half < 2; ++half)
+      columns[half] = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(high[r][half], ones), 8),
+                                       _mm256_madd_epi16(low[r][half], ones));
+    std::memcpy(&dot[r], columns, sizeof dot[r]);
+  }
+}
+
+// The unit's int16 activations q = 256 h + l of one row (UNIT of them), rebuilt from the digits.
+template <int UNIT>
+inline void unit_activations(const QuantArgs& a, int64_t row, int64_t u, int16_t (&q)[UNIT]) {
+  const int8_t* x = a.xq + row * 2 * a.k + u * UNIT;
+  for (int i = 0; i < UNIT; i += 16) {
+    const __m256i high = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i)));
+    const __m256i low = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + a.k + i)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), _mm256_add_epi16(_mm256_slli_epi16(high, 8), low));
+  }
+}
+
+// Each column's pair sums added: [c0p0 c0p1 .. c3p1] of columns 0-3 and 4-7 -> columns 0-7 in order.
+inline __m256i join_pairs(__m256i first, __m256i second) {
+  return _mm256_permute4x64_epi64(_mm256_hadd_epi32(first, second), 0xD8);
+}
+
+template <int BITS, int UNIT, int R>
+inline void unit_dots(const QuantArgs& a, int64_t row0, const uint8_t* weights, int64_t u, i32x16 (&dot)[R])
+  requires(BITS == 8)
+{
+  constexpr int kSteps = UNIT / 4;
+  int16_t q[R][UNIT];
+  for (int r = 0; r < R; ++r) unit_activations<UNIT>(a, row0 + r, u, q[r]);
+  __m256i acc[R][4];  // columns 4i .. 4i + 3, two pair sums each
+  for (int r = 0; r < R; ++r) for (__m256i& v : acc[r]) v = _mm256_setzero_si256();
+  for (int s = 0; s < kSteps; ++s) {
+    const __m128i* step = reinterpret_cast<const __m128i*>(weights + (u * kSteps + s) * 64);
+    __m256i x[R];
+    for (int r = 0; r < R; ++r) {
+      int64_t x4;  // features 4s .. 4s + 3 of row r
+      std::memcpy(&x4, q[r] + 4 * s, sizeof x4);
+      x[r] = _mm256_set1_epi64x(x4);
+    }
+    for (int i = 0; i < 4; ++i) {
+      const __m256i codes = _mm256_cvtepu8_epi16(_mm_loadu_si128(step + i));
+      for (int r = 0; r < R; ++r) acc[r][i] = _mm256_add_epi32(acc[r][i], _mm256_madd_epi16(codes, x[r]));
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m256i columns[2] = {join_pairs(acc[r][0], acc[r][1]), join_pairs(acc[r][2], acc[r][3])};
+    std::memcpy(&dot[r], columns, sizeof dot[r]);
+  }
+}
+#endif
+
+// Output columns of one panel for R rows from row0: units of UNIT features (32, or 16 for
+// groups of 16), each unit's integer dot products scaled once into the fp32 sums.
+template <int BITS, int UNIT, int R>
+void panel_pass(const QuantArgs& a, int64_t row0, int64_t panel) {
   const uint8_t* weights = a.packed + panel * a.k * kColumns * BITS / 8;
   const at::Half* scales = a.scales + panel * (a.k / a.group) * 2 * kColumns;
   const int64_t meta = a.k / 8, units = a.k / UNIT, units_per_group = a.group / UNIT;
@@ -107,24 +225,12 @@ void panel_pass(const QuantArgs& a, int64_t row0, int64_t panel) {
       const at::Half* ab = scales + (u / units_per_group) * 2 * kColumns;
       scale_a = load_scales(ab), scale_b = load_scales(ab + kColumns);
     }
-    u8x64 w[kSteps];
-    load_steps<BITS, kSteps>(weights, u * kSteps, w);
-    i32x16 high[R][kChains] = {}, low[R][kChains] = {};
-    for (int s = 0; s < kSteps; ++s) {
-      for (int r = 0; r < R; ++r) {
-        const int8_t* x = a.xq + (row0 + r) * 2 * a.k + u * UNIT + 4 * s;
-        int32_t x_high, x_low;
-        std::memcpy(&x_high, x, sizeof x_high), std::memcpy(&x_low, x + a.k, sizeof x_low);
-        high[r][s % kChains] = dot4(high[r][s % kChains], w[s], x_high);
-        low[r][s % kChains] = dot4(low[r][s % kChains], w[s], x_low);
-      }
-    }
+    i32x16 dot[R];
+    unit_dots<BITS, UNIT, R>(a, row0, weights, u, dot);
     for (int r = 0; r < R; ++r) {
       const float* xm = a.xmeta + (row0 + r) * meta;
       const float s = xm[u * UNIT / 32], c = xm[sums + u];
-      i32x16 dot = (high[r][0] << 8) + low[r][0];
-      for (int chain = 1; chain < kChains; ++chain) dot += (high[r][chain] << 8) + low[r][chain];
-      acc[r] += to_float(dot) * (scale_a * s) - scale_b * c;
+      acc[r] += to_float(dot[r]) * (scale_a * s) - scale_b * c;
     }
   }
   const int64_t col0 = panel * kColumns, cols = std::min<int64_t>(kColumns, a.n - col0);
@@ -135,20 +241,22 @@ void panel_pass(const QuantArgs& a, int64_t row0, int64_t panel) {
   }
 }
 
+// One pass of `rows` (1 .. R) rows against a panel, with the instance for that count.
+template <int BITS, int UNIT, int R = kMaxRows>
+void pass_of(const QuantArgs& a, int64_t row0, int64_t rows, int64_t panel) {
+  if constexpr (R > 1) {
+    if (rows < R) return pass_of<BITS, UNIT, R - 1>(a, row0, rows, panel);
+  }
+  panel_pass<BITS, UNIT, R>(a, row0, panel);
+}
+
 // Rows [row0, row0 + count) against one panel, in passes of as even a size as may be.
 template <int BITS, int UNIT>
 void panel_rows(const QuantArgs& a, int64_t row0, int64_t count, int64_t panel) {
   const int64_t passes = (count + kMaxRows - 1) / kMaxRows;
   for (int64_t pass = 0; pass < passes; ++pass) {
-    const int64_t begin = count * pass / passes, rows = count * (pass + 1) / passes - begin, r = row0 + begin;
-    switch (rows) {
-      case 6: panel_pass<BITS, UNIT, 6>(a, r, panel); break;
-      case 5: panel_pass<BITS, UNIT, 5>(a, r, panel); break;
-      case 4: panel_pass<BITS, UNIT, 4>(a, r, panel); break;
-      case 3: panel_pass<BITS, UNIT, 3>(a, r, panel); break;
-      case 2: panel_pass<BITS, UNIT, 2>(a, r, panel); break;
-      default: panel_pass<BITS, UNIT, 1>(a, r, panel); break;
-    }
+    const int64_t begin = count * pass / passes;
+    pass_of<BITS, UNIT>(a, row0 + begin, count * (pass + 1) / passes - begin, panel);
   }
 }
 

@@ -11,7 +11,7 @@
 #include <cstring>
 #include <optional>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -23,19 +23,19 @@ constexpr int64_t kColumns = 16;  // output columns a panel
 
 using u8x16 = uint8_t __attribute__((vector_size(16)));
 
-// 16 fp16 scales widened (one vcvtph2ps: g++ lowers its own conversion of a vector to 16 scalar ones).
-inline vfloat load_scales(const at::Half* p) {
-#if defined(__AVX512F__)
-  return (vfloat)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-#else
-  return kvfleet_cpu::load16(p);
-#endif
-}
+// 16 fp16 scales widened (vcvtph2ps: cpu_vec.h).
+inline vfloat load_scales(const at::Half* p) { return kvfleet_cpu::load16(p); }
 
 // 16 codes as fp32 (zero-extended, then converted: two instructions, not g++'s 16 scalar ones).
 inline vfloat codes_to_float(u8x16 codes) {
 #if defined(__AVX512F__)
   return (vfloat)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32((__m128i)codes));
+#elif defined(__AVX2__)
+  const __m256 halves[2] = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32((__m128i)codes)),
+                            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128((__m128i)codes, 8)))};
+  vfloat v;
+  std::memcpy(&v, halves, sizeof v);
+  return v;
 #else
   return __builtin_convertvector(codes, vfloat);
 #endif

@@ -51,6 +51,23 @@ def test_the_product_is_the_dequantized_weights_in_float64(bits, group, n, k, ro
     assert (out.double() - unrounded).abs().max() <= max(tolerance, 1e-4) * scale
 
 
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (4, 16), (8, 32), (8, 16)])
+def test_the_largest_codes_and_digits_sum_without_saturating(bits, group):
+    """Every code at its largest and every activation's digits at their extremes (q = +-32384:
+    high digit +-127, low -128 or 128 - 256): the sums the integer dot products hold at their
+    fullest (AVX2's int16 pair sums over a unit) still give the exact product."""
+    n, k = 32, 128
+    weight = kernels.QuantizedWeight(torch.full((n, k), 2 ** bits - 1, dtype=torch.uint8),
+                                     torch.full((n, k // group), 0.5).half(), torch.zeros(n, k // group).half(), bits)
+    x = torch.full((4, k), 32384 / 32512)
+    x[:, ::32] = 1.0  # each block's max, so that q = 32512 there and 32384 elsewhere
+    x[1::2] *= -1
+    out = torch.empty(4, n)
+    kernels.linear(kernels.quantize_activations(x), kernels.pack_weight(weight), None, out)
+    expected = rounded_activations(x) @ weight.dequantize().double().T
+    assert (out.double() - expected).abs().max() <= 1e-6 * expected.abs().max()
+
+
 def test_parts_write_their_own_columns_of_a_wider_output_and_nothing_else():
     generator = torch.Generator().manual_seed(7)
     first, second = random_weight(4, 32, 48, 128, generator), random_weight(8, 16, 20, 128, generator)
