@@ -213,8 +213,8 @@ class ModelRunner:
     def _keeps_quantized(self) -> str | None:
         """Whose matmuls compute on quantized weights kept as they are: Triton's where attention runs
         on Triton (CUDA, or the interpreter), else the native CPU library's where it builds; None on
-        several ranks and with LoRA (whose wrappers read dense weights)."""
-        if not self.config.quantized_kernels or self.world_size > 1 or self.config.enable_lora:
+        several ranks (each rank's shard is cut from the dense weight)."""
+        if not self.config.quantized_kernels or self.world_size > 1:
             return None
         if resolve_backend_name(self.config.attention_backend, self.device) == "triton":
             return "triton"

@@ -9,8 +9,9 @@ or an AWQ/GPTQ checkpoint's packed modules (engine/loader.py, engine/quantized_c
 loaders then hand those sources to them (`checkpoint_parts`) instead of dequantizing. A merged
 projection (q/k/v, gate/up) keeps one packed weight a part, since a Q4_K_M file mixes types within
 one (Q6_K values beside Q4_K queries). A head tied to a quantized embedding shares its packed
-weight. Under tensor parallelism, with LoRA, on CUDA, and for MoE experts, weights are dequantized
-at load as before (model_runner decides). On CUDA (and under TRITON_INTERPRET=1 with the triton
+weight. LoRA adapters wrap a QuantizedLinear as any linear (engine/lora/layers.py): the delta adds in
+the model's dtype beside the quantized product, as vLLM does. Under tensor parallelism and for MoE
+experts, weights are dequantized at load as before (model_runner decides). On CUDA (and under TRITON_INTERPRET=1 with the triton
 attention backend) the same modules compute with kvfleet_kernels/quantized_matmul.py instead
 (`kernel="triton"`): codes two a byte, dequantized a tile at a time in registers."""
 
@@ -51,9 +52,12 @@ class QuantizedLinear(nn.Module):
     """x [T, in_features] @ W^T + bias for W quantized, in parts of `part_sizes` output features
     (one per checkpoint tensor), each packed once at load."""
 
-    def __init__(self, in_features: int, part_sizes: list[int], bias: nn.Parameter | None, kernel: str = "cpu") -> None:
+    def __init__(self, in_features: int, part_sizes: list[int], bias: nn.Parameter | None, kernel: str = "cpu",
+                 lora_part_sizes: list[int] | None = None) -> None:
         super().__init__()
         self.in_features, self.part_sizes, self.out_features = in_features, list(part_sizes), sum(part_sizes)
+        # The projections a LoRA adapter sees in it (q, k, v), whatever tensors the checkpoint split it into
+        self.lora_part_sizes = list(lora_part_sizes or part_sizes)
         self.kernel = kernel  # cpu (kvfleet_kernels/cpu_quantized_linear.py) or triton (quantized_matmul.py)
         self.parts: list[kernels.PackedQuantizedWeight | None] = [None] * len(part_sizes)
         self.bias = bias  # the replaced linear's parameter, still filled by engine/loader.py
@@ -239,7 +243,8 @@ def swap_in_quantized_layers(model: nn.Module, sources_of, dtype: torch.dtype, k
         else:
             sizes = getattr(module, "sizes", [module.out_features])  # a merged projection's parts
             replacement = QuantizedLinear(module.in_features, sizes if len(sizes) == len(sources) else
-                                          [module.out_features], module.bias, kernel)  # one checkpoint tensor: one part
+                                          [module.out_features], module.bias, kernel,  # one checkpoint tensor: one part
+                                          lora_part_sizes=sizes)
         replacement.checkpoint_parts = sources
         swapped[id(module.weight)] = replacement
         model.set_submodule(name, replacement)

@@ -41,6 +41,7 @@ from engine import parallel
 from engine.devices import repeat_interleave
 from engine.lora.peft import LoRAAdapter, TargetModule
 from engine.models.parallel_layers import ColumnParallelLinear, RowParallelLinear
+from engine.quantized_linear import QuantizedLinear
 from kvfleet_kernels import reference
 
 
@@ -115,7 +116,7 @@ class LoRAMapping:
 
 
 class LinearWithLoRA(nn.Module):
-    """A linear (plain, oneDNN-packed, low precision or column-parallel: `base`) plus the
+    """A linear (plain, oneDNN-packed, low precision, kept quantized or column-parallel: `base`) plus the
     LoRA delta. `in_range`: the input features this rank's A columns cover; `out_ranges`:
     per part, the rows of the part's full output this rank holds (B's rows)."""
 
@@ -257,9 +258,14 @@ def lora_targets(model: nn.Module) -> dict[str, tuple[nn.Module, nn.Module, str]
         for attribute, child in parent.named_children():
             name = f"{parent_name}.{attribute}" if parent_name else attribute
             in_layer = ".layers." in f".{name}" and "experts" not in name and attribute not in ("gate", "router")
-            if in_layer and isinstance(child, nn.Linear | RowParallelLinear):
+            if in_layer and isinstance(child, nn.Linear | RowParallelLinear | QuantizedLinear):
                 targets[name] = (parent, child, attribute)
     return targets
+
+
+def ranges(sizes: list[int]) -> list[tuple[int, int]]:
+    """Each part's rows of its own full output: (0, size)."""
+    return [(0, size) for size in sizes]
 
 
 def wrap_lora_layers(model: nn.Module, mapping: LoRAMapping, max_rank: int) -> dict[str, LinearWithLoRA]:
@@ -272,6 +278,10 @@ def wrap_lora_layers(model: nn.Module, mapping: LoRAMapping, max_rank: int) -> d
             target = TargetModule(linear.in_features, (linear.weight.shape[0],))
             layer = RowParallelLinearWithLoRA(linear, mapping, max_rank, target, (linear.start, linear.end),
                                               [(0, linear.weight.shape[0])])
+        elif isinstance(linear, QuantizedLinear):  # one rank only: its output is whole
+            target = TargetModule(linear.in_features, tuple(linear.lora_part_sizes))
+            layer = LinearWithLoRA(linear, mapping, max_rank, target, (0, linear.in_features),
+                                   ranges(linear.lora_part_sizes))
         elif isinstance(linear, ColumnParallelLinear):
             target = TargetModule(linear.in_features, tuple(linear.full_sizes))
             layer = LinearWithLoRA(linear, mapping, max_rank, target, (0, linear.in_features),

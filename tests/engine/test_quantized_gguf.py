@@ -98,3 +98,33 @@ def test_the_demo_model_answers_from_its_q4_1_weights_kept_quantized():
                                       [top5(e) for e in b.logprobs])
         assert close, f"{question!r}: quantized and dequantized diverge beyond a near-tie"
     assert "Paris" in ours[0].text
+
+
+def test_lora_adapters_add_beside_weights_kept_quantized(wide_llama, tmp_path):  # noqa: F811
+    """Two PEFT adapters (attention only; attention and MLP) and the base model in one batch over a
+    Q4_K_M mix kept quantized: each request within a near-tie of the same adapters over the
+    weights dequantized at load, and the adapters change what most of their requests answer."""
+    from engine import LoRARequest  # noqa: PLC0415
+    from tests.lora_adapters import EIGHT, write_adapter  # noqa: PLC0415
+
+    write_gguf(wide_llama, tmp_path / "model.gguf", q4_k_m_like)
+    folders = [write_adapter(wide_llama, tmp_path / f"adapter-{i}", EIGHT[i], seed=100 + i, scale=0.3) for i in (1, 3)]
+    options = {"skip_tokenizer_init": True, "num_kv_blocks": 256, "enable_lora": True, "max_loras": 2,
+               "max_lora_rank": 32}
+    quantized = LLM(str(tmp_path / "model.gguf"), quantized_kernels=True, **options)
+    dequantized = LLM(str(tmp_path / "model.gguf"), quantized_kernels=False, **options)
+    wrapped = quantized.engine.model_runner.lora.layers.values()
+    assert wrapped and all(isinstance(layer.base, QuantizedLinear) for layer in wrapped)
+    prompts, _ = workload(VOCAB)
+    which = [i % 3 - 1 for i in range(len(prompts))]  # -1: the base model
+    requests = [None if w < 0 else LoRARequest(f"adapter-{w}", w + 1, str(folders[w])) for w in which]
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=5)
+    ours = quantized.generate(prompts, params, use_tqdm=False, lora_request=requests)
+    theirs = dequantized.generate(prompts, params, use_tqdm=False, lora_request=requests)
+    for index, (a, b) in enumerate(zip(ours, theirs)):
+        close, _ = close_or_identical(a.token_ids, [top5(e) for e in a.logprobs], b.token_ids,
+                                      [top5(e) for e in b.logprobs])
+        assert close, f"prompt {index} (adapter {which[index]}): quantized and dequantized diverge beyond a near-tie"
+    base = quantized.generate(prompts, params, use_tqdm=False)
+    changed = sum(a.token_ids != b.token_ids for a, b, w in zip(ours, base, which) if w >= 0)
+    assert changed >= 0.8 * sum(w >= 0 for w in which), "the adapters barely changed the output"
