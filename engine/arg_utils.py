@@ -43,9 +43,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="--no-enforce-eager: on CUDA, decode steps replay CUDA graphs (not yet run on a GPU)")
     group.add_argument("--quantized-kernels", action=argparse.BooleanOptionalAction,
                        default=_DEFAULTS["quantized_kernels"],
-                       help="on the CPU, compute on a GGUF file's or an AWQ/GPTQ/compressed-tensors "
-                            "checkpoint's quantized weights; --no-quantized-kernels (default) dequantizes them "
-                            "at load")
+                       help="compute on a GGUF file's or an AWQ/GPTQ/compressed-tensors checkpoint's quantized "
+                            "weights as they are (default on the CPU; on CUDA only when given); "
+                            "--no-quantized-kernels dequantizes them at load")
     group.add_argument("--kv-cache-dtype", default=_DEFAULTS["kv_cache_dtype"], choices=list(KV_CACHE_DTYPES),
                        help="auto: the model's dtype; fp8 (fp8_e4m3) or fp8_e5m2: one byte an element, twice "
                             "the KV blocks in the same memory")

@@ -55,11 +55,13 @@ class EngineConfig:
     can build it, else torch (the reference, gather + SDPA)."""
     onednn_linear: bool = True
     """On the CPU in fp32, reorder linear weights once for oneDNN (faster small-batch matmuls)."""
-    quantized_kernels: bool = False
-    """On the CPU, a GGUF file's quantized linears and embeddings, and the linears of an AWQ, GPTQ or
+    quantized_kernels: bool | None = None
+    """A GGUF file's quantized linears and embeddings, and the linears of an AWQ, GPTQ or
     compressed-tensors integer checkpoint, stay quantized in memory and compute there
-    (engine/quantized_linear.py); False dequantizes them at load to `dtype`. Always dequantized
-    under tensor parallelism and with LoRA."""
+    (engine/quantized_linear.py); False dequantizes them at load to `dtype`. None (auto): on the
+    CPU, True; on CUDA, False until the Triton kernels it would run have run on a GPU (`make
+    gpu-check`); True takes them there. Always dequantized under tensor parallelism and for MoE
+    experts."""
     kv_cache_dtype: str = "auto"
     """The KV cache's element type, by vLLM's names: auto (the model's dtype), or fp8 (= fp8_e4m3)
     and fp8_e5m2, one byte an element: twice the blocks in the same memory, half the bytes a decode

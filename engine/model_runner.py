@@ -212,12 +212,14 @@ class ModelRunner:
 
     def _keeps_quantized(self) -> str | None:
         """Whose matmuls compute on quantized weights kept as they are: Triton's where attention runs
-        on Triton (CUDA, or the interpreter), else the native CPU library's where it builds; None on
-        several ranks (each rank's shard is cut from the dense weight)."""
-        if not self.config.quantized_kernels or self.world_size > 1:
+        on Triton (CUDA, or the interpreter) and quantized_kernels is True, else the native CPU
+        library's where it builds (quantized_kernels True or None); None on several ranks (each
+        rank's shard is cut from the dense weight)."""
+        wanted = self.config.quantized_kernels
+        if wanted is False or self.world_size > 1:
             return None
         if resolve_backend_name(self.config.attention_backend, self.device) == "triton":
-            return "triton"
+            return "triton" if wanted else None  # auto: not before the kernels have run on a GPU
         from kvfleet_kernels.cpu_quantized_linear import available  # noqa: PLC0415 (builds the library)
 
         return "cpu" if self.device.type == "cpu" and available() else None

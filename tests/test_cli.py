@@ -90,3 +90,5 @@ def test_make_demo_s_command_runs_the_main_job_end_to_end(tmp_path):
     assert len((tmp_path / "output.jsonl").read_text().splitlines()) == num_prompts
     # SmolLM2-135M-Instruct answers (greedy, so always the same words), printed beside its question.
     assert "> What is the capital of France?\nThe capital of France is Paris.\n" in done.stdout
+    # The demo says which path ran: on the CPU its Q4_1 file computes as it is, 4 bits a weight.
+    assert re.search(r"worker demo-worker: demo; weights GGUF Q4_1\S* kept quantized", done.stdout), done.stdout[:500]

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 
 from engine.checkpoint import DEMO_MODEL
-from jobs import batches
+from jobs import batches, heartbeats
 from jobs.connection import connect
 from jobs.local_redis import free_port
 from workers.processes import ProcessGroup, reachable_redis, start_own_redis
@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         start("api", ["producers.api", "--port", str(api_port), "--redis-url", redis_url])
         group.wait_for_http(f"http://127.0.0.1:{api_port}/healthz")
         group.wait_for_model(connect(redis_url), MODEL_NAME)
+        print_workers(connect(redis_url))
         print(f"api: http://127.0.0.1:{api_port}/v1   worker metrics: http://127.0.0.1:{worker_metrics}/metrics",
               flush=True)
 
@@ -92,6 +93,14 @@ def main(argv: list[str] | None = None) -> int:
         group.stop(["worker", "finalizer", "api"])
         if own_redis is not None:
             own_redis.kill()
+
+
+def print_workers(r) -> None:
+    """Which path each worker took: how it holds the weights (a GGUF kept quantized, or dequantized
+    to a dtype) and its KV cache's dtype, as its heartbeat says."""
+    for worker in heartbeats.live_workers(r):
+        print(f"worker {worker['name']}: {', '.join(worker['models'])}; weights {worker.get('weights', '?')}; "
+              f"KV cache {worker.get('kv_cache_dtype', '?')}", flush=True)
 
 
 def print_exchanges(prompts: Path, output: bytes) -> None:

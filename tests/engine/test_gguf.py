@@ -1,7 +1,8 @@
 """GGUF checkpoints: every quantization type kvfleet loads equals gguf's own dequantizer
 on tensors quantized here; each architecture GGUF carries runs token-identical to
 transformers reading the same file; tensor parallelism slices after dequantizing; an
-unsupported type, or an ambiguous folder, is a one-line error."""
+unsupported type, or an ambiguous folder, is a one-line error. All on the loader's dequantizing
+path (quantized_kernels=False); the weights kept quantized, the CPU's default: test_quantized_gguf.py."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def wide_llama(tmp_path_factory, tiny_tokenizer) -> str:
 
 
 def loaded_weights(path, dtype: str = "float32") -> dict[str, torch.Tensor]:
-    llm = LLM(str(path), skip_tokenizer_init=True, num_kv_blocks=8, dtype=dtype, onednn_linear=False)
+    llm = LLM(str(path), skip_tokenizer_init=True, quantized_kernels=False, num_kv_blocks=8, dtype=dtype, onednn_linear=False)
     return {name: p.detach() for name, p in llm.engine.model_runner.model.named_parameters()}
 
 
@@ -97,7 +98,7 @@ def test_greedy_matches_transformers_reading_the_same_gguf(tmp_path, tiny_tokeni
     write_gguf(hf_dir, tmp_path / "model.gguf", mixed_type)
     assert load_hf_config(str(tmp_path)).architectures  # parsed once and cached: the engine reads the cache
     prompts, params = workload(VOCAB)
-    llm = LLM(str(tmp_path), skip_tokenizer_init=True, num_kv_blocks=256)
+    llm = LLM(str(tmp_path), skip_tokenizer_init=True, quantized_kernels=False, num_kv_blocks=256)
     assert Path(llm.engine.hf_config._name_or_path).is_relative_to(tmp_path / "cache")
     outputs = llm.generate(prompts, params, use_tqdm=False)
     # transformers' GGUF config drops head_dim (Qwen3) and Phi-3's window: give it the checkpoint's.
@@ -116,9 +117,9 @@ def test_k_quants_under_tp2_match_one_device(wide_llama, tmp_path):
                lambda name, shape: Q.Q6_K if "attn" in name else Q.Q4_K if "ffn" in name else Q.Q5_K)
     prompts = [workload(VOCAB)[0][i] for i in range(3, 19)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
-    one = LLM(str(tmp_path / "model.gguf"), skip_tokenizer_init=True, num_kv_blocks=128).generate(
+    one = LLM(str(tmp_path / "model.gguf"), skip_tokenizer_init=True, quantized_kernels=False, num_kv_blocks=128).generate(
         prompts, params, use_tqdm=False)
-    llm = LLM(str(tmp_path / "model.gguf"), skip_tokenizer_init=True, num_kv_blocks=128, tensor_parallel_size=2)
+    llm = LLM(str(tmp_path / "model.gguf"), skip_tokenizer_init=True, quantized_kernels=False, num_kv_blocks=128, tensor_parallel_size=2)
     try:
         two = llm.generate(prompts, params, use_tqdm=False)
     finally:
@@ -135,7 +136,7 @@ def test_k_quants_under_tp2_match_one_device(wide_llama, tmp_path):
 def test_an_unsupported_type_is_one_line_naming_it(wide_llama, tmp_path):
     write_gguf(wide_llama, tmp_path / "model.gguf", lambda name, shape: Q.IQ4_NL if "ffn_up" in name else Q.Q8_0)
     with pytest.raises(ValueError) as raised:
-        LLM(str(tmp_path / "model.gguf"), skip_tokenizer_init=True, num_kv_blocks=8)
+        LLM(str(tmp_path / "model.gguf"), skip_tokenizer_init=True, quantized_kernels=False, num_kv_blocks=8)
     message = str(raised.value)
     assert "\n" not in message
     assert message.startswith("GGUF tensor blk.0.ffn_up.weight: quantization type IQ4_NL is not supported")
@@ -145,8 +146,8 @@ def test_a_folder_with_two_ggufs_asks_which(wide_llama, tmp_path):
     write_gguf(wide_llama, tmp_path / "a.gguf")
     shutil.copy(tmp_path / "a.gguf", tmp_path / "b.gguf")
     with pytest.raises(ValueError, match=r"holds 2 \.gguf files \(a\.gguf, b\.gguf\); name one of them"):
-        LLM(str(tmp_path), skip_tokenizer_init=True, num_kv_blocks=8)
-    assert LLM(str(tmp_path / "b.gguf"), skip_tokenizer_init=True, num_kv_blocks=8).generate(
+        LLM(str(tmp_path), skip_tokenizer_init=True, quantized_kernels=False, num_kv_blocks=8)
+    assert LLM(str(tmp_path / "b.gguf"), skip_tokenizer_init=True, quantized_kernels=False, num_kv_blocks=8).generate(
         [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0].token_ids
 
 
@@ -156,7 +157,7 @@ def test_phi3_longrope_and_partial_rotary_come_back_from_a_gguf(tiny_models, tmp
     F32 file runs exactly as the safetensors checkpoint, across the switch to the long factors."""
     write_gguf(tiny_models["phi3"], tmp_path / "phi3.gguf")
     prompts, params = workload(VOCAB)
-    from_gguf = LLM(str(tmp_path / "phi3.gguf"), skip_tokenizer_init=True, num_kv_blocks=256)
+    from_gguf = LLM(str(tmp_path / "phi3.gguf"), skip_tokenizer_init=True, quantized_kernels=False, num_kv_blocks=256)
     rope = from_gguf.engine.hf_config.rope_parameters
     assert rope["rope_type"] == "longrope" and rope["partial_rotary_factor"] == 0.5
     assert rope["original_max_position_embeddings"] == 64 and rope["long_factor"] == [1.0, 2.5, 6.0, 12.0]

@@ -195,7 +195,7 @@ def test_a_quantized_checkpoint_generates_what_its_dequantized_weights_do(tiny_l
     quantization, quantize = LAYOUTS[layout]
     quantized, reference = write_pair(tiny_llama, tmp_path, quantization, quantize)
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=2)
-    llm = LLM(quantized, num_kv_blocks=64)
+    llm = LLM(quantized, num_kv_blocks=64, quantized_kernels=False)
     assert f"parameters ({quantization['quant_method']} checkpoint, dequantized at load)" in llm.engine.describe()
     got = llm.generate(PROMPTS, params)
     expected = LLM(reference, num_kv_blocks=64).generate(PROMPTS, params)
@@ -228,7 +228,7 @@ def test_a_qwen3_and_a_moe_s_quantized_experts_load_too(tiny_models, tmp_path, a
     assert any(".experts." in name and name.endswith(("qweight", "weight_scale_inv"))
                for name in load_file(str(Path(quantized) / "model.safetensors"))) == (architecture == "qwen3_moe")
     params = SamplingParams(max_tokens=10, temperature=0, logprobs=2)
-    got = LLM(quantized, num_kv_blocks=64).generate(PROMPTS, params)
+    got = LLM(quantized, num_kv_blocks=64, quantized_kernels=False).generate(PROMPTS, params)
     expected = LLM(reference, num_kv_blocks=64).generate(PROMPTS, params)
     assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in got] == [
         (o.outputs[0].token_ids, o.outputs[0].logprobs) for o in expected]
@@ -260,7 +260,7 @@ def test_integer_weights_stay_packed_on_the_quantized_kernels(tiny_llama, tmp_pa
     assert f"({quantization['quant_method']} {bits}-bit kept quantized" in kept.engine.describe()
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=5)
     got = kept.generate(PROMPTS, params)
-    expected = LLM(quantized, num_kv_blocks=64, attention_backend=backend).generate(PROMPTS, params)
+    expected = LLM(quantized, num_kv_blocks=64, quantized_kernels=False, attention_backend=backend).generate(PROMPTS, params)
     for a, b in zip(got, expected):
         a, b = a.outputs[0], b.outputs[0]
         close, _ = close_or_identical(a.token_ids, [top5(e) for e in a.logprobs], b.token_ids,
