@@ -1,6 +1,7 @@
 """GGUF's quantized tensors in the one form kvfleet's quantized linears compute on
 (kvfleet_kernels/cpu_quantized_linear.py): per output row and group of G input features,
-w = a * code - b with unsigned codes of 4 or 8 bits and a, b in fp16.
+w = a * code - b with unsigned codes of 4, 6 or 8 bits and a, b in fp16 (6 bits: codes below
+64, packed as a 4-bit plane and a 2-bit one).
 
 Each block type is read as ggml defines it (ggml-common.h; gguf-py's dequantizers follow the same
 layouts, and the tests check every type against them):
@@ -8,12 +9,12 @@ layouts, and the tests check every type against them):
     type   block  codes                         a          b           bits  G
     Q4_0   32     4-bit nibbles                 d          8 d         4     32
     Q4_1   32     4-bit nibbles                 d          -m          4     32
-    Q5_0   32     nibble | high bit << 4        d          16 d        8     32
-    Q5_1   32     nibble | high bit << 4        d          -m          8     32
+    Q5_0   32     nibble | high bit << 4        d          16 d        6     32
+    Q5_1   32     nibble | high bit << 4        d          -m          6     32
     Q8_0   32     int8 + 128                    d          128 d       8     32
     Q4_K   256    4-bit, 8 sub-blocks of 32     d sc_j     dmin m_j    4     32
-    Q5_K   256    5-bit, 8 sub-blocks of 32     d sc_j     dmin m_j    8     32
-    Q6_K   256    6-bit, 16 sub-blocks of 16    d sc_j     32 a        8     16
+    Q5_K   256    5-bit, 8 sub-blocks of 32     d sc_j     dmin m_j    6     32
+    Q6_K   256    6-bit, 16 sub-blocks of 16    d sc_j     32 a        6     16
 
 a and b are exact in fp16 for the legacy types; a K-quant's d * sc_j (an fp16 times a 6- or 8-bit
 integer) is rounded once to fp16, a relative 2^-11 beside the format's own 4-6 bits. Q2_K and Q3_K
@@ -63,13 +64,13 @@ def q4_1(blocks):
 def q5_0(blocks):
     d = _halves(blocks, 0)
     codes = _nibbles(blocks[:, 6:], 16) | (_high_bits(blocks[:, 2:6], 32) << 4)
-    return codes, d, 16 * d, 8
+    return codes, d, 16 * d, 6
 
 
 def q5_1(blocks):
     d, m = _halves(blocks, 0), _halves(blocks, 2)
     codes = _nibbles(blocks[:, 8:], 16) | (_high_bits(blocks[:, 4:8], 32) << 4)
-    return codes, d, -m, 8
+    return codes, d, -m, 6
 
 
 def q8_0(blocks):
@@ -96,7 +97,7 @@ def q5_k(blocks):
     n = blocks.shape[0]
     qh = blocks[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)  # bit j: sub-block j
     codes = _nibbles(blocks[:, 48:], 32) | ((qh & 1).reshape(n, -1) << 4)
-    return codes, a, b, 8
+    return codes, a, b, 6
 
 
 def q6_k(blocks):
@@ -107,7 +108,7 @@ def q6_k(blocks):
     codes = low | (high.reshape(n, -1) << 4)
     a = _halves(blocks, 208) * blocks[:, 192:208].view(np.int8).astype(np.float32)  # [n, 16]
     a = a.astype(np.float16).astype(np.float32)  # b = 32 a exactly, as ggml's (q - 32) * d * sc
-    return codes, a, 32 * a, 8
+    return codes, a, 32 * a, 6
 
 
 KERNEL_TYPES = {Q.Q4_0: q4_0, Q.Q4_1: q4_1, Q.Q5_0: q5_0, Q.Q5_1: q5_1, Q.Q8_0: q8_0,

@@ -1,7 +1,7 @@
-"""Linears on quantized weights for the CPU (csrc/quantized_linear_cpu.cpp): 4- or 8-bit codes
+"""Linears on quantized weights for the CPU (csrc/quantized_linear_cpu.cpp): 4-, 6- or 8-bit codes
 with an fp16 scale and offset per group of input features, computed as integer dot products
 against activations quantized to int16 per 32 features (why not int8: the kernel's header). The weight is never dequantized as a
-whole: a decode step reads 4 or 8 bits a weight where a bf16 linear reads 16.
+whole: a decode step reads 4, 6 or 8 bits a weight where a bf16 linear reads 16.
 
 Every format kvfleet keeps quantized is written in this one form, w = a * code - b per (output
 column, group): engine/quantized_weights.py converts GGUF's blocks (and AWQ's and GPTQ's
@@ -43,7 +43,7 @@ class QuantizedWeight:
     codes: torch.Tensor  # uint8 [N, K], each < 2 ** bits
     scale: torch.Tensor  # fp16 [N, K / group_size]: a
     offset: torch.Tensor  # fp16 [N, K / group_size]: b, so that w = a * code - b
-    bits: int  # 4 or 8
+    bits: int  # 4, 6 or 8
     # Column j of the codes is input feature input_order[j] (GPTQ's desc_act, sorted into whole
     # groups); None: in order. The caller feeds x[:, input_order].
     input_order: torch.Tensor | None = None
@@ -72,23 +72,42 @@ class PackedQuantizedWeight:
     """A QuantizedWeight packed once for the kernel (layout: csrc/quantized_linear_cpu.cpp)."""
 
     packed: torch.Tensor  # uint8, 16 output columns a panel
-    scales: torch.Tensor  # fp16 [panels, K / group_size, 2, 16]
+    scales: torch.Tensor  # fp16 [panels, K / group_size, 2, 16] (a, b), or [..., 1, 16] (a) with zero_point
     bits: int
     group_size: int
     out_features: int
     in_features: int
     input_order: torch.Tensor | None = None  # as QuantizedWeight's
+    zero_point: int | None = None  # b = zero_point * a everywhere: only a is held
+
+    @property
+    def zero_point_arg(self) -> int:
+        return -1 if self.zero_point is None else self.zero_point
 
     @property
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scales.nbytes
 
 
+def implied_zero_point(weight: QuantizedWeight) -> int | None:
+    """z where every offset is z times its scale exactly, z a power of two below 2^bits: symmetric
+    formats (GGUF's Q4_0, Q5_0, Q8_0 and Q6_K; GPTQ's and compressed-tensors' symmetric codes) hold
+    w = a (code - z), so the packed form keeps a alone (Q6_K: 8 bits a weight, not 10)."""
+    scale = weight.scale.float()
+    for zero_point in (2 ** power for power in range(weight.bits)):
+        if torch.equal(scale * zero_point, weight.offset.float()):
+            return zero_point
+    return None
+
+
 def pack_weight(weight: QuantizedWeight) -> PackedQuantizedWeight:
     require_built()
+    zero_point = implied_zero_point(weight)
     packed, scales = torch.ops.kvfleet_cpu.pack_quantized_weight(
-        weight.codes.contiguous(), weight.scale.contiguous(), weight.offset.contiguous(), weight.bits)
-    return PackedQuantizedWeight(packed, scales, weight.bits, weight.group_size, *weight.shape, weight.input_order)
+        weight.codes.contiguous(), weight.scale.contiguous(), weight.offset.contiguous(), weight.bits,
+        -1 if zero_point is None else zero_point)
+    return PackedQuantizedWeight(packed, scales, weight.bits, weight.group_size, *weight.shape, weight.input_order,
+                                 zero_point)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,7 +122,7 @@ def linear(activations: tuple[torch.Tensor, torch.Tensor], weight: PackedQuantiz
     x as `quantize_activations` left it; bias [N] fp32 or None."""
     xq, xmeta = activations
     torch.ops.kvfleet_cpu.quantized_linear(out, xq, xmeta, weight.packed, weight.scales, weight.bits,
-                                           weight.group_size, bias)
+                                           weight.group_size, bias, weight.zero_point_arg)
     return out
 
 
@@ -111,7 +130,8 @@ def linear_amx(x: torch.Tensor, weight: PackedQuantizedWeight, bias: torch.Tenso
                out: torch.Tensor) -> torch.Tensor:
     """out [rows, N] (bf16 or fp32, may be a column slice) = x [rows, K] bf16 @ W^T + bias on AMX
     tiles, W dequantized a panel at a time to bf16 (csrc/quantized_linear_amx.cpp)."""
-    torch.ops.kvfleet_cpu.quantized_linear_amx(out, x, weight.packed, weight.scales, weight.bits, weight.group_size, bias)
+    torch.ops.kvfleet_cpu.quantized_linear_amx(out, x, weight.packed, weight.scales, weight.bits, weight.group_size, bias,
+                                               weight.zero_point_arg)
     return out
 
 
@@ -122,16 +142,24 @@ def dequantize_rows(weight: PackedQuantizedWeight, ids: torch.Tensor) -> torch.T
     panel, column = ids // 16, ids % 16
     if weight.bits == 8:  # [panels, K / 4 steps, 16 columns, 4] -> [ids, K]
         codes = weight.packed.view(-1, num_features // 4, 16, 4)[panel, :, column].reshape(len(ids), num_features)
+    elif weight.bits == 6:  # [panels, K / 16 blocks, 3 vectors, 16 columns, 4]: two of nibble pairs, the top bits
+        block = weight.packed.view(-1, num_features // 16, 3, 16, 4)[panel, :, :, column]  # [ids, K / 16, 3, 4]
+        low = torch.stack((block[:, :, 0] & 0x0F, block[:, :, 0] >> 4, block[:, :, 1] & 0x0F, block[:, :, 1] >> 4), 2)
+        top = torch.stack([(block[:, :, 2] >> (2 * q)) & 3 for q in range(4)], 2)  # [ids, K / 16, 4 steps, 4]
+        codes = (low | (top << 4)).reshape(len(ids), num_features)
     else:  # [panels, K / 8 step pairs, 16 columns, 4]: low nibbles step 2j, high nibbles step 2j + 1
         both = weight.packed.view(-1, num_features // 8, 16, 4)[panel, :, column]  # [ids, K / 8, 4]
         codes = torch.stack((both & 0x0F, both >> 4), dim=2).reshape(len(ids), num_features)
-    scales = weight.scales.view(-1, num_features // group, 2, 16)[panel, :, :, column].float()  # [ids, groups, 2]
-    scale, offset = (part.repeat_interleave(group, dim=1) for part in scales.unbind(-1))
+    planes = 2 if weight.zero_point is None else 1
+    scales = weight.scales.view(-1, num_features // group, planes, 16)[panel, :, :, column].float()  # [ids, groups, planes]
+    scale = scales[..., 0].repeat_interleave(group, dim=1)
+    offset = scale * weight.zero_point if weight.zero_point is not None else scales[..., 1].repeat_interleave(group, dim=1)
     return scale * codes.float() - offset
 
 
 def dequantize_weight(weight: PackedQuantizedWeight, out: torch.Tensor) -> torch.Tensor:
     """The whole weight into out [N, K] (bf16 or fp32, contiguous): for steps of many rows
     (engine/quantized_linear.py), where a dense matmul outruns the integer dot products."""
-    torch.ops.kvfleet_cpu.dequantize_quantized_weight(out, weight.packed, weight.scales, weight.bits, weight.group_size)
+    torch.ops.kvfleet_cpu.dequantize_quantized_weight(out, weight.packed, weight.scales, weight.bits, weight.group_size,
+                                                      weight.zero_point_arg)
     return out

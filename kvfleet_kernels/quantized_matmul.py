@@ -51,17 +51,17 @@ class TritonQuantizedWeight:
 
 
 def pack_weight(weight: QuantizedWeight) -> TritonQuantizedWeight:
-    """The kernel's form of a QuantizedWeight: 4-bit codes two a byte, everything contiguous, where
-    the weight is (TritonQuantizedWeight.to moves it)."""
+    """The kernel's form of a QuantizedWeight: 4-bit codes two a byte, 6- and 8-bit ones a byte
+    each, everything contiguous, where the weight is (TritonQuantizedWeight.to moves it)."""
     n, k = weight.shape
-    if weight.bits not in (4, 8) or k % 2 or weight.group_size % 16:
-        raise ValueError(f"quantized_matmul takes 4- or 8-bit codes in groups of a multiple of 16 features, "
+    if weight.bits not in (4, 6, 8) or k % 2 or weight.group_size % 16:
+        raise ValueError(f"quantized_matmul takes 4-, 6- or 8-bit codes in groups of a multiple of 16 features, "
                          f"got {weight.bits} bits, groups of {weight.group_size}, {k} features")
-    codes = weight.codes
-    if weight.bits == 4:
+    codes, bits = weight.codes, 8 if weight.bits == 6 else weight.bits
+    if bits == 4:
         codes = codes[:, 0::2] | (codes[:, 1::2] << 4)  # [N, K / 2]
     return TritonQuantizedWeight(codes.contiguous(), weight.scale.contiguous(), weight.offset.contiguous(),
-                                 weight.bits, weight.group_size, k, weight.input_order)
+                                 bits, weight.group_size, k, weight.input_order)
 
 
 def dequantize_rows(weight: TritonQuantizedWeight, ids: torch.Tensor) -> torch.Tensor:

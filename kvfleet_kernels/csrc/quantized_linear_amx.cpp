@@ -47,8 +47,9 @@ using u32x16 = uint32_t __attribute__((vector_size(64)));
 // once a group rather than once a step.
 struct SpreadScales {
   vfloat a[4], b[4];
-  void load(const at::Half* ab) {
-    const vfloat a16 = load_scales(ab), b16 = load_scales(ab + kColumns);
+  void load(const at::Half* ab, int64_t zero_point) {
+    vfloat a16, b16;
+    load_group(ab, zero_point, a16, b16);
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) a[i] = spread(a16, i), b[i] = spread(b16, i);
   }
@@ -71,10 +72,12 @@ inline void store_step_pairs(uint32_t* pairs, int64_t s, const __m512 (&values)[
 // One panel's weight as bf16 VNNI pairs, [K / 2][16] words. Codes are read 16 bytes at a time
 // straight into the lanes they widen to: splitting a 64-byte vector into quarters cost a shuffle each.
 template <int BITS>
-void dequantize_panel(uint32_t* pairs, const uint8_t* panel, const at::Half* scales, int64_t k, int64_t group) {
+void dequantize_panel(uint32_t* pairs, const uint8_t* panel, const at::Half* scales, int64_t k, int64_t group,
+                      int64_t zero_point) {
   SpreadScales g;
+  const int64_t planes = scale_planes(zero_point);
   for (int64_t s = 0; s < k / 4; s += 2) {  // K is a multiple of 32: steps come in pairs
-    if (s * 4 % group == 0 || group == 16) g.load(scales + (s * 4 / group) * 2 * kColumns);  // a pair never spans two
+    if (s * 4 % group == 0 || group == 16) g.load(scales + (s * 4 / group) * planes * kColumns, zero_point);  // a pair never spans two
     __m512 first[4], second[4];
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
@@ -82,6 +85,16 @@ void dequantize_panel(uint32_t* pairs, const uint8_t* panel, const at::Half* sca
       if constexpr (BITS == 8) {
         codes_first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + s * 64 + 16 * i));
         codes_second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + (s + 1) * 64 + 16 * i));
+      } else if constexpr (BITS == 6) {  // steps s and s + 1 of a block of 4: their nibbles, then top 2 bits
+        const uint8_t* block = panel + s / 4 * 192;
+        const int q = s % 4;  // 0 or 2
+        const __m128i nibbles = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + q / 2 * 64 + 16 * i));
+        const __m128i top = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 128 + 16 * i));
+        const __m128i mask = _mm_set1_epi8(0x0F), three = _mm_set1_epi8(3);
+        const __m128i top_first = _mm_and_si128(_mm_srl_epi16(top, _mm_cvtsi32_si128(2 * q)), three);
+        const __m128i top_second = _mm_and_si128(_mm_srl_epi16(top, _mm_cvtsi32_si128(2 * q + 2)), three);
+        codes_first = _mm_or_si128(_mm_and_si128(nibbles, mask), _mm_slli_epi16(top_first, 4));
+        codes_second = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(nibbles, 4), mask), _mm_slli_epi16(top_second, 4));
       } else {  // steps s and s + 1 share 64 bytes: low nibbles, then high
         const __m128i both = _mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + s * 32 + 16 * i));
         codes_first = _mm_and_si128(both, _mm_set1_epi8(0x0F));
@@ -103,6 +116,7 @@ struct AmxArgs {
   void* out;  // [rows, N], row stride out_stride
   bool out_bf16;
   int64_t rows, k, n, group, bits, out_stride;
+  int64_t zero_point;  // B = zero_point * A, or -1: B stored
 };
 
 // One C tile's sums (+ bias) into out's rows [row0, row0 + rows) and the panel's columns.
@@ -119,9 +133,10 @@ void store_sums(const AmxArgs& a, int tile, int64_t row0, int64_t rows, int64_t 
 // then what is left 16 rows or fewer at a time.
 void panel_rows_amx(const AmxArgs& a, int64_t panel, uint32_t* pairs, int64_t& configured_rows) {
   const uint8_t* weights = a.packed + panel * a.k * kColumns * a.bits / 8;
-  const at::Half* scales = a.scales + panel * (a.k / a.group) * 2 * kColumns;
-  if (a.bits == 8) dequantize_panel<8>(pairs, weights, scales, a.k, a.group);
-  else dequantize_panel<4>(pairs, weights, scales, a.k, a.group);
+  const at::Half* scales = a.scales + panel * (a.k / a.group) * scale_planes(a.zero_point) * kColumns;
+  if (a.bits == 8) dequantize_panel<8>(pairs, weights, scales, a.k, a.group, a.zero_point);
+  else if (a.bits == 6) dequantize_panel<6>(pairs, weights, scales, a.k, a.group, a.zero_point);
+  else dequantize_panel<4>(pairs, weights, scales, a.k, a.group, a.zero_point);
   const int64_t col0 = panel * kColumns, cols = std::min<int64_t>(kColumns, a.n - col0);
   int64_t row0 = 0;
   for (; row0 + 2 * kTileRows <= a.rows; row0 += 2 * kTileRows) {  // tiles 0-4 alike: C0, C1, A1 (2), A0 (4)
@@ -155,16 +170,16 @@ void panel_rows_amx(const AmxArgs& a, int64_t panel, uint32_t* pairs, int64_t& c
 // out [M, N] (bf16 or fp32, rows dense) = x [M, K] bf16 @ W^T + bias, W as pack_quantized_weight
 // packed it; an fp32 bias of N or none. Threads take whole panels.
 void quantized_linear_amx(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                          int64_t bits, int64_t group, const std::optional<at::Tensor>& bias) {
+                          int64_t bits, int64_t group, const std::optional<at::Tensor>& bias, int64_t zero_point) {
   TORCH_CHECK(quantized_amx_available(), "quantized_linear_amx needs a CPU with amx_bf16 (and the kernel's permission)");
   const int64_t n = out.size(1), k = x.size(1);
-  check_weight(packed, scales, bits, group, n, k);
+  check_weight(packed, scales, bits, group, n, k, zero_point);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x must be [M, K] bf16, contiguous");
   check_output(out, x.size(0), bias);
 #if defined(KVFLEET_DECODE_AMX) && defined(__AVX512BF16__)
   const AmxArgs a{x.const_data_ptr<at::BFloat16>(), packed.const_data_ptr<uint8_t>(), scales.const_data_ptr<at::Half>(),
                   bias ? bias->const_data_ptr<float>() : nullptr, out.data_ptr(), out.scalar_type() == at::kBFloat16,
-                  x.size(0), k, n, group, bits, out.stride(0)};
+                  x.size(0), k, n, group, bits, out.stride(0), zero_point};
   at::parallel_for(0, (n + kColumns - 1) / kColumns, 1, [&](int64_t begin, int64_t end) {
     std::vector<uint32_t> pairs(k / 2 * kColumns);
     int64_t configured_rows = 0;
@@ -178,7 +193,7 @@ void quantized_linear_amx(const at::Tensor& out, const at::Tensor& x, const at::
 
 TORCH_LIBRARY_FRAGMENT(kvfleet_cpu, m) {
   m.def("quantized_linear_amx(Tensor(a!) out, Tensor x, Tensor packed, Tensor scales, int bits, int group, "
-        "Tensor? bias=None) -> ()");
+        "Tensor? bias=None, int zero_point=-1) -> ()");
   m.def("quantized_amx_available() -> bool", &quantized_amx_available);
 }
 

@@ -22,10 +22,17 @@
 // Packed weight, per panel of 16 output columns (kColumns), K/4 steps of 4 features:
 //   8 bits: step s is 64 bytes, byte (c, t) = u[c, 4s + t];
 //   4 bits: steps 2j and 2j+1 share 64 bytes, byte (c, t) = u[c, 8j + t] | u[c, 8j + 4 + t] << 4.
-// Scales: fp16 [panels, K / G, 2, 16], A then B of the panel's columns (zeros past N).
+//   6 bits (codes < 64: GGUF's Q6_K and Q5 types): steps 4j .. 4j+3 share 192 bytes, their low
+//   nibbles as 4 bits lays out steps 4j, 4j+1 and then 4j+2, 4j+3 (128 bytes), then 64 bytes of
+//   their top 2 bits, byte (c, t) = sum_q (u[c, 16j + 4q + t] >> 4) << 2q.
+// Scales: fp16 [panels, K / G, 2, 16], A then B of the panel's columns (zeros past N); [panels, K / G,
+// 1, 16], A alone, where every B is zero_point * A (symmetric formats: B implied, a group's bytes halved).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/equal.h>
+#include <ATen/ops/mul.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
@@ -86,6 +93,7 @@ struct QuantArgs {
   void* out;  // [rows, N] bf16 or fp32, row stride out_stride
   bool out_bf16;
   int64_t rows, k, n, group, out_stride;
+  int64_t zero_point;  // B = zero_point * A, or -1: B stored
 };
 
 #if KVFLEET_NATIVE_DOT || !defined(__AVX2__)
@@ -120,8 +128,8 @@ inline void unit_dots(const QuantArgs& a, int64_t row0, const uint8_t* weights, 
 #else
 // AVX2 without VNNI: 4-bit codes take vpmaddubsw (u8 x s8 pair sums into int16) on each digit,
 // summed in int16 over a unit (8 steps x 2 x 15 x 128 fits) and widened once with vpmaddwd;
-// 8-bit codes would saturate there, so they are widened to int16 and multiplied by the whole
-// int16 activation with vpmaddwd (255 x 32512 x 2 fits int32). Both exact, as the digits are.
+// 8- and 6-bit codes would saturate there, so they are widened to int16 and multiplied by the
+// whole int16 activation with vpmaddwd (255 x 32512 x 2 fits int32). Both exact, as the digits are.
 // 2 rows a pass: 4 accumulators a row besides the codes fill the 16 registers.
 constexpr int kMaxRows = 2;
 
@@ -181,9 +189,22 @@ inline __m256i join_pairs(__m256i first, __m256i second) {
   return _mm256_permute4x64_epi64(_mm256_hadd_epi32(first, second), 0xD8);
 }
 
+// Step `step`'s 64 codes (byte (c, t) as one 8-bit step lays them out) of an 8- or 6-bit panel.
+template <int BITS>
+inline u8x64 step_codes(const uint8_t* weights, int64_t step) {
+  if constexpr (BITS == 8) {
+    return load_u8x64(weights + step * 64);
+  } else {
+    const int64_t q = step % 4;  // its place in a block of 4 steps (csrc header: the 6-bit layout)
+    const uint8_t* block = weights + step / 4 * 192;
+    const u8x64 nibbles = load_u8x64(block + q / 2 * 64), top = load_u8x64(block + 128);
+    return ((q % 2 ? nibbles >> 4 : nibbles) & 0x0F) | (((top >> (2 * q)) & 3) << 4);
+  }
+}
+
 template <int BITS, int UNIT, int R>
 inline void unit_dots(const QuantArgs& a, int64_t row0, const uint8_t* weights, int64_t u, i32x16 (&dot)[R])
-  requires(BITS == 8)
+  requires(BITS != 4)
 {
   constexpr int kSteps = UNIT / 4;
   int16_t q[R][UNIT];
@@ -191,7 +212,8 @@ inline void unit_dots(const QuantArgs& a, int64_t row0, const uint8_t* weights, 
   __m256i acc[R][4];  // columns 4i .. 4i + 3, two pair sums each
   for (int r = 0; r < R; ++r) for (__m256i& v : acc[r]) v = _mm256_setzero_si256();
   for (int s = 0; s < kSteps; ++s) {
-    const __m128i* step = reinterpret_cast<const __m128i*>(weights + (u * kSteps + s) * 64);
+    const u8x64 codes64 = step_codes<BITS>(weights, u * kSteps + s);
+    const __m128i* step = reinterpret_cast<const __m128i*>(&codes64);
     __m256i x[R];
     for (int r = 0; r < R; ++r) {
       int64_t x4;  // features 4s .. 4s + 3 of row r
@@ -215,16 +237,14 @@ inline void unit_dots(const QuantArgs& a, int64_t row0, const uint8_t* weights, 
 template <int BITS, int UNIT, int R>
 void panel_pass(const QuantArgs& a, int64_t row0, int64_t panel) {
   const uint8_t* weights = a.packed + panel * a.k * kColumns * BITS / 8;
-  const at::Half* scales = a.scales + panel * (a.k / a.group) * 2 * kColumns;
+  const int64_t planes = scale_planes(a.zero_point);
+  const at::Half* scales = a.scales + panel * (a.k / a.group) * planes * kColumns;
   const int64_t meta = a.k / 8, units = a.k / UNIT, units_per_group = a.group / UNIT;
   const int64_t sums = UNIT == 32 ? a.k / 32 : 2 * (a.k / 32);  // where xmeta's s * sum(xq) per unit start
   vfloat acc[R] = {};
   vfloat scale_a{}, scale_b{};
   for (int64_t u = 0; u < units; ++u) {
-    if (u % units_per_group == 0) {
-      const at::Half* ab = scales + (u / units_per_group) * 2 * kColumns;
-      scale_a = load_scales(ab), scale_b = load_scales(ab + kColumns);
-    }
+    if (u % units_per_group == 0) load_group(scales + (u / units_per_group) * planes * kColumns, a.zero_point, scale_a, scale_b);
     i32x16 dot[R];
     unit_dots<BITS, UNIT, R>(a, row0, weights, u, dot);
     for (int r = 0; r < R; ++r) {
@@ -314,32 +334,39 @@ std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x) {
 // out [M, N] (bf16 or fp32, rows dense) = x @ W^T + bias, x given as quantize_activations left it
 // and W as pack_quantized_weight packed it; an fp32 bias of N or none.
 void quantized_linear(const at::Tensor& out, const at::Tensor& xq, const at::Tensor& xmeta, const at::Tensor& packed,
-                      const at::Tensor& scales, int64_t bits, int64_t group, const std::optional<at::Tensor>& bias) {
+                      const at::Tensor& scales, int64_t bits, int64_t group, const std::optional<at::Tensor>& bias,
+                      int64_t zero_point) {
   const int64_t n = out.size(1), k = xq.size(1) / 2;
-  check_weight(packed, scales, bits, group, n, k);
+  check_weight(packed, scales, bits, group, n, k, zero_point);
   TORCH_CHECK(xq.scalar_type() == at::kChar && xq.is_contiguous() && xmeta.scalar_type() == at::kFloat &&
                   xmeta.is_contiguous() && xmeta.size(0) == xq.size(0) && xmeta.size(1) == k / 8,
               "xq and xmeta must come from quantize_activations");
   check_output(out, xq.size(0), bias);
   const QuantArgs a{xq.const_data_ptr<int8_t>(), xmeta.const_data_ptr<float>(), packed.const_data_ptr<uint8_t>(),
                     scales.const_data_ptr<at::Half>(), bias ? bias->const_data_ptr<float>() : nullptr, out.data_ptr(),
-                    out.scalar_type() == at::kBFloat16, xq.size(0), k, n, group, out.stride(0)};
+                    out.scalar_type() == at::kBFloat16, xq.size(0), k, n, group, out.stride(0), zero_point};
   const int64_t panels = (n + kColumns - 1) / kColumns;
   if (bits == 4 && group == 16) run_linear<4, 16>(a, panels);
   else if (bits == 4) run_linear<4, 32>(a, panels);
+  else if (bits == 6 && group == 16) run_linear<6, 16>(a, panels);
+  else if (bits == 6) run_linear<6, 32>(a, panels);
   else if (group == 16) run_linear<8, 16>(a, panels);
   else run_linear<8, 32>(a, panels);
 }
 
-// codes uint8 [N, K] (each < 2^bits), a and b fp16 [N, K / G] -> (packed, scales) in the layout above.
+// codes uint8 [N, K] (each < 2^bits: 4, 6 or 8), a and b fp16 [N, K / G] -> (packed, scales) in the layout above.
 std::tuple<at::Tensor, at::Tensor> pack_quantized_weight(const at::Tensor& codes, const at::Tensor& a, const at::Tensor& b,
-                                                         int64_t bits) {
+                                                         int64_t bits, int64_t zero_point) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.device().is_cpu(), "codes must be [N, K] uint8");
   TORCH_CHECK(a.dim() == 2 && a.sizes() == b.sizes() && a.size(0) == codes.size(0) && a.scalar_type() == at::kHalf &&
                   b.scalar_type() == at::kHalf && a.size(1) > 0 && codes.size(1) % a.size(1) == 0,
               "a and b must be [N, K / G] fp16");
   const int64_t n = codes.size(0), k = codes.size(1), groups = a.size(1), panels = (n + kColumns - 1) / kColumns;
   check_layout(bits, k / groups, k);
+  TORCH_CHECK(codes.numel() == 0 || codes.max().item<uint8_t>() < (1 << bits), "codes must be below 2^bits");
+  TORCH_CHECK(zero_point < (int64_t{1} << bits), "zero_point must be a code (below 2^bits), or -1 for stored offsets");
+  TORCH_CHECK(zero_point < 0 || at::equal(b.to(at::kFloat), a.to(at::kFloat).mul(static_cast<double>(zero_point))),
+              "b must be zero_point * a exactly where zero_point is given");
   at::Tensor padded = at::zeros({panels * kColumns, k}, codes.options());
   padded.narrow(0, 0, n).copy_(codes);
   // [panels, 16, K/4, 4] -> [panels, K/4, 16, 4]: step s of a panel is 64 contiguous bytes
@@ -348,19 +375,26 @@ std::tuple<at::Tensor, at::Tensor> pack_quantized_weight(const at::Tensor& codes
   if (bits == 4) {  // steps 2j (low nibble) and 2j + 1 (high nibble) into one 64-byte vector
     at::Tensor pairs = steps.view({panels, k / 8, 2, kColumns * 4});
     packed = pairs.select(2, 0).bitwise_or(pairs.select(2, 1).bitwise_left_shift(4)).contiguous();
+  } else if (bits == 6) {  // blocks of 4 steps: two vectors of nibble pairs, then the top 2 bits' plane
+    at::Tensor blocks = steps.view({panels, k / 16, 4, kColumns * 4});
+    at::Tensor low = blocks.bitwise_and(0x0F), top = blocks.bitwise_right_shift(4);
+    at::Tensor plane = top.select(2, 0);
+    for (int64_t q = 1; q < 4; ++q) plane = plane.bitwise_or(top.select(2, q).bitwise_left_shift(2 * q));
+    packed = at::cat({low.select(2, 0).bitwise_or(low.select(2, 1).bitwise_left_shift(4)),
+                      low.select(2, 2).bitwise_or(low.select(2, 3).bitwise_left_shift(4)), plane}, 2).contiguous();
   }
-  at::Tensor ab = at::zeros({panels * kColumns, groups, 2}, a.options());
+  const int64_t planes = scale_planes(zero_point);
+  at::Tensor ab = at::zeros({panels * kColumns, groups, planes}, a.options());
   ab.narrow(0, 0, n).select(2, 0).copy_(a);
-  ab.narrow(0, 0, n).select(2, 1).copy_(b);
-  // [panels, 16, groups, 2] -> [panels, groups, 2, 16]
-  at::Tensor scales = ab.view({panels, kColumns, groups, 2}).permute({0, 2, 3, 1}).contiguous();
+  if (planes == 2) ab.narrow(0, 0, n).select(2, 1).copy_(b);
+  // [panels, 16, groups, planes] -> [panels, groups, planes, 16]
+  at::Tensor scales = ab.view({panels, kColumns, groups, planes}).permute({0, 2, 3, 1}).contiguous();
   return {packed.view({-1}), scales.view({-1})};
 }
 
 // One step's 64 codes (16 columns x 4 features) dequantized into row[c][f .. f + 4), with the
-// group's scales g (A then B of the 16 columns).
-inline void store_step(float (&row)[kColumns][64], int64_t f, u8x64 codes, const at::Half* g) {
-  const vfloat a = load_scales(g), b = load_scales(g + kColumns);
+// group's A and B of the 16 columns.
+inline void store_step(float (&row)[kColumns][64], int64_t f, u8x64 codes, vfloat a, vfloat b) {
 #pragma GCC unroll 4
   for (int i = 0; i < 4; ++i) {
     u8x16 part;
@@ -374,9 +408,10 @@ inline void store_step(float (&row)[kColumns][64], int64_t f, u8x64 codes, const
 // dense matmul (oneDNN's, on AMX or avx512_bf16) outruns the integer dot products by more than the
 // dequantization costs. Each thread writes whole panels; the codes are read once, in order.
 void dequantize_quantized_weight(const at::Tensor& out, const at::Tensor& packed, const at::Tensor& scales, int64_t bits,
-                                 int64_t group) {
+                                 int64_t group, int64_t zero_point) {
   const int64_t n = out.size(0), k = out.size(1), panels = (n + kColumns - 1) / kColumns, groups = k / group;
-  check_weight(packed, scales, bits, group, n, k);
+  const int64_t planes = scale_planes(zero_point);
+  check_weight(packed, scales, bits, group, n, k, zero_point);
   const at::ScalarType dtype = out.scalar_type();
   TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && (dtype == at::kBFloat16 || dtype == at::kFloat),
               "out must be [N, K] bf16 or fp32, contiguous");
@@ -391,12 +426,14 @@ void dequantize_quantized_weight(const at::Tensor& out, const at::Tensor& packed
       const int64_t cols = std::min<int64_t>(kColumns, n - panel * kColumns);
       for (int64_t f0 = 0; f0 < k; f0 += 64) {
         const int64_t width = std::min<int64_t>(64, k - f0);
-        for (int64_t s = f0 / 4; s < (f0 + width) / 4; s += 2) {  // K is a multiple of 32: steps come in pairs
-          u8x64 codes[2];
-          if (bits == 8) load_steps<8, 2>(pw, s, codes);
-          else load_steps<4, 2>(pw, s, codes);
-          const at::Half* g = ab + (panel * groups + s * 4 / group) * 2 * kColumns;
-          for (int half = 0; half < 2; ++half) store_step(row, s * 4 + 4 * half - f0, codes[half], g);
+        for (int64_t s = f0 / 4; s < (f0 + width) / 4; s += 4) {  // 16 features: one group (16 or more)
+          u8x64 codes[4];
+          if (bits == 8) load_steps<8, 4>(pw, s, codes);
+          else if (bits == 6) load_steps<6, 4>(pw, s, codes);
+          else load_steps<4, 4>(pw, s, codes);
+          vfloat scale_a, scale_b;
+          load_group(ab + (panel * groups + s * 4 / group) * planes * kColumns, zero_point, scale_a, scale_b);
+          for (int q = 0; q < 4; ++q) store_step(row, s * 4 + 4 * q - f0, codes[q], scale_a, scale_b);
         }
         for (int64_t c = 0; c < cols; ++c) {
           const int64_t at = (panel * kColumns + c) * k + f0;
@@ -415,10 +452,11 @@ void dequantize_quantized_weight(const at::Tensor& out, const at::Tensor& packed
 
 TORCH_LIBRARY_FRAGMENT(kvfleet_cpu, m) {
   m.def("quantize_activations(Tensor x) -> (Tensor, Tensor)");
-  m.def("pack_quantized_weight(Tensor codes, Tensor a, Tensor b, int bits) -> (Tensor, Tensor)");
+  m.def("pack_quantized_weight(Tensor codes, Tensor a, Tensor b, int bits, int zero_point=-1) -> (Tensor, Tensor)");
   m.def("quantized_linear(Tensor(a!) out, Tensor xq, Tensor xmeta, Tensor packed, Tensor scales, int bits, int group, "
-        "Tensor? bias=None) -> ()");
-  m.def("dequantize_quantized_weight(Tensor(a!) out, Tensor packed, Tensor scales, int bits, int group) -> ()");
+        "Tensor? bias=None, int zero_point=-1) -> ()");
+  m.def("dequantize_quantized_weight(Tensor(a!) out, Tensor packed, Tensor scales, int bits, int group, "
+        "int zero_point=-1) -> ()");
   m.def("quantized_dot_native() -> bool", &native_dot);
 }
 

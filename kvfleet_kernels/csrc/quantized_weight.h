@@ -48,11 +48,22 @@ inline u8x64 load_u8x64(const uint8_t* p) {
 }
 
 // The weight vectors of `steps` steps from step s0 of a panel: 8 bits one load each, 4 bits one
-// load a pair, split into its low and high nibbles.
+// load a pair, split into its low and high nibbles; 6 bits (s0 and STEPS multiples of 4) a block of
+// 4 steps, each step's low nibbles as 4 bits hold them and their top 2 bits from a shared plane.
 template <int BITS, int STEPS>
 inline void load_steps(const uint8_t* panel, int64_t s0, u8x64 (&w)[STEPS]) {
   if constexpr (BITS == 8) {
     for (int s = 0; s < STEPS; ++s) w[s] = load_u8x64(panel + (s0 + s) * 64);
+  } else if constexpr (BITS == 6) {
+    static_assert(STEPS % 4 == 0);
+    for (int s = 0; s < STEPS; s += 4) {
+      const uint8_t* block = panel + (s0 + s) / 4 * 192;
+      const u8x64 first = load_u8x64(block), second = load_u8x64(block + 64), top = load_u8x64(block + 128);
+      w[s] = (first & 0x0F) | ((top & 3) << 4);
+      w[s + 1] = ((first >> 4) & 0x0F) | (((top >> 2) & 3) << 4);
+      w[s + 2] = (second & 0x0F) | (((top >> 4) & 3) << 4);
+      w[s + 3] = ((second >> 4) & 0x0F) | (((top >> 6) & 3) << 4);
+    }
   } else {
     for (int s = 0; s < STEPS; s += 2) {
       const u8x64 both = load_u8x64(panel + (s0 + s) * 32);
@@ -72,20 +83,34 @@ inline vfloat spread(vfloat v, int i) {
   }
 }
 
-// The packed layout's own limits: 4 or 8 bits, K a multiple of 32 and of G, G 16 or a multiple of 32.
+// The packed layout's own limits: 4, 6 or 8 bits, K a multiple of 32 and of G, G 16 or a multiple of 32.
 inline void check_layout(int64_t bits, int64_t group, int64_t k) {
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "bits must be 4, 6 or 8");
   TORCH_CHECK(k % 32 == 0 && (group == 16 || (group % 32 == 0 && group > 0)) && k % group == 0,
               "K must be a multiple of 32 and of the group size (16, or a multiple of 32)");
 }
 
-inline void check_weight(const at::Tensor& packed, const at::Tensor& scales, int64_t bits, int64_t group, int64_t n, int64_t k) {
+// How many fp16 vectors of 16 a group's scales take: A and B, or A alone where every B is
+// zero_point * A (symmetric formats: GGUF's Q4_0, Q5_0, Q8_0 and Q6_K, GPTQ's sym), B then implied.
+inline int64_t scale_planes(int64_t zero_point) { return zero_point >= 0 ? 1 : 2; }
+
+inline void check_weight(const at::Tensor& packed, const at::Tensor& scales, int64_t bits, int64_t group, int64_t n, int64_t k,
+                         int64_t zero_point) {
   const int64_t panels = (n + kColumns - 1) / kColumns;
   check_layout(bits, group, k);
+  TORCH_CHECK(zero_point < (int64_t{1} << bits), "zero_point must be a code (below 2^bits), or -1 for stored offsets");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == panels * k * kColumns * bits / 8,
               "packed must come from pack_quantized_weight for N, K and bits");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.numel() == panels * (k / group) * 2 * kColumns,
-              "scales must come from pack_quantized_weight for N, K and the group size");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+                  scales.numel() == panels * (k / group) * scale_planes(zero_point) * kColumns,
+              "scales must come from pack_quantized_weight for N, K, the group size and zero_point");
+}
+
+// A group's A and B of a panel's 16 columns, from its scales (B implied where zero_point >= 0: fp16 A
+// times a power of two is the fp16 B pack_quantized_weight checked it equals).
+inline void load_group(const at::Half* g, int64_t zero_point, vfloat& a, vfloat& b) {
+  a = load_scales(g);
+  b = zero_point >= 0 ? a * static_cast<float>(zero_point) : load_scales(g + kColumns);
 }
 
 // out [rows, N] of a linear (bf16 or fp32 on the CPU, rows dense) and its fp32 bias of N or none.

@@ -16,6 +16,7 @@ pytestmark = native_cpu
 CASES = [  # bits, group size, out features, in features, rows
     (4, 32, 100, 256, 1), (4, 16, 64, 128, 3), (8, 32, 48, 64, 9), (8, 16, 33, 96, 17),
     (4, 128, 70, 512, 70), (8, 256, 16, 512, 2), (4, 32, 17, 32, 6), (8, 32, 200, 96, 131),
+    (6, 16, 40, 96, 5), (6, 32, 33, 64, 20), (6, 64, 16, 256, 1),
 ]
 
 
@@ -51,7 +52,7 @@ def test_the_product_is_the_dequantized_weights_in_float64(bits, group, n, k, ro
     assert (out.double() - unrounded).abs().max() <= max(tolerance, 1e-4) * scale
 
 
-@pytest.mark.parametrize(("bits", "group"), [(4, 32), (4, 16), (8, 32), (8, 16)])
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (4, 16), (6, 16), (6, 32), (8, 32), (8, 16)])
 def test_the_largest_codes_and_digits_sum_without_saturating(bits, group):
     """Every code at its largest and every activation's digits at their extremes (q = +-32384:
     high digit +-127, low -128 or 128 - 256): the sums the integer dot products hold at their
@@ -81,7 +82,7 @@ def test_parts_write_their_own_columns_of_a_wider_output_and_nothing_else():
     assert torch.allclose(out[:, :68].double(), expected, rtol=0, atol=1e-5 * expected.abs().max())
 
 
-@pytest.mark.parametrize(("bits", "group"), [(4, 32), (8, 16), (4, 128)])
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (8, 16), (4, 128), (6, 16), (6, 32)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_whole_weights_and_single_rows_dequantize_exactly(bits, group, dtype):
     generator = torch.Generator().manual_seed(group)
@@ -94,16 +95,46 @@ def test_whole_weights_and_single_rows_dequantize_exactly(bits, group, dtype):
     assert torch.equal(kernels.dequantize_rows(packed, ids), dense[ids])
 
 
-def test_the_packed_weight_is_the_codes_bytes_and_two_fp16_a_group():
-    weight = random_weight(4, 32, 64, 256, torch.Generator().manual_seed(0))
+@pytest.mark.parametrize("bits", [4, 6, 8])
+def test_the_packed_weight_is_the_codes_bits_and_two_fp16_a_group(bits):
+    weight = random_weight(bits, 32, 64, 256, torch.Generator().manual_seed(0))
     packed = kernels.pack_weight(weight)
-    assert packed.nbytes == 64 * 256 // 2 + 64 * (256 // 32) * 2 * 2
+    assert packed.nbytes == 64 * 256 * bits // 8 + 64 * (256 // 32) * 2 * 2
+
+
+@pytest.mark.parametrize(("bits", "group", "zero_point"), [(4, 32, 8), (6, 16, 32), (8, 32, 128), (4, 16, 1)])
+def test_a_symmetric_weight_is_held_without_its_offsets_and_computes_the_same(bits, group, zero_point):
+    """b = z a everywhere (GGUF's Q4_0, Q6_K, Q8_0; GPTQ's sym): the packed form keeps a alone, half the
+    scale bytes, and its product, whole dequantization and row lookups are the definition's."""
+    generator = torch.Generator().manual_seed(bits + zero_point)
+    weight = random_weight(bits, group, 40, 128, generator)
+    weight.offset = (weight.scale.float() * zero_point).half()
+    packed = kernels.pack_weight(weight)
+    assert packed.zero_point == zero_point
+    assert packed.scales.numel() == 3 * 16 * (128 // group)  # 3 panels, one fp16 a group and column
+    x = torch.randn(7, 128, generator=generator)
+    out = torch.empty(7, 40)
+    kernels.linear(kernels.quantize_activations(x), packed, None, out)
+    dense = weight.dequantize()
+    expected = rounded_activations(x) @ dense.double().T
+    assert (out.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+    assert torch.equal(kernels.dequantize_weight(packed, torch.empty(40, 128)), dense)
+    ids = torch.tensor([39, 0, 21])
+    assert torch.equal(kernels.dequantize_rows(packed, ids), dense[ids])
+    if kernels.amx_available():
+        out_amx = torch.empty(7, 40)
+        kernels.linear_amx(x.bfloat16(), packed, None, out_amx)
+        bf16 = x.bfloat16().double() @ dense.bfloat16().double().T
+        assert (out_amx.double() - bf16).abs().max() <= 1e-6 * bf16.abs().max()
 
 
 def test_a_bad_shape_is_an_error_not_a_crash():
     weight = random_weight(4, 32, 16, 64, torch.Generator().manual_seed(0))
     with pytest.raises(RuntimeError, match="multiple of 32"):
         kernels.quantize_activations(torch.randn(2, 48))
+    with pytest.raises(RuntimeError, match="below 2\\^bits"):
+        kernels.pack_weight(kernels.QuantizedWeight(torch.full((16, 64), 64, dtype=torch.uint8), weight.scale,
+                                                    weight.offset, 6))
     with pytest.raises(RuntimeError, match="must come from pack_quantized_weight"):  # K 32, weight 64
         kernels.linear(kernels.quantize_activations(torch.randn(2, 32)), kernels.pack_weight(weight), None,
                        torch.empty(2, 16))
