@@ -1,6 +1,7 @@
 """Quantized GGUF files on the CPU: kvfleet computing on the file's own quantized weights
-(--quantized-kernels) against llama.cpp's llama-server on the same file, and kvfleet at bf16
-(the same file dequantized at load), on the same token ids, in one run.
+(the CPU's default, --quantized-kernels) against llama.cpp's llama-server on the same file, and
+kvfleet dense (the same file dequantized at load to the host's dtype: bf16 where the CPU has
+avx512_bf16 or AMX, else fp32), on the same token ids, in one run.
 
     python -m benchmarks.quantized [--models smollm2,1b] [--concurrency 1,4,32] [--rounds N]
 
@@ -16,7 +17,8 @@ Workloads, per concurrency C: C=1 and 4, 2C requests of a 256-token prompt and 1
 C=32, the chat shape (32 requests, prompts of 32-512 tokens, outputs of 64-128). kvfleet runs
 LLM.generate with max_num_seqs C in a child process; llama-server runs C slots with continuous
 batching on every core, driven by C client threads. Reported: output tokens/s, the ratio to
-llama-server, and each process's resident memory at the end (VmHWM, its peak). Rounds interleave
+llama-server, each process's CPU seconds over the timed run and its peak resident memory (VmHWM),
+and the bytes kvfleet holds the weights in against the file's. Rounds interleave
 the systems; the best of each is kept (a shared host's speed drifts). Ends with a JSON summary.
 """
 
@@ -24,7 +26,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import resource
 import subprocess
 import sys
 import time
@@ -49,17 +53,28 @@ def run_kvfleet_child(model: str, quantized: bool, concurrency: int) -> dict:
     from engine import LLM, SamplingParams  # noqa: PLC0415 (the child only)
 
     prompts, lens = workload(concurrency)
-    llm = LLM(model, dtype="bfloat16", max_num_seqs=concurrency, max_model_len=1024, quantized_kernels=quantized,
+    llm = LLM(model, dtype="auto", max_num_seqs=concurrency, max_model_len=1024, quantized_kernels=quantized,
               enable_prefix_caching=False)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
     llm.generate(prompts[:1], params[:1], use_tqdm=False)  # warm-up: the first step's one-time costs
-    start = time.perf_counter()
+    cpu_start, start = cpu_seconds(), time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, cpu_seconds() - cpu_start
     tokens = sum(len(o.token_ids) for o in outputs)
     assert tokens == sum(lens), (tokens, sum(lens))
-    return {"output_tokens": tokens, "seconds": seconds, "peak_rss_mib": peak_rss_mib("self"),
-            "engine": llm.engine.describe()}
+    runner = llm.engine.model_runner
+    return {"output_tokens": tokens, "seconds": seconds, "cpu_seconds": cpu, "peak_rss_mib": peak_rss_mib("self"),
+            "dtype": str(runner.dtype).removeprefix("torch."), "weights": llm.engine.weights_summary(),
+            "quantized_weight_mib": runner.quantized_weight_bytes / 2**20, "engine": llm.engine.describe()}
+
+
+def cpu_seconds(pid: str | int = "self") -> float:
+    """User + system CPU seconds of a process so far (this one: getrusage; another: /proc)."""
+    if pid == "self":
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
 def peak_rss_mib(pid: str | int) -> float:
@@ -90,12 +105,12 @@ def run_llama_server(bin_dir: Path, model: str, concurrency: int) -> dict:
     prompts, lens = workload(concurrency)
     with LlamaServer(bin_dir, model, slots=concurrency, context_per_slot=1024) as server:
         server.complete(prompts[0], 1)  # warm-up
-        start = time.perf_counter()
+        cpu_start, start = cpu_seconds(server.pid), time.perf_counter()
         tokens = server.run_all(prompts, lens, concurrency)
-        seconds = time.perf_counter() - start
+        seconds, cpu = time.perf_counter() - start, cpu_seconds(server.pid) - cpu_start
         memory = peak_rss_mib(server.pid)
     assert tokens == sum(lens), (tokens, sum(lens))
-    return {"output_tokens": tokens, "seconds": seconds, "output_tokens_per_s": tokens / seconds,
+    return {"output_tokens": tokens, "seconds": seconds, "cpu_seconds": cpu, "output_tokens_per_s": tokens / seconds,
             "peak_rss_mib": memory}
 
 
@@ -112,13 +127,20 @@ def models(args, bin_dir: Path) -> dict[str, dict[str, str]]:
     return found
 
 
+def file_tensor_mib(path: str) -> float:
+    """The GGUF's tensor bytes (what the weights take in the file, its metadata aside)."""
+    from gguf import GGUFReader  # noqa: PLC0415
+
+    return sum(int(tensor.n_bytes) for tensor in GGUFReader(path).tensors) / 2**20
+
+
 def bench_model(bin_dir: Path, name: str, files: dict, concurrencies: list[int], rounds: int) -> dict:
-    results = {}
+    results: dict = {"file_tensor_mib": file_tensor_mib(files["quantized"])}
     for concurrency in concurrencies:
         best: dict[str, dict] = {}
         for _ in range(rounds):
             runs = {"kvfleet_quantized": lambda c=concurrency: run_kvfleet(files["quantized"], True, c),
-                    "kvfleet_bf16": lambda c=concurrency: run_kvfleet(files["quantized"], False, c),
+                    "kvfleet_dense": lambda c=concurrency: run_kvfleet(files["quantized"], False, c),
                     "llama_server": lambda c=concurrency: run_llama_server(bin_dir, files["quantized"], c)}
             for system, run in runs.items():
                 result = run()
@@ -127,9 +149,14 @@ def bench_model(bin_dir: Path, name: str, files: dict, concurrencies: list[int],
         peer = best["llama_server"]["output_tokens_per_s"]
         for system, result in best.items():
             result["vs_llama_server"] = result["output_tokens_per_s"] / peer
+            held = f"  weights {result['quantized_weight_mib']:.0f} MiB" if result.get("quantized_weight_mib") else ""
             print(f"{name} C={concurrency:>2} {system:18s} {result['output_tokens_per_s']:8.1f} tok/s  "
-                  f"{result['vs_llama_server']:5.2f}x llama-server  peak RSS {result['peak_rss_mib']:7.0f} MiB")
+                  f"{result['vs_llama_server']:5.2f}x llama-server  CPU {result['cpu_seconds']:6.1f} s  "
+                  f"peak RSS {result['peak_rss_mib']:7.0f} MiB{held}  {result.get('dtype', '')}")
         results[str(concurrency)] = best
+        held = best["kvfleet_quantized"]["quantized_weight_mib"]
+        print(f"{name}: weights held in {held:.0f} MiB, {held / results['file_tensor_mib']:.3f}x the file's "
+              f"{results['file_tensor_mib']:.0f} MiB of tensors ({best['kvfleet_quantized']['weights']})")
     return results
 
 
@@ -149,7 +176,7 @@ def main() -> None:
     summary = {name: bench_model(bin_dir, name, files, concurrencies, args.rounds)
                for name, files in models(args, bin_dir).items()}
     goals = {f"{name} C={c}": best["kvfleet_quantized"]["vs_llama_server"] >= GOAL_AT_1_AND_4
-             for name, by_c in summary.items() for c, best in by_c.items() if int(c) <= 4}
+             for name, by_c in summary.items() for c, best in by_c.items() if c.isdigit() and int(c) <= 4}
     print(json.dumps({"results": summary, "goal_at_1_and_4": GOAL_AT_1_AND_4, "goals_met": goals}, indent=1))
 
 
