@@ -27,7 +27,7 @@ _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("paged_decode_cpu.cpp", "varlen_attention_cpu.cpp", "prefill_attention_cpu.cpp", "cpu_layers.cpp",
                          "lora_cpu.cpp", "brgemm_linear_cpu.cpp", "vnni_linear_cpu.cpp", "kv_cache_cpu.cpp",
                          "prefill_attention_brgemm.cpp", "paged_prefill_amx.cpp", "quantized_linear_cpu.cpp",
-                         "quantized_linear_amx.cpp")]
+                         "quantized_linear_amx.cpp", "quantized_weight_cpu.cpp")]
 # -fopenmp: at::parallel_for is inlined OpenMP, sharing torch's own libgomp thread pool.
 # The math flags let g++ vectorise the dot-product reductions; not -ffast-math, whose
 # finite-math assumption would break the -inf masking.
