@@ -93,9 +93,9 @@ def implied_zero_point(weight: QuantizedWeight) -> int | None:
     """z where every offset is z times its scale exactly, z a power of two below 2^bits: symmetric
     formats (GGUF's Q4_0, Q5_0, Q8_0 and Q6_K; GPTQ's and compressed-tensors' symmetric codes) hold
     w = a (code - z), so the packed form keeps a alone (Q6_K: 8 bits a weight, not 10)."""
-    scale = weight.scale.float()
+    scale, offset = weight.scale.float(), weight.offset.float()
     for zero_point in (2 ** power for power in range(weight.bits)):
-        if torch.equal(scale * zero_point, weight.offset.float()):
+        if torch.equal(scale * zero_point, offset):
             return zero_point
     return None
 

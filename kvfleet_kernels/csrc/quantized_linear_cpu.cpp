@@ -131,7 +131,7 @@ constexpr int kMaxRows = 2;
 
 inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 
-// 4 digits (or int16 pairs) of row r at feature f, in every 32-bit (64-bit) lane.
+// 4 digits of row r from feature f (its high ones, or its low ones), in every 32-bit lane.
 inline __m256i digits4(const QuantArgs& a, int64_t row, int64_t f, bool low) {
   int32_t x4;
   std::memcpy(&x4, a.xq + row * 2 * a.k + (low ? a.k : 0) + f, sizeof x4);
@@ -188,14 +188,8 @@ inline __m256i join_pairs(__m256i first, __m256i second) {
 // Step `step`'s 64 codes (byte (c, t) as one 8-bit step lays them out) of an 8- or 6-bit panel.
 template <int BITS>
 inline u8x64 step_codes(const uint8_t* weights, int64_t step) {
-  if constexpr (BITS == 8) {
-    return load_u8x64(weights + step * 64);
-  } else {
-    const int64_t q = step % 4;  // its place in a block of 4 steps (csrc header: the 6-bit layout)
-    const uint8_t* block = weights + step / 4 * 192;
-    const u8x64 nibbles = load_u8x64(block + q / 2 * 64), top = load_u8x64(block + 128);
-    return ((q % 2 ? nibbles >> 4 : nibbles) & 0x0F) | (((top >> (2 * q)) & 3) << 4);
-  }
+  if constexpr (BITS == 8) return load_u8x64(weights + step * 64);
+  else return six_bit_step(weights + step / 4 * 192, step % 4);
 }
 
 template <int BITS, int UNIT, int R>

@@ -47,6 +47,13 @@ inline u8x64 load_u8x64(const uint8_t* p) {
   return v;
 }
 
+// Step q (0-3) of a 6-bit block of 4 steps (192 bytes: csrc/quantized_linear_cpu.cpp's header):
+// its low nibbles, from the pair vector that holds them, with its top 2 bits from the shared plane.
+inline u8x64 six_bit_step(const uint8_t* block, int64_t q) {
+  const u8x64 nibbles = load_u8x64(block + q / 2 * 64), top = load_u8x64(block + 128);
+  return ((q % 2 ? nibbles >> 4 : nibbles) & 0x0F) | (((top >> (2 * q)) & 3) << 4);
+}
+
 // The weight vectors of `steps` steps from step s0 of a panel: 8 bits one load each, 4 bits one
 // load a pair, split into its low and high nibbles; 6 bits (s0 and STEPS multiples of 4) a block of
 // 4 steps, each step's low nibbles as 4 bits hold them and their top 2 bits from a shared plane.
@@ -56,14 +63,7 @@ inline void load_steps(const uint8_t* panel, int64_t s0, u8x64 (&w)[STEPS]) {
     for (int s = 0; s < STEPS; ++s) w[s] = load_u8x64(panel + (s0 + s) * 64);
   } else if constexpr (BITS == 6) {
     static_assert(STEPS % 4 == 0);
-    for (int s = 0; s < STEPS; s += 4) {
-      const uint8_t* block = panel + (s0 + s) / 4 * 192;
-      const u8x64 first = load_u8x64(block), second = load_u8x64(block + 64), top = load_u8x64(block + 128);
-      w[s] = (first & 0x0F) | ((top & 3) << 4);
-      w[s + 1] = ((first >> 4) & 0x0F) | (((top >> 2) & 3) << 4);
-      w[s + 2] = (second & 0x0F) | (((top >> 4) & 3) << 4);
-      w[s + 3] = ((second >> 4) & 0x0F) | (((top >> 6) & 3) << 4);
-    }
+    for (int s = 0; s < STEPS; ++s) w[s] = six_bit_step(panel + (s0 + s) / 4 * 192, s % 4);
   } else {
     for (int s = 0; s < STEPS; s += 2) {
       const u8x64 both = load_u8x64(panel + (s0 + s) * 32);
