@@ -48,7 +48,7 @@ def test_a_q4_k_m_mix_stays_quantized_in_its_own_bytes_and_generates_as_dequanti
     written = write_gguf(wide_llama, tmp_path / "model.gguf", q4_k_m_like)
     options = {"skip_tokenizer_init": True, "num_kv_blocks": 256, "attention_backend": backend}
     quantized = LLM(str(tmp_path / "model.gguf"), quantized_kernels=True, **options)
-    dequantized = LLM(str(tmp_path / "model.gguf"), **options)
+    dequantized = LLM(str(tmp_path / "model.gguf"), quantized_kernels=False, **options)
     model = quantized.engine.model_runner.model
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, QuantizedLinear) and [p.bits for p in qkv.parts] == [4, 4, 6 if backend != "triton" else 8]
@@ -89,7 +89,8 @@ def test_the_demo_model_answers_from_its_q4_1_weights_kept_quantized():
     from tests.engine.test_real_model import MAX_TOKENS, QUESTIONS, chat_prompts  # noqa: PLC0415
 
     quantized = LLM("demo", num_kv_blocks=256, quantized_kernels=True)
-    dequantized = LLM("demo", num_kv_blocks=256, dtype=str(quantized.engine.model_runner.dtype).removeprefix("torch."))
+    dequantized = LLM("demo", num_kv_blocks=256, quantized_kernels=False,
+                      dtype=str(quantized.engine.model_runner.dtype).removeprefix("torch."))
     model = quantized.engine.model_runner.model
     assert model.lm_head.parts[0] is model.model.embed_tokens.weight
     prompts = chat_prompts(quantized.get_tokenizer())

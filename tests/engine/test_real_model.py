@@ -37,7 +37,9 @@ MAX_TOKENS = 32  # enough to diverge where kvfleet and transformers would; 48 to
 
 @pytest.fixture(scope="module")
 def demo_llm():
-    return LLM("demo", dtype="float32", num_kv_blocks=256)
+    # The weights dequantized at load, as transformers reads the file: token for token. The same
+    # file kept quantized (the default) is tests/engine/test_quantized_gguf.py's.
+    return LLM("demo", dtype="float32", num_kv_blocks=256, quantized_kernels=False)
 
 
 def chat_prompts(tokenizer) -> list[list[int]]:
@@ -78,7 +80,7 @@ def test_bf16_answers_stay_close_to_transformers_bf16():
     """bf16 on the CPU default path (PackedBf16Linear: brgemm on AMX, vnni on avx512_bf16) against transformers bf16:
     rounding differs between implementations, so answers may part at a near-tie, only there.
     Measured on an AMX host: 11 of 16 token-identical on the brgemm linears, 9 on oneDNN's."""
-    llm = LLM("demo", dtype="bfloat16", num_kv_blocks=256)
+    llm = LLM("demo", dtype="bfloat16", num_kv_blocks=256, quantized_kernels=False)
     assert llm.engine.model_runner.kv_caches[0][0].dtype == torch.bfloat16
     outputs, identical = compare_with_transformers(llm, torch.bfloat16)
     assert identical >= 8, f"only {identical} of 16 answers token-identical"
