@@ -1,7 +1,7 @@
 """CPU layers in native code (csrc/cpu_layers.cpp, in the library kvfleet_kernels/cpu_paged_attention.py
 builds): RMSNorm fused with the residual add before it, SiLU-and-mul and rotary embedding in
-place, for bf16 and fp16 models, and LayerNorm fused with the residual add for encoders whose
-matmuls run in bf16 around an fp32 residual stream; greedy sampling's argmax in any float
+place, for bf16 and fp16 models and fp32 ones whose weights are kept quantized; LayerNorm fused
+with the residual add for encoders whose matmuls run in bf16 around an fp32 residual stream; greedy sampling's argmax in any float
 dtype; and the LoRA delta of a mixed-adapter step (csrc/lora_cpu.cpp), in every dtype."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from kvfleet_kernels.cpu_paged_attention import require_built
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [rows, 2 * width] bf16/fp16 (gate, then up) -> silu(gate) * up [rows, width], rounded
+    """x [rows, 2 * width] bf16/fp16/fp32 (gate, then up) -> silu(gate) * up [rows, width], rounded
     as transformers' act(gate) * up is (vLLM's silu_and_mul)."""
     require_built()
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -33,7 +33,7 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
 
 def rotary_in_place(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor,
                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate-half rotary on query [T, Hq, D] and key [T, Hkv, D] (bf16/fp16, dense heads) in
+    """Rotate-half rotary on query [T, Hq, D] and key [T, Hkv, D] (bf16/fp16/fp32, dense heads) in
     place, cos/sin rows [max_positions, D] fp32 picked by positions [T] and rounded to the
     dtype, as kvfleet_kernels.reference.rotary after transformers' cast. Returns (query, key)."""
     require_built()
@@ -43,7 +43,7 @@ def rotary_in_place(positions: torch.Tensor, query: torch.Tensor, key: torch.Ten
 
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """Same contract as kvfleet_kernels.reference.rms_norm, in one pass per row: x, residual [..., hidden]
-    bf16 or fp16, weight [hidden]. Returns normed, or (normed, x + residual) with `residual`."""
+    bf16, fp16 or fp32, weight [hidden]. Returns normed, or (normed, x + residual) with `residual`."""
     require_built()
     shape = x.shape  # [..., hidden]: Qwen3's q/k norms pass [T, heads, head_dim]
     rows = x.reshape(-1, shape[-1])

@@ -140,10 +140,11 @@ def use_triton_layers(model: nn.Module) -> None:
 
 
 def use_cpu_layers(model: nn.Module) -> None:
-    """Route the elementwise layers of a bf16 or fp16 model through native CPU kernels
-    (kvfleet_kernels/cpu_layers.py), each one pass over its rows where the torch path makes several
-    over the whole step and allocates a temporary for each: every RMSNorm with its residual
-    add, SiLU-and-mul in gated MLPs, and whole-head rotary embedding."""
+    """Route the elementwise layers of a bf16 or fp16 model, or an fp32 one whose weights are kept
+    quantized, through native CPU kernels (kvfleet_kernels/cpu_layers.py), each one pass over its
+    rows where the torch path makes several over the whole step and allocates a temporary for
+    each: every RMSNorm with its residual add, SiLU-and-mul in gated MLPs, and whole-head rotary
+    embedding."""
     from kvfleet_kernels.cpu_layers import add_rms_norm, rotary_in_place, silu_and_mul  # noqa: PLC0415 (builds the library)
 
     for module in model.modules():

@@ -1,7 +1,8 @@
 // CPU layers beside the decode kernel, in the same library (kvfleet_kernels/cpu_layers.py): the
-// residual add fused with RMSNorm for bf16/fp16 models and with LayerNorm for mixed-precision
-// encoders, SiLU-and-mul and rotary embedding for bf16/fp16 decoders, and the op that pins
-// OpenMP threads to cores (engine/cpu_runtime.py); and greedy sampling's argmax.
+// residual add fused with RMSNorm, SiLU-and-mul and rotary embedding for bf16/fp16 decoders (and
+// fp32 ones with quantized weights), the residual add fused with LayerNorm for mixed-precision
+// encoders, the op that pins OpenMP threads to cores (engine/cpu_runtime.py), and greedy
+// sampling's argmax.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <omp.h>
@@ -27,8 +28,9 @@ using kvfleet_cpu::silu_mul16;
 using kvfleet_cpu::store16;
 using kvfleet_cpu::vfloat;
 
-// RMSNorm with the residual add before it, one pass over each row, for bf16 and fp16
-// (fp32 stays on the torch path, whose rounding the exact-token tests pin). It rounds where
+// RMSNorm with the residual add before it, one pass over each row, for bf16, fp16 and fp32 (an
+// fp32 model takes it only with quantized weights: a dense one stays on the torch path, whose
+// summation order the exact-token tests pin). It rounds where
 // transformers' RMSNorm does: the sum x + residual to the dtype; statistics in fp32; the
 // normalized row to the dtype, then its product with the weight. Unfused, a prefill step of
 // 8,192 tokens of SmolLM2 spent ~17 ms per norm in eight whole-tensor passes and their
@@ -82,7 +84,8 @@ void add_rms_norm(const at::Tensor& out, const std::optional<at::Tensor>& residu
   switch (x.scalar_type()) {
     case at::kBFloat16: run(static_cast<at::BFloat16*>(nullptr)); break;
     case at::kHalf: run(static_cast<at::Half*>(nullptr)); break;
-    default: TORCH_CHECK(false, "add_rms_norm runs bf16 and fp16, not ", x.scalar_type());
+    case at::kFloat: run(static_cast<float*>(nullptr)); break;
+    default: TORCH_CHECK(false, "add_rms_norm runs bf16, fp16 and fp32, not ", x.scalar_type());
   }
 }
 
@@ -244,7 +247,7 @@ void argmax_rows(const at::Tensor& out, const at::Tensor& logits) {
   }
 }
 
-// out: [rows, width] contiguous; x: [rows, 2 * width] with dense rows (gate, then up), bf16/fp16.
+// out: [rows, width] contiguous; x: [rows, 2 * width] with dense rows (gate, then up), bf16/fp16/fp32.
 void silu_and_mul(const at::Tensor& out, const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0, "x must be [rows, 2 * width] with dense rows");
   TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) * 2 == x.size(1) &&
@@ -257,7 +260,10 @@ void silu_and_mul(const at::Tensor& out, const at::Tensor& x) {
     case at::kHalf:
       silu_and_mul_kernel(out.data_ptr<at::Half>(), x.const_data_ptr<at::Half>(), x.size(0), out.size(1), x.stride(0));
       break;
-    default: TORCH_CHECK(false, "silu_and_mul runs bf16 and fp16, not ", x.scalar_type());
+    case at::kFloat:
+      silu_and_mul_kernel(out.data_ptr<float>(), x.const_data_ptr<float>(), x.size(0), out.size(1), x.stride(0));
+      break;
+    default: TORCH_CHECK(false, "silu_and_mul runs bf16, fp16 and fp32, not ", x.scalar_type());
   }
 }
 
@@ -323,7 +329,8 @@ void rotary_in_place(const at::Tensor& query, const at::Tensor& key, const at::T
   switch (query.scalar_type()) {
     case at::kBFloat16: run(static_cast<at::BFloat16*>(nullptr)); break;
     case at::kHalf: run(static_cast<at::Half*>(nullptr)); break;
-    default: TORCH_CHECK(false, "rotary_in_place runs bf16 and fp16, not ", query.scalar_type());
+    case at::kFloat: run(static_cast<float*>(nullptr)); break;
+    default: TORCH_CHECK(false, "rotary_in_place runs bf16, fp16 and fp32, not ", query.scalar_type());
   }
 }
 

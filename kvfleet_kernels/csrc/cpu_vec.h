@@ -248,6 +248,10 @@ inline vfloat round16(vfloat v) {
 // half cleared instead of a store and a load through the stack. On a 2-core Xeon with AMX, 8,192
 // rows of SmolLM2: rotary 2.1 -> 1.2 ms (four roundings per 16 lanes), silu_and_mul 4.8 -> 3.7.
 template <>
+inline vfloat round16<float>(vfloat v) {  // fp32 rounds nothing further
+  return v;
+}
+template <>
 inline vfloat round16<at::BFloat16>(vfloat v) {
   using u32x16 = uint32_t __attribute__((vector_size(64)));
   u32x16 bits;

@@ -86,6 +86,9 @@ def test_a_q4_k_m_mix_stays_quantized_in_its_own_bytes_and_generates_as_dequanti
 def test_the_demo_model_answers_from_its_q4_1_weights_kept_quantized():
     """SmolLM2's own Q4_1 file, computed on its 4-bit codes: the tied head shares the table, and
     the 16 chat questions stay within a near-tie of the weights dequantized at load."""
+    from engine.models.layers import RMSNorm  # noqa: PLC0415
+    from kvfleet_kernels import reference  # noqa: PLC0415
+    from kvfleet_kernels.cpu_layers import add_rms_norm, rotary_in_place  # noqa: PLC0415
     from tests.engine.test_real_model import MAX_TOKENS, QUESTIONS, chat_prompts  # noqa: PLC0415
 
     quantized = LLM("demo", num_kv_blocks=256, quantized_kernels=True)
@@ -93,6 +96,14 @@ def test_the_demo_model_answers_from_its_q4_1_weights_kept_quantized():
                       dtype=str(quantized.engine.model_runner.dtype).removeprefix("torch."))
     model = quantized.engine.model_runner.model
     assert model.lm_head.parts[0] is model.model.embed_tokens.weight
+    # The native norm, rotary and SiLU-and-mul around weights kept quantized, in fp32 too; a dense
+    # fp32 model keeps torch's ops, which its exact-token tests pin.
+    norms = {llm: {m.kernel for m in llm.engine.model_runner.model.modules() if isinstance(m, RMSNorm)}
+             for llm in (quantized, dequantized)}
+    assert norms[quantized] == {add_rms_norm}
+    assert model.model.rotary_emb.fused is rotary_in_place
+    if dequantized.engine.model_runner.dtype == torch.float32:
+        assert norms[dequantized] == {reference.rms_norm}
     prompts = chat_prompts(quantized.get_tokenizer())
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=5)
     ours = quantized.generate(prompts, params, use_tqdm=False)

@@ -11,7 +11,13 @@ from kvfleet_kernels.cpu_paged_attention import load_error
 pytestmark = pytest.mark.skipif(load_error() is not None, reason="no C++ compiler: the native kernels cannot build")
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+# The tolerances of a kernel that rounds where the torch path does but sums or contracts in
+# another order: a bf16/fp16 result one rounding apart at most; an fp32 one within a few ulps.
+TOLERANCE = {torch.bfloat16: {"rtol": 2 ** -6, "atol": 1e-5}, torch.float16: {"rtol": 2 ** -9, "atol": 1e-5},
+             torch.float32: {"rtol": 1e-5, "atol": 1e-6}}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", [(1, 576), (37, 576), (300, 64), (5, 4, 32)])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_add_rms_norm_rounds_where_transformers_does(dtype, shape, with_residual):
@@ -28,16 +34,16 @@ def test_add_rms_norm_rounds_where_transformers_does(dtype, shape, with_residual
         got, expected = got[0], expected[0]
     assert got.shape == expected.shape and got.dtype == dtype
     # fp32 statistics summed in another order: the normed value may round one ulp apart, and the
-    # product with the weight rounds again: two ulps at most.
-    torch.testing.assert_close(got, expected, rtol=2 ** -6 if dtype == torch.bfloat16 else 2 ** -9, atol=1e-5)
-    assert (got == expected).float().mean() > 0.97
+    # product with the weight rounds again: two ulps at most (in fp32, every value may be an ulp off).
+    torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
+    assert dtype == torch.float32 or (got == expected).float().mean() > 0.97
 
 
-def test_add_rms_norm_refuses_fp32():
+def test_add_rms_norm_refuses_fp64():
     from kvfleet_kernels.cpu_layers import add_rms_norm  # noqa: PLC0415
 
-    with pytest.raises(RuntimeError, match="add_rms_norm runs bf16 and fp16"):
-        add_rms_norm(torch.ones(2, 8), torch.ones(8), 1e-6)
+    with pytest.raises(RuntimeError, match="add_rms_norm runs bf16, fp16 and fp32, not Double"):
+        add_rms_norm(torch.ones(2, 8, dtype=torch.float64), torch.ones(8, dtype=torch.float64), 1e-6)
 
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -74,7 +80,7 @@ def test_add_layer_norm_reads_strided_rows_and_refuses_what_it_cannot():
         add_layer_norm(wide[:, :32], None, weight, bias, 1e-5, torch.float64)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("rows, width", [(1, 1536), (37, 1536), (300, 40), (3, 7)])
 def test_silu_and_mul_rounds_where_transformers_does(dtype, rows, width):
     """transformers' LlamaMLP: act(gate) * up on the halves of gate_up, each op rounding to the
@@ -89,25 +95,26 @@ def test_silu_and_mul_rounds_where_transformers_does(dtype, rows, width):
     expected = torch.nn.functional.silu(gate_up[:, :width]) * gate_up[:, width:]
     got = silu_and_mul(gate_up)
     assert got.shape == (rows, width) and got.dtype == dtype and got.is_contiguous()
-    torch.testing.assert_close(got, expected, rtol=2 ** -6 if dtype == torch.bfloat16 else 2 ** -9, atol=1e-6)
-    assert (got == expected).float().mean() > 0.999
+    torch.testing.assert_close(got, expected, **{**TOLERANCE[dtype], "atol": 1e-6})
+    assert dtype == torch.float32 or (got == expected).float().mean() > 0.999
     strided = torch.cat([gate_up, gate_up], dim=1)[:, : 2 * width]  # rows 4 * width apart
     assert torch.equal(silu_and_mul(strided), got)
 
 
-def test_silu_and_mul_refuses_fp32():
+def test_silu_and_mul_refuses_fp64():
     from kvfleet_kernels.cpu_layers import silu_and_mul  # noqa: PLC0415
 
-    with pytest.raises(RuntimeError, match="silu_and_mul runs bf16 and fp16"):
-        silu_and_mul(torch.ones(2, 8))
+    with pytest.raises(RuntimeError, match="silu_and_mul runs bf16, fp16 and fp32, not Double"):
+        silu_and_mul(torch.ones(2, 8, dtype=torch.float64))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("head_dim", [64, 128, 24])  # 24: the scalar tail only
 def test_rotary_in_place_rounds_where_transformers_does(dtype, head_dim):
     """As the torch path computes it after RotaryEmbedding's cast: q * cos + rotate_half(q) * sin
-    with cos/sin rounded to the dtype and every op rounding: exact, on strided views into one
-    fused qkv tensor (only q and k turn; v is left as it was)."""
+    with cos/sin rounded to the dtype and every op rounding: exact in bf16/fp16, on strided views
+    into one fused qkv tensor (only q and k turn; v is left as it was). In fp32 a product may
+    fuse into the sum (FMA): an ulp or so apart."""
     from kvfleet_kernels.cpu_layers import rotary_in_place  # noqa: PLC0415
 
     num_tokens, num_heads, num_kv_heads = 19, 9, 3
@@ -122,7 +129,11 @@ def test_rotary_in_place_rounds_where_transformers_does(dtype, head_dim):
     v_before = v.clone()
     got_q, got_k = rotary_in_place(positions, q, k, cos, sin)
     assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()  # in place
-    assert torch.equal(got_q, expected_q) and torch.equal(got_k, expected_k)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got_q, expected_q, **TOLERANCE[dtype])
+        torch.testing.assert_close(got_k, expected_k, **TOLERANCE[dtype])
+    else:
+        assert torch.equal(got_q, expected_q) and torch.equal(got_k, expected_k)
     assert torch.equal(v, v_before)
 
 
