@@ -48,18 +48,21 @@ def _put_ninja_on_path() -> None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
-def build_directory() -> Path:
+LIBRARY = "kvfleet_cpu_ops"
+
+
+def build_directory(name: str = LIBRARY) -> Path:
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
-    return root / f"kvfleet_cpu_ops-torch{torch.__version__}"  # the library is tied to torch's ABI
+    return root / f"{name}-torch{torch.__version__}"  # a library is tied to torch's ABI
 
 
-@functools.cache
-def _build() -> str | None:
-    """Compile and load the library once per process; the error text when that fails."""
+def build_library(name: str, sources: list[Path], cflags: list[str]) -> str | None:
+    """Compile (where its sources or flags changed) and load the native library `name` into this
+    process's torch.ops; the error text when that fails."""
     from torch.utils import cpp_extension  # noqa: PLC0415 (slow import, only when asked)
 
     _put_ninja_on_path()
-    build_dir = build_directory()
+    build_dir = build_directory(name)
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
         with open(build_dir / "kvfleet.flock", "w") as guard:
@@ -68,14 +71,19 @@ def _build() -> str | None:
             # hold it no other build runs here and a leftover torch lock is stale.
             fcntl.flock(guard, fcntl.LOCK_EX)
             (build_dir / "lock").unlink(missing_ok=True)
-            digest = hashlib.sha256(b"".join(header.read_bytes() for header in _HEADERS)).hexdigest()[:16]
-            cpp_extension.load(name="kvfleet_cpu_ops", sources=[str(source) for source in _SOURCES],
-                               extra_cflags=[*_CFLAGS, f"-DKVFLEET_CPU_VEC_H={digest}"],
+            cpp_extension.load(name=name, sources=[str(source) for source in sources], extra_cflags=cflags,
                                extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
                                is_python_module=False, verbose=False)
     except Exception as error:  # noqa: BLE001 (no compiler, no ninja, a build error: all mean "not here")
         return f"{type(error).__name__}: {error}"
     return None
+
+
+@functools.cache
+def _build() -> str | None:
+    """Compile and load kvfleet's library once per process; the error text when that fails."""
+    digest = hashlib.sha256(b"".join(header.read_bytes() for header in _HEADERS)).hexdigest()[:16]
+    return build_library(LIBRARY, _SOURCES, [*_CFLAGS, f"-DKVFLEET_CPU_VEC_H={digest}"])
 
 
 def load_error() -> str | None:
