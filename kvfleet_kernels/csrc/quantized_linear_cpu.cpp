@@ -123,9 +123,10 @@ inline void unit_dots(const QuantArgs& a, int64_t row0, const uint8_t* weights, 
 }
 #else
 // AVX2 without VNNI: 4-bit codes take vpmaddubsw (u8 x s8 pair sums into int16) on each digit,
-// summed in int16 over a unit (8 steps x 2 x 15 x 128 fits) and widened once with vpmaddwd;
-// 8- and 6-bit codes would saturate there, so they are widened to int16 and multiplied by the
-// whole int16 activation with vpmaddwd (255 x 32512 x 2 fits int32). Both exact, as the digits are.
+// summed in int16 over a unit (8 steps x 2 x 15 x 128 fits) and widened once with vpmaddwd; 6-bit
+// codes too, widened every two steps (2 x 2 x 63 x 128 fits). 8-bit codes would saturate a single
+// vpmaddubsw (2 x 255 x 128), so they are widened to int16 and multiplied by the whole int16
+// activation with vpmaddwd (255 x 32512 x 2 fits int32). All exact, as the digits are.
 // 2 rows a pass: 4 accumulators a row besides the codes fill the 16 registers.
 constexpr int kMaxRows = 2;
 
@@ -169,6 +170,49 @@ inline void unit_dots(const QuantArgs& a, int64_t row0, const uint8_t* weights, 
   }
 }
 
+// 6-bit codes (< 64) on the digits too, as 4-bit codes are: a pair sum reaches 2 x 63 x 128 =
+// 16,128, so two steps add in int16 before each widening. Each block of 4 steps (192 bytes) gives
+// its codes per half panel: a low nibble from the 4-bit planes, 2 top bits from the shared one,
+// moved up 4 within their byte (a 16-bit shift: a top value of 3 or less never leaves it).
+template <int BITS, int UNIT, int R>
+inline void unit_dots(const QuantArgs& a, int64_t row0, const uint8_t* weights, int64_t u, i32x16 (&dot)[R])
+  requires(BITS == 6)
+{
+  constexpr int kSteps = UNIT / 4, kBlocks = kSteps / 4;
+  const __m256i mask = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
+  __m256i acc[R][2];  // int32 dot products of columns 0-7 and 8-15
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+  for (int b = 0; b < kBlocks; ++b) {
+    const uint8_t* block = weights + (u * kBlocks + b) * 192;
+    for (int half = 0; half < 2; ++half) {
+      const __m256i low01 = load256(block + half * 32), low23 = load256(block + 64 + half * 32);
+      const __m256i top = load256(block + 128 + half * 32);
+      const __m256i codes[4] = {
+          _mm256_or_si256(_mm256_and_si256(low01, mask), _mm256_slli_epi16(_mm256_and_si256(top, three), 4)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low01, 4), mask),
+                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(top, 2), three), 4)),
+          _mm256_or_si256(_mm256_and_si256(low23, mask),
+                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(top, 4), three), 4)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low23, 4), mask),
+                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(top, 6), three), 4))};
+      for (int r = 0; r < R; ++r) {
+        for (int pair = 0; pair < 2; ++pair) {
+          const int64_t f = u * UNIT + 16 * b + 8 * pair;  // the pair's first feature
+          const __m256i high = _mm256_add_epi16(
+              _mm256_maddubs_epi16(codes[2 * pair], digits4(a, row0 + r, f, false)),
+              _mm256_maddubs_epi16(codes[2 * pair + 1], digits4(a, row0 + r, f + 4, false)));
+          const __m256i low = _mm256_add_epi16(
+              _mm256_maddubs_epi16(codes[2 * pair], digits4(a, row0 + r, f, true)),
+              _mm256_maddubs_epi16(codes[2 * pair + 1], digits4(a, row0 + r, f + 4, true)));
+          acc[r][half] = _mm256_add_epi32(acc[r][half], _mm256_add_epi32(
+              _mm256_slli_epi32(_mm256_madd_epi16(high, ones), 8), _mm256_madd_epi16(low, ones)));
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) std::memcpy(&dot[r], acc[r], sizeof dot[r]);
+}
+
 // The unit's int16 activations q = 256 h + l of one row (UNIT of them), rebuilt from the digits.
 template <int UNIT>
 inline void unit_activations(const QuantArgs& a, int64_t row, int64_t u, int16_t (&q)[UNIT]) {
@@ -185,16 +229,10 @@ inline __m256i join_pairs(__m256i first, __m256i second) {
   return _mm256_permute4x64_epi64(_mm256_hadd_epi32(first, second), 0xD8);
 }
 
-// Step `step`'s 64 codes (byte (c, t) as one 8-bit step lays them out) of an 8- or 6-bit panel.
-template <int BITS>
-inline u8x64 step_codes(const uint8_t* weights, int64_t step) {
-  if constexpr (BITS == 8) return load_u8x64(weights + step * 64);
-  else return six_bit_step(weights + step / 4 * 192, step % 4);
-}
 
 template <int BITS, int UNIT, int R>
 inline void unit_dots(const QuantArgs& a, int64_t row0, const uint8_t* weights, int64_t u, i32x16 (&dot)[R])
-  requires(BITS != 4)
+  requires(BITS == 8)
 {
   constexpr int kSteps = UNIT / 4;
   int16_t q[R][UNIT];
@@ -202,7 +240,7 @@ inline void unit_dots(const QuantArgs& a, int64_t row0, const uint8_t* weights, 
   __m256i acc[R][4];  // columns 4i .. 4i + 3, two pair sums each
   for (int r = 0; r < R; ++r) for (__m256i& v : acc[r]) v = _mm256_setzero_si256();
   for (int s = 0; s < kSteps; ++s) {
-    const u8x64 codes64 = step_codes<BITS>(weights, u * kSteps + s);
+    const u8x64 codes64 = load_u8x64(weights + (u * kSteps + s) * 64);
     const __m128i* step = reinterpret_cast<const __m128i*>(&codes64);
     __m256i x[R];
     for (int r = 0; r < R; ++r) {
