@@ -87,6 +87,8 @@ class QuantizedLinear(nn.Module):
             return self._dense(x.to(dtype), bias)
         amx = amx_host and rows >= AMX_ROWS
         out = x.new_empty((rows, self.out_features), dtype=dtype)
+        if not amx and all(weight.input_order is None for weight in self.parts):  # every part in one call
+            return kernels.linear_parts(kernels.quantize_activations(x), self.parts, bias, out)
         inputs = {}  # id(input order) -> x in that order, as the kernel takes it: once for every part
         start = 0
         for weight in self.parts:

@@ -126,6 +126,17 @@ def linear(activations: tuple[torch.Tensor, torch.Tensor], weight: PackedQuantiz
     return out
 
 
+def linear_parts(activations: tuple[torch.Tensor, torch.Tensor], weights: list[PackedQuantizedWeight],
+                 bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """out [rows, sum of the weights' N] = x @ [W_0; W_1; ...]^T + bias, the weights' columns side by
+    side, in one call (a merged projection's parts, each with its own bits and group); bias fp32 or None."""
+    xq, xmeta = activations
+    torch.ops.kvfleet_cpu.quantized_linear_parts(
+        out, xq, xmeta, [w.packed for w in weights], [w.scales for w in weights], [w.bits for w in weights],
+        [w.group_size for w in weights], [w.zero_point_arg for w in weights], [w.out_features for w in weights], bias)
+    return out
+
+
 def linear_amx(x: torch.Tensor, weight: PackedQuantizedWeight, bias: torch.Tensor | None,
                out: torch.Tensor) -> torch.Tensor:
     """out [rows, N] (bf16 or fp32, may be a column slice) = x [rows, K] bf16 @ W^T + bias on AMX

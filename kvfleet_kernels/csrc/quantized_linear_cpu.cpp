@@ -2,7 +2,7 @@
 // and K-quants (kvfleet_kernels/cpu_quantized_linear.py). Every such format is, per output column c
 // and group g of G input features, w = A[c, g] * u - B[c, g] with an unsigned code u of 4 or 8 bits
 // (engine/quantized_weights.py writes each format so). Activations are quantized per 32 features
-// to int16 q (scale s), and
+// to int16 q (scale s; quantize_activations, csrc/quantized_weight_cpu.cpp), and
 //
 //   y[r, c] = sum_g sum_{k in g} (A u - B) x  ~=  sum_units  A s (u . q)  -  B s (sum q)
 //
@@ -29,7 +29,6 @@
 // 1, 16], A alone, where every B is zero_point * A (symmetric formats: B implied, a group's bytes halved).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include "cpu_vec.h"
@@ -40,6 +39,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <vector>
 
 #if defined(__AVX512VNNI__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -308,90 +308,88 @@ void panel_rows(const QuantArgs& a, int64_t row0, int64_t count, int64_t panel) 
   }
 }
 
-template <int BITS, int UNIT>
-void run_linear(const QuantArgs& a, int64_t panels) {
-  const int64_t row_blocks = (a.rows + kBlockRows - 1) / kBlockRows;
+// Rows of one part against one of its panels: panel_rows for the part's bits and unit.
+using PartRows = void (*)(const QuantArgs&, int64_t, int64_t, int64_t);
+
+PartRows part_rows(int64_t bits, int64_t group) {
+  if (bits == 4) return group == 16 ? &panel_rows<4, 16> : &panel_rows<4, 32>;
+  if (bits == 6) return group == 16 ? &panel_rows<6, 16> : &panel_rows<6, 32>;
+  return group == 16 ? &panel_rows<8, 16> : &panel_rows<8, 32>;
+}
+
+// Every part's panels (their columns side by side in the output) for every block of rows, in one
+// parallel region: a merged projection's q, k and v, or gate and up, are one call, not three or
+// two, each with its own fork and join over panels too few to share out well (SmolLM2's k: 12).
+void run_parts(const std::vector<QuantArgs>& parts, const std::vector<PartRows>& rows_of) {
+  std::vector<int64_t> first_panel{0};  // part p's panels are [first_panel[p], first_panel[p + 1])
+  for (const QuantArgs& a : parts) first_panel.push_back(first_panel.back() + (a.n + kColumns - 1) / kColumns);
+  const int64_t panels = first_panel.back(), rows = parts.front().rows;
+  const int64_t row_blocks = (rows + kBlockRows - 1) / kBlockRows;
   at::parallel_for(0, row_blocks * panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t row0 = item / panels * kBlockRows;
-      panel_rows<BITS, UNIT>(a, row0, std::min(kBlockRows, a.rows - row0), item % panels);
+      const int64_t row0 = item / panels * kBlockRows, panel = item % panels;
+      const int64_t part = std::upper_bound(first_panel.begin() + 1, first_panel.end(), panel) - first_panel.begin() - 1;
+      rows_of[part](parts[part], row0, std::min(kBlockRows, rows - row0), panel - first_panel[part]);
     }
   });
 }
 
-// x [M, K] bf16 or fp32 (K a multiple of 32) -> (xq int8 [M, 2K], xmeta fp32 [M, K / 8]): per 32
-// features s = max|x| / 32512 and q = round(x / s), an int16 written as two int8 digits, q = 256 h + l
-// with h in [-127, 127] and l in [-128, 127] (xq row: every h, then every l): vpdpbusd then
-// multiplies the unsigned codes by each digit. xmeta holds s per 32, then s * sum(q) per 32, then
-// s * sum(q) per 16 (the units of groups of 16).
-std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.size(1) % 32 == 0, "x must be [M, K] on the CPU, K a multiple of 32");
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const int64_t rows = xf.size(0), k = xf.size(1), blocks = k / 32;
-  at::Tensor xq = at::empty({rows, 2 * k}, x.options().dtype(at::kChar));
-  at::Tensor xmeta = at::empty({rows, k / 8}, x.options().dtype(at::kFloat));
-  const float* src = xf.const_data_ptr<float>();
-  int8_t* q = xq.data_ptr<int8_t>();
-  float* meta = xmeta.data_ptr<float>();
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float* m = meta + r * (k / 8);
-      for (int64_t b = 0; b < blocks; ++b) {
-        const float* v = src + r * k + 32 * b;
-        float amax = 0.0f;
-        for (int t = 0; t < 32; ++t) amax = std::max(amax, std::fabs(v[t]));
-        const float s = amax / 32512.0f, inverse = amax > 0.0f ? 32512.0f / amax : 0.0f;
-        int32_t half_sums[2] = {0, 0};
-        for (int t = 0; t < 32; ++t) {
-          const int32_t value = static_cast<int32_t>(std::nearbyint(v[t] * inverse));  // |value| <= 32512
-          const int32_t high = (value + 128) >> 8;  // floor((value + 128) / 256)
-          q[r * 2 * k + 32 * b + t] = static_cast<int8_t>(high);
-          q[r * 2 * k + k + 32 * b + t] = static_cast<int8_t>(value - 256 * high);
-          half_sums[t / 16] += value;
-        }
-        m[b] = s;
-        m[blocks + b] = s * static_cast<float>(half_sums[0] + half_sums[1]);
-        m[2 * blocks + 2 * b] = s * static_cast<float>(half_sums[0]);
-        m[2 * blocks + 2 * b + 1] = s * static_cast<float>(half_sums[1]);
-      }
-    }
-  });
-  return {xq, xmeta};
-}
-
-// out [M, N] (bf16 or fp32, rows dense) = x @ W^T + bias, x given as quantize_activations left it
-// and W as pack_quantized_weight packed it; an fp32 bias of N or none.
-void quantized_linear(const at::Tensor& out, const at::Tensor& xq, const at::Tensor& xmeta, const at::Tensor& packed,
-                      const at::Tensor& scales, int64_t bits, int64_t group, const std::optional<at::Tensor>& bias,
-                      int64_t zero_point) {
-  const int64_t n = out.size(1), k = xq.size(1) / 2;
-  check_weight(packed, scales, bits, group, n, k, zero_point);
+// out [M, sum N_p] (bf16 or fp32, rows dense) = x @ [W_0; W_1; ...]^T + bias: parts' columns side
+// by side, x given as quantize_activations left it and each W_p as pack_quantized_weight packed it
+// (bits, group, zero_point and N_p its own); an fp32 bias of sum N_p or none.
+void quantized_linear_parts(const at::Tensor& out, const at::Tensor& xq, const at::Tensor& xmeta,
+                            at::TensorList packed, at::TensorList scales, at::IntArrayRef bits, at::IntArrayRef group,
+                            at::IntArrayRef zero_point, at::IntArrayRef out_features,
+                            const std::optional<at::Tensor>& bias) {
+  const int64_t count = static_cast<int64_t>(packed.size()), k = xq.size(1) / 2;
+  TORCH_CHECK(count > 0 && static_cast<int64_t>(scales.size()) == count && static_cast<int64_t>(bits.size()) == count &&
+                  static_cast<int64_t>(group.size()) == count && static_cast<int64_t>(zero_point.size()) == count &&
+                  static_cast<int64_t>(out_features.size()) == count, "one packed, scales, bits, group, zero_point "
+              "and out_features a part");
   TORCH_CHECK(xq.scalar_type() == at::kChar && xq.is_contiguous() && xmeta.scalar_type() == at::kFloat &&
                   xmeta.is_contiguous() && xmeta.size(0) == xq.size(0) && xmeta.size(1) == k / 8,
               "xq and xmeta must come from quantize_activations");
+  int64_t total = 0;
+  for (int64_t n : out_features) {
+    TORCH_CHECK(n > 0, "out_features must be positive");
+    total += n;
+  }
+  TORCH_CHECK(out.dim() == 2 && out.size(1) == total, "out must have the parts' ", total, " columns");
   check_output(out, xq.size(0), bias);
-  const QuantArgs a{xq.const_data_ptr<int8_t>(), xmeta.const_data_ptr<float>(), packed.const_data_ptr<uint8_t>(),
-                    scales.const_data_ptr<at::Half>(), bias ? bias->const_data_ptr<float>() : nullptr, out.data_ptr(),
-                    out.scalar_type() == at::kBFloat16, xq.size(0), k, n, group, out.stride(0), zero_point};
-  const int64_t panels = (n + kColumns - 1) / kColumns;
-  if (bits == 4 && group == 16) run_linear<4, 16>(a, panels);
-  else if (bits == 4) run_linear<4, 32>(a, panels);
-  else if (bits == 6 && group == 16) run_linear<6, 16>(a, panels);
-  else if (bits == 6) run_linear<6, 32>(a, panels);
-  else if (group == 16) run_linear<8, 16>(a, panels);
-  else run_linear<8, 32>(a, panels);
+  const bool out_bf16 = out.scalar_type() == at::kBFloat16;
+  std::vector<QuantArgs> parts;
+  std::vector<PartRows> rows_of;
+  int64_t start = 0;
+  for (int64_t p = 0; p < count; ++p) {
+    check_weight(packed[p], scales[p], bits[p], group[p], out_features[p], k, zero_point[p]);
+    void* part_out = static_cast<char*>(out.data_ptr()) + start * out.element_size();
+    parts.push_back({xq.const_data_ptr<int8_t>(), xmeta.const_data_ptr<float>(), packed[p].const_data_ptr<uint8_t>(),
+                     scales[p].const_data_ptr<at::Half>(), bias ? bias->const_data_ptr<float>() + start : nullptr,
+                     part_out, out_bf16, xq.size(0), k, out_features[p], group[p], out.stride(0), zero_point[p]});
+    rows_of.push_back(part_rows(bits[p], group[p]));
+    start += out_features[p];
+  }
+  run_parts(parts, rows_of);
+}
+
+// out [M, N] = x @ W^T + bias for one weight (quantized_linear_parts with one part).
+void quantized_linear(const at::Tensor& out, const at::Tensor& xq, const at::Tensor& xmeta, const at::Tensor& packed,
+                      const at::Tensor& scales, int64_t bits, int64_t group, const std::optional<at::Tensor>& bias,
+                      int64_t zero_point) {
+  quantized_linear_parts(out, xq, xmeta, {packed}, {scales}, {bits}, {group}, {zero_point}, {out.size(1)}, bias);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvfleet_cpu, m) {
-  m.def("quantize_activations(Tensor x) -> (Tensor, Tensor)");
   m.def("quantized_linear(Tensor(a!) out, Tensor xq, Tensor xmeta, Tensor packed, Tensor scales, int bits, int group, "
         "Tensor? bias=None, int zero_point=-1) -> ()");
+  m.def("quantized_linear_parts(Tensor(a!) out, Tensor xq, Tensor xmeta, Tensor[] packed, Tensor[] scales, int[] bits, "
+        "int[] group, int[] zero_point, int[] out_features, Tensor? bias=None) -> ()");
   m.def("quantized_dot_native() -> bool", &native_dot);
 }
 
 TORCH_LIBRARY_IMPL(kvfleet_cpu, CPU, m) {
-  m.impl("quantize_activations", &quantize_activations);
   m.impl("quantized_linear", &quantized_linear);
+  m.impl("quantized_linear_parts", &quantized_linear_parts);
 }

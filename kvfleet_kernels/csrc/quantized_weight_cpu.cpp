@@ -1,9 +1,11 @@
 // The packed form of a quantized weight (layout: csrc/quantized_linear_cpu.cpp's header): packing
 // codes and scales into it once at load, and dequantizing it whole, for steps of many rows, where a
-// dense matmul outruns the integer dot products (kvfleet_kernels/cpu_quantized_linear.py).
+// dense matmul outruns the integer dot products (kvfleet_kernels/cpu_quantized_linear.py); and the
+// activations' side of those products, rounded to int16 digits.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/equal.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/zeros.h>
@@ -13,6 +15,7 @@
 #include "quantized_weight.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <tuple>
@@ -117,15 +120,57 @@ void dequantize_quantized_weight(const at::Tensor& out, const at::Tensor& packed
   });
 }
 
+// x [M, K] bf16 or fp32 (K a multiple of 32) -> (xq int8 [M, 2K], xmeta fp32 [M, K / 8]): per 32
+// features s = max|x| / 32512 and q = round(x / s), an int16 written as two int8 digits, q = 256 h + l
+// with h in [-127, 127] and l in [-128, 127] (xq row: every h, then every l): vpdpbusd then
+// multiplies the unsigned codes by each digit. xmeta holds s per 32, then s * sum(q) per 32, then
+// s * sum(q) per 16 (the units of groups of 16).
+std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.size(1) % 32 == 0, "x must be [M, K] on the CPU, K a multiple of 32");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const int64_t rows = xf.size(0), k = xf.size(1), blocks = k / 32;
+  at::Tensor xq = at::empty({rows, 2 * k}, x.options().dtype(at::kChar));
+  at::Tensor xmeta = at::empty({rows, k / 8}, x.options().dtype(at::kFloat));
+  const float* src = xf.const_data_ptr<float>();
+  int8_t* q = xq.data_ptr<int8_t>();
+  float* meta = xmeta.data_ptr<float>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* m = meta + r * (k / 8);
+      for (int64_t b = 0; b < blocks; ++b) {
+        const float* v = src + r * k + 32 * b;
+        float amax = 0.0f;
+        for (int t = 0; t < 32; ++t) amax = std::max(amax, std::fabs(v[t]));
+        const float s = amax / 32512.0f, inverse = amax > 0.0f ? 32512.0f / amax : 0.0f;
+        int32_t half_sums[2] = {0, 0};
+        for (int t = 0; t < 32; ++t) {
+          const int32_t value = static_cast<int32_t>(std::nearbyint(v[t] * inverse));  // |value| <= 32512
+          const int32_t high = (value + 128) >> 8;  // floor((value + 128) / 256)
+          q[r * 2 * k + 32 * b + t] = static_cast<int8_t>(high);
+          q[r * 2 * k + k + 32 * b + t] = static_cast<int8_t>(value - 256 * high);
+          half_sums[t / 16] += value;
+        }
+        m[b] = s;
+        m[blocks + b] = s * static_cast<float>(half_sums[0] + half_sums[1]);
+        m[2 * blocks + 2 * b] = s * static_cast<float>(half_sums[0]);
+        m[2 * blocks + 2 * b + 1] = s * static_cast<float>(half_sums[1]);
+      }
+    }
+  });
+  return {xq, xmeta};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvfleet_cpu, m) {
+  m.def("quantize_activations(Tensor x) -> (Tensor, Tensor)");
   m.def("pack_quantized_weight(Tensor codes, Tensor a, Tensor b, int bits, int zero_point=-1) -> (Tensor, Tensor)");
   m.def("dequantize_quantized_weight(Tensor(a!) out, Tensor packed, Tensor scales, int bits, int group, "
         "int zero_point=-1) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvfleet_cpu, CPU, m) {
+  m.impl("quantize_activations", &quantize_activations);
   m.impl("pack_quantized_weight", &pack_quantized_weight);
   m.impl("dequantize_quantized_weight", &dequantize_quantized_weight);
 }
