@@ -120,43 +120,81 @@ void dequantize_quantized_weight(const at::Tensor& out, const at::Tensor& packed
   });
 }
 
-// x [M, K] bf16 or fp32 (K a multiple of 32) -> (xq int8 [M, 2K], xmeta fp32 [M, K / 8]): per 32
-// features s = max|x| / 32512 and q = round(x / s), an int16 written as two int8 digits, q = 256 h + l
-// with h in [-127, 127] and l in [-128, 127] (xq row: every h, then every l): vpdpbusd then
-// multiplies the unsigned codes by each digit. xmeta holds s per 32, then s * sum(q) per 32, then
-// s * sum(q) per 16 (the units of groups of 16).
+using i32x16 = int32_t __attribute__((vector_size(64)));
+
+// 16 fp32 lanes rounded to the nearest integer, ties to even, as std::nearbyint does in the default
+// rounding mode: cvtps2dq rounds so (g++'s own conversion truncates); elsewhere lane by lane.
+inline i32x16 round_to_int(vfloat v) {
+#if defined(__AVX512F__)
+  return (i32x16)_mm512_cvtps_epi32((__m512)v);
+#elif defined(__AVX2__)
+  __m256 halves[2];
+  std::memcpy(halves, &v, sizeof v);
+  const __m256i rounded[2] = {_mm256_cvtps_epi32(halves[0]), _mm256_cvtps_epi32(halves[1])};
+  i32x16 out;
+  std::memcpy(&out, rounded, sizeof out);
+  return out;
+#else
+  i32x16 out;
+  for (int lane = 0; lane < kvfleet_cpu::kLanes; ++lane) out[lane] = static_cast<int32_t>(std::nearbyint(v[lane]));
+  return out;
+#endif
+}
+
+// 16 values' q = round(x / s) (|q| <= 32512) as their two digits h = floor((q + 128) / 256) and
+// l = q - 256 h; returns sum(q).
+inline int32_t store_digits(vfloat x, float inverse, int8_t* high, int8_t* low) {
+  using i8x16 = int8_t __attribute__((vector_size(16)));
+  const i32x16 value = round_to_int(x * inverse);
+  const i32x16 h = (value + 128) >> 8;
+  const i8x16 high_digits = __builtin_convertvector(h, i8x16), low_digits = __builtin_convertvector(value - (h << 8), i8x16);
+  std::memcpy(high, &high_digits, sizeof high_digits);
+  std::memcpy(low, &low_digits, sizeof low_digits);
+  int32_t sum = 0;
+  for (int lane = 0; lane < kvfleet_cpu::kLanes; ++lane) sum += value[lane];
+  return sum;
+}
+
+// One row of quantize_activations: blocks of 32 features, 16 lanes at a time.
+template <typename scalar_t>
+void quantize_row(const scalar_t* x, int64_t k, int8_t* q, float* meta) {
+  const int64_t blocks = k / 32;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const vfloat first = kvfleet_cpu::load16(x + 32 * b), second = kvfleet_cpu::load16(x + 32 * b + 16);
+    const vfloat magnitude_first = first < 0 ? -first : first, magnitude_second = second < 0 ? -second : second;
+    const float amax = kvfleet_cpu::reduce_max(magnitude_first > magnitude_second ? magnitude_first : magnitude_second);
+    const float s = amax / 32512.0f, inverse = amax > 0.0f ? 32512.0f / amax : 0.0f;
+    const int32_t sums[2] = {store_digits(first, inverse, q + 32 * b, q + k + 32 * b),
+                             store_digits(second, inverse, q + 32 * b + 16, q + k + 32 * b + 16)};
+    meta[b] = s;
+    meta[blocks + b] = s * static_cast<float>(sums[0] + sums[1]);
+    meta[2 * blocks + 2 * b] = s * static_cast<float>(sums[0]);
+    meta[2 * blocks + 2 * b + 1] = s * static_cast<float>(sums[1]);
+  }
+}
+
+// x [M, K] bf16 or fp32 (K a multiple of 32), rows dense -> (xq int8 [M, 2K], xmeta fp32 [M, K / 8]):
+// per 32 features s = max|x| / 32512 and q = round(x / s), an int16 written as two int8 digits,
+// q = 256 h + l with h in [-127, 127] and l in [-128, 127] (xq row: every h, then every l): vpdpbusd
+// then multiplies the unsigned codes by each digit. xmeta holds s per 32, then s * sum(q) per 32,
+// then s * sum(q) per 16 (the units of groups of 16). One call a linear input: at a decode step's
+// one row, 121 a SmolLM2 step, its scalar loop took 6-15 us each.
 std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.size(1) % 32 == 0, "x must be [M, K] on the CPU, K a multiple of 32");
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const int64_t rows = xf.size(0), k = xf.size(1), blocks = k / 32;
+  const at::Tensor rows_dense = x.scalar_type() == at::kBFloat16 ? x : x.to(at::kFloat);
+  const at::Tensor xs = rows_dense.stride(1) == 1 ? rows_dense : rows_dense.contiguous();
+  const int64_t rows = xs.size(0), k = xs.size(1);
   at::Tensor xq = at::empty({rows, 2 * k}, x.options().dtype(at::kChar));
   at::Tensor xmeta = at::empty({rows, k / 8}, x.options().dtype(at::kFloat));
-  const float* src = xf.const_data_ptr<float>();
   int8_t* q = xq.data_ptr<int8_t>();
   float* meta = xmeta.data_ptr<float>();
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float* m = meta + r * (k / 8);
-      for (int64_t b = 0; b < blocks; ++b) {
-        const float* v = src + r * k + 32 * b;
-        float amax = 0.0f;
-        for (int t = 0; t < 32; ++t) amax = std::max(amax, std::fabs(v[t]));
-        const float s = amax / 32512.0f, inverse = amax > 0.0f ? 32512.0f / amax : 0.0f;
-        int32_t half_sums[2] = {0, 0};
-        for (int t = 0; t < 32; ++t) {
-          const int32_t value = static_cast<int32_t>(std::nearbyint(v[t] * inverse));  // |value| <= 32512
-          const int32_t high = (value + 128) >> 8;  // floor((value + 128) / 256)
-          q[r * 2 * k + 32 * b + t] = static_cast<int8_t>(high);
-          q[r * 2 * k + k + 32 * b + t] = static_cast<int8_t>(value - 256 * high);
-          half_sums[t / 16] += value;
-        }
-        m[b] = s;
-        m[blocks + b] = s * static_cast<float>(half_sums[0] + half_sums[1]);
-        m[2 * blocks + 2 * b] = s * static_cast<float>(half_sums[0]);
-        m[2 * blocks + 2 * b + 1] = s * static_cast<float>(half_sums[1]);
-      }
-    }
-  });
+  auto run = [&](const auto* data) {
+    at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) quantize_row(data + r * xs.stride(0), k, q + r * 2 * k, meta + r * (k / 8));
+    });
+  };
+  if (xs.scalar_type() == at::kBFloat16) run(xs.const_data_ptr<at::BFloat16>());
+  else run(xs.const_data_ptr<float>());
   return {xq, xmeta};
 }
 

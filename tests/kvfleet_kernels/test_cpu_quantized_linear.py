@@ -82,6 +82,39 @@ def test_parts_write_their_own_columns_of_a_wider_output_and_nothing_else():
     assert torch.allclose(out[:, :68].double(), expected, rtol=0, atol=1e-5 * expected.abs().max())
 
 
+def activation_digits(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_activations' definition: per 32 features s = max|x| / 32512, q = round(x * (32512 /
+    max|x|)) in fp32, ties to even, as two digits h = floor((q + 128) / 256), l = q - 256 h (a row: every
+    h, then every l); meta: s per 32, s * sum(q) per 32, s * sum(q) per 16."""
+    blocks = x.float().view(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    # tensor / tensor: torch computes a number / tensor as a reciprocal times the number, which
+    # rounds twice and parts from the kernel's one division now and then
+    inverse = torch.where(amax > 0, torch.full_like(amax, 32512.0) / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inverse).to(torch.int32)
+    high = torch.div(q + 128, 256, rounding_mode="floor")
+    digits = torch.cat([high.flatten(1), (q - 256 * high).flatten(1)], dim=1).to(torch.int8)
+    s = (amax / 32512).squeeze(-1)
+    halves = q.view(x.shape[0], -1, 2, 16).sum(-1).float()  # [rows, K / 32, 2]
+    meta = torch.cat([s, s * halves.sum(-1), (s[..., None] * halves).flatten(1)], dim=1)
+    return digits, meta
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(("rows", "k"), [(1, 32), (3, 576), (9, 1536)])
+def test_activations_round_to_their_two_digits_exactly(dtype, rows, k):
+    generator = torch.Generator().manual_seed(rows * k)
+    wide = (torch.randn(rows, 2 * k, generator=generator) * 3).to(dtype)
+    x = wide[:, :k]  # rows 2K apart
+    x[0, :32] = 0  # a block of zeros: s = 0, every digit 0
+    if k > 32:  # a tie: 0.5 * (32512 / 256) = 63.5 rounds to even, 64
+        x[0, 32:64] = torch.tensor([256.0] + [0.5] * 31).to(dtype)
+    xq, xmeta = kernels.quantize_activations(x)
+    digits, meta = activation_digits(x)
+    assert torch.equal(xq, digits)
+    torch.testing.assert_close(xmeta, meta, rtol=1e-6, atol=0)  # s * sum: the same fp32 products
+
+
 @pytest.mark.parametrize("rows", [1, 3, 70])  # 70: two blocks of rows
 def test_parts_in_one_call_are_each_part_alone_side_by_side(rows):
     """A merged projection's parts of mixed bits, groups, widths and held offsets (a Q4_K_M qkv:
