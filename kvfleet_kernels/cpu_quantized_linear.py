@@ -120,10 +120,7 @@ def linear(activations: tuple[torch.Tensor, torch.Tensor], weight: PackedQuantiz
            bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
     """out [rows, N] (bf16 or fp32, may be a column slice of a wider output) = x @ W^T + bias,
     x as `quantize_activations` left it; bias [N] fp32 or None."""
-    xq, xmeta = activations
-    torch.ops.kvfleet_cpu.quantized_linear(out, xq, xmeta, weight.packed, weight.scales, weight.bits,
-                                           weight.group_size, bias, weight.zero_point_arg)
-    return out
+    return linear_parts(activations, [weight], bias, out)
 
 
 def linear_parts(activations: tuple[torch.Tensor, torch.Tensor], weights: list[PackedQuantizedWeight],

@@ -54,7 +54,6 @@ namespace {
 
 using kvfleet_cpu::vfloat;
 using namespace kvfleet_cpu::quantized;  // NOLINT: the packed layout's names
-using i32x16 = int32_t __attribute__((vector_size(64)));
 
 constexpr int64_t kBlockRows = 64;  // rows an item: a panel read from cache by each further pass
 
@@ -170,31 +169,32 @@ inline void unit_dots(const QuantArgs& a, int64_t row0, const uint8_t* weights, 
   }
 }
 
+// Step q (0-3) of a 6-bit block's codes for one half panel (8 columns, 32 bytes): its low nibbles
+// from the pair vector that holds them, its 2 top bits from the shared plane moved up 4 within their
+// byte (16-bit shifts: AVX2 has no byte shift, and a top value of 3 or less never leaves its byte).
+// csrc/quantized_weight.h's six_bit_step is the same on a whole step, in g++'s byte vectors.
+inline __m256i six_bit_codes(const uint8_t* half_block, int q) {
+  const __m256i mask = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
+  const __m256i nibbles = load256(half_block + q / 2 * 64), top = load256(half_block + 128);
+  const __m256i low = _mm256_and_si256(q % 2 ? _mm256_srli_epi16(nibbles, 4) : nibbles, mask);
+  return _mm256_or_si256(low, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(top, 2 * q), three), 4));
+}
+
 // 6-bit codes (< 64) on the digits too, as 4-bit codes are: a pair sum reaches 2 x 63 x 128 =
-// 16,128, so two steps add in int16 before each widening. Each block of 4 steps (192 bytes) gives
-// its codes per half panel: a low nibble from the 4-bit planes, 2 top bits from the shared one,
-// moved up 4 within their byte (a 16-bit shift: a top value of 3 or less never leaves it).
+// 16,128, so two steps add in int16 before each widening.
 template <int BITS, int UNIT, int R>
 inline void unit_dots(const QuantArgs& a, int64_t row0, const uint8_t* weights, int64_t u, i32x16 (&dot)[R])
   requires(BITS == 6)
 {
   constexpr int kSteps = UNIT / 4, kBlocks = kSteps / 4;
-  const __m256i mask = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
+  const __m256i ones = _mm256_set1_epi16(1);
   __m256i acc[R][2];  // int32 dot products of columns 0-7 and 8-15
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
   for (int b = 0; b < kBlocks; ++b) {
     const uint8_t* block = weights + (u * kBlocks + b) * 192;
     for (int half = 0; half < 2; ++half) {
-      const __m256i low01 = load256(block + half * 32), low23 = load256(block + 64 + half * 32);
-      const __m256i top = load256(block + 128 + half * 32);
-      const __m256i codes[4] = {
-          _mm256_or_si256(_mm256_and_si256(low01, mask), _mm256_slli_epi16(_mm256_and_si256(top, three), 4)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low01, 4), mask),
-                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(top, 2), three), 4)),
-          _mm256_or_si256(_mm256_and_si256(low23, mask),
-                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(top, 4), three), 4)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low23, 4), mask),
-                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(top, 6), three), 4))};
+      __m256i codes[4];
+      for (int q = 0; q < 4; ++q) codes[q] = six_bit_codes(block + half * 32, q);
       for (int r = 0; r < R; ++r) {
         for (int pair = 0; pair < 2; ++pair) {
           const int64_t f = u * UNIT + 16 * b + 8 * pair;  // the pair's first feature
@@ -228,7 +228,6 @@ inline void unit_activations(const QuantArgs& a, int64_t row, int64_t u, int16_t
 inline __m256i join_pairs(__m256i first, __m256i second) {
   return _mm256_permute4x64_epi64(_mm256_hadd_epi32(first, second), 0xD8);
 }
-
 
 template <int BITS, int UNIT, int R>
 inline void unit_dots(const QuantArgs& a, int64_t row0, const uint8_t* weights, int64_t u, i32x16 (&dot)[R])
@@ -372,24 +371,14 @@ void quantized_linear_parts(const at::Tensor& out, const at::Tensor& xq, const a
   run_parts(parts, rows_of);
 }
 
-// out [M, N] = x @ W^T + bias for one weight (quantized_linear_parts with one part).
-void quantized_linear(const at::Tensor& out, const at::Tensor& xq, const at::Tensor& xmeta, const at::Tensor& packed,
-                      const at::Tensor& scales, int64_t bits, int64_t group, const std::optional<at::Tensor>& bias,
-                      int64_t zero_point) {
-  quantized_linear_parts(out, xq, xmeta, {packed}, {scales}, {bits}, {group}, {zero_point}, {out.size(1)}, bias);
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvfleet_cpu, m) {
-  m.def("quantized_linear(Tensor(a!) out, Tensor xq, Tensor xmeta, Tensor packed, Tensor scales, int bits, int group, "
-        "Tensor? bias=None, int zero_point=-1) -> ()");
   m.def("quantized_linear_parts(Tensor(a!) out, Tensor xq, Tensor xmeta, Tensor[] packed, Tensor[] scales, int[] bits, "
         "int[] group, int[] zero_point, int[] out_features, Tensor? bias=None) -> ()");
   m.def("quantized_dot_native() -> bool", &native_dot);
 }
 
 TORCH_LIBRARY_IMPL(kvfleet_cpu, CPU, m) {
-  m.impl("quantized_linear", &quantized_linear);
   m.impl("quantized_linear_parts", &quantized_linear_parts);
 }

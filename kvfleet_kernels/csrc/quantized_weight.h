@@ -18,6 +18,7 @@
 namespace kvfleet_cpu::quantized {
 
 using u8x64 = uint8_t __attribute__((vector_size(64)));
+using i32x16 = int32_t __attribute__((vector_size(64)));
 
 constexpr int64_t kColumns = 16;  // output columns a panel
 

@@ -120,8 +120,6 @@ void dequantize_quantized_weight(const at::Tensor& out, const at::Tensor& packed
   });
 }
 
-using i32x16 = int32_t __attribute__((vector_size(64)));
-
 // 16 fp32 lanes rounded to the nearest integer, ties to even, as std::nearbyint does in the default
 // rounding mode: cvtps2dq rounds so (g++'s own conversion truncates); elsewhere lane by lane.
 inline i32x16 round_to_int(vfloat v) {
