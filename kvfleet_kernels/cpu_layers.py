@@ -1,8 +1,9 @@
 """CPU layers in native code (csrc/cpu_layers.cpp, in the library kvfleet_kernels/cpu_paged_attention.py
 builds): RMSNorm fused with the residual add before it, SiLU-and-mul and rotary embedding in
 place, for bf16 and fp16 models and fp32 ones whose weights are kept quantized; LayerNorm fused
-with the residual add for encoders whose matmuls run in bf16 around an fp32 residual stream; greedy sampling's argmax in any float
-dtype; and the LoRA delta of a mixed-adapter step (csrc/lora_cpu.cpp), in every dtype."""
+with the residual add for encoders whose matmuls run in bf16 around an fp32 residual stream;
+greedy sampling's argmax in any float dtype; and the LoRA delta of a mixed-adapter step
+(csrc/lora_cpu.cpp), in every dtype."""
 
 from __future__ import annotations
 
