@@ -1,15 +1,17 @@
 """Load GGUF checkpoints (llama.cpp's format) into kvfleet's model definitions.
 
-On the CPU, the linears and embeddings whose tensors have a type the quantized kernels take
-(engine/quantized_weights.py: Q4_0 ... Q8_0, Q4_K, Q5_K, Q6_K) keep them quantized
+On the CPU, the linears, embeddings and MoE experts whose tensors have a type the quantized
+kernels take (engine/quantized_weights.py: Q4_0 ... Q8_0, Q4_K, Q5_K, Q6_K) keep them quantized
 (`use_quantized_gguf_layers`, engine/quantized_linear.py). Every other tensor (norms, F16/F32
-tensors, Q2_K/Q3_K, MoE experts; all of them under tensor parallelism, with LoRA or on CUDA) is
+tensors, Q2_K/Q3_K; all of them under tensor parallelism, with LoRA or on CUDA) is
 dequantized at load with the `gguf` package's own reader and dequantizers, to float32 and then
 the engine's dtype; under tensor parallelism each rank then keeps only its slice.
 
-GGUF names tensors its own way (`blk.0.attn_q.weight`); the map back to Hugging Face
-names is gguf's TensorNameMap, inverted over the names the model loads. Two things
-llama.cpp's converter does to tensors are undone here, as transformers does:
+GGUF names tensors its own way (`blk.0.attn_q.weight`); the map back to Hugging Face names is
+gguf's TensorNameMap, inverted over the names the model loads. An MoE layer's experts, which GGUF
+stacks in one tensor a projection (`blk.0.ffn_gate_exps.weight`, [E, N, K]), load as a Hugging
+Face checkpoint's per-expert tensors (`stacked_expert_names`). Two things llama.cpp's converter
+does to tensors are undone here, as transformers does:
 - llama: q/k rows are permuted for its rotary layout (interleaved pairs);
 - gemma: every RMSNorm weight is stored as 1 + w.
 """
@@ -62,6 +64,9 @@ def complete_config(config, path: Path) -> None:
     rotary_dim = read_field(reader, f"{arch}.rope.dimension_count")
     if rotary_dim and int(rotary_dim) < head_dim:  # Phi-4-mini turns 3/4 of each head
         config.rope_parameters = {**config.rope_parameters, "partial_rotary_factor": int(rotary_dim) / head_dim}
+    expert_width = read_field(reader, f"{arch}.expert_feed_forward_length")
+    if expert_width:  # Qwen3-MoE's expert width, which transformers' GGUF config leaves at its default
+        config.moe_intermediate_size = int(expert_width)
     window = read_field(reader, f"{arch}.attention.sliding_window")
     if window and getattr(config, "sliding_window", None) is None:  # Phi-3's, which transformers drops
         config.sliding_window = int(window)
@@ -123,6 +128,26 @@ def gguf_to_hf_names(model: nn.Module, arch: str, num_layers: int) -> dict[str, 
     return mapping
 
 
+def stacked_expert_names(model: nn.Module, arch: str, num_layers: int) -> dict[str, tuple[str, str]]:
+    """GGUF's stacked expert tensors (`blk.0.ffn_gate_exps.weight`, [E, N, K]) -> (the experts'
+    module name, the checkpoint's projection name), e.g. ("model.layers.0.mlp.experts",
+    "gate_proj"): each expert's slice loads as the per-expert tensor of a Hugging Face checkpoint."""
+    from engine.models.moe import FusedMoE  # noqa: PLC0415
+
+    projections = getattr(model, "expert_projections", {})
+    arch_enum = next((key for key, value in MODEL_ARCH_NAMES.items() if value == arch), None)
+    if not projections or arch_enum is None:
+        return {}
+    name_map = get_tensor_name_map(arch_enum, num_layers)
+    names = {}
+    for prefix, _ in [(n, m) for n, m in model.named_modules() if isinstance(m, FusedMoE)]:
+        for projection in projections:
+            gguf_name = name_map.get_name(f"{prefix}.{projection}")
+            if gguf_name is not None:
+                names[f"{gguf_name}.weight"] = (prefix, projection)
+    return names
+
+
 def unpermute_rotary(weights: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's q/k row order: per head, its rows went [half, 2] -> [2, half]."""
     half = weights.shape[0] // num_heads // 2
@@ -156,7 +181,27 @@ def use_quantized_gguf_layers(model: nn.Module, path: str | Path, hf_config, dty
         return sources if all(types.get(gguf) in KERNEL_TYPES for gguf in sources) else {}
 
     kept = swap_in_quantized_layers(model, sources_of, dtype, kernel)
+    kept |= keep_experts_quantized(model, types, read_field(reader, "general.architecture"), hf_config, kernel)
     model.quantized_kept = "GGUF " + "/".join(sorted({types[gguf].name for gguf in kept}))
+
+
+def keep_experts_quantized(model: nn.Module, types: dict, arch: str, hf_config, kernel: str) -> set[str]:
+    """Keep quantized the experts of every MoE layer whose three stacked tensors (gate, up, down)
+    all have a kernel type (FusedMoE.keep_quantized): their names, which then load into it."""
+    from engine.quantized_weights import KERNEL_TYPES  # noqa: PLC0415
+
+    names_of: dict[str, dict[str, str]] = {}  # experts' module -> role -> GGUF name
+    for gguf_name, (prefix, projection) in stacked_expert_names(model, arch, hf_config.num_hidden_layers).items():
+        names_of.setdefault(prefix, {})[model.expert_projections[projection]] = gguf_name
+    kept = set()
+    for prefix, names in names_of.items():
+        experts = model.get_submodule(prefix)
+        if set(names) != {"gate", "up", "down"} or any(types.get(name) not in KERNEL_TYPES for name in names.values()) \
+                or experts.w13_weight.shape[-1] % 32 or experts.w2_weight.shape[-1] % 32:
+            continue
+        experts.keep_quantized(kernel).checkpoint_parts = {names["gate"]: 0, names["up"]: 1, names["down"]: 2}
+        kept.update(names.values())
+    return kept
 
 
 def load_quantized(tensor, target, arch: str, hf_config) -> None:
@@ -183,12 +228,18 @@ def iterate_gguf_weights(path: str | Path, model: nn.Module, hf_config) -> Itera
     check_types(reader)
     arch = read_field(reader, "general.architecture")
     names = gguf_to_hf_names(model, arch, hf_config.num_hidden_layers)
+    experts = stacked_expert_names(model, arch, hf_config.num_hidden_layers)
     quantized = checkpoint_receivers(model)
     for tensor in reader.tensors:
         if tensor.name in DERIVED_TENSORS:
             continue
         if tensor.name in quantized:
             load_quantized(tensor, quantized[tensor.name], arch, hf_config)
+            continue
+        if tensor.name in experts:
+            prefix, projection = experts[tensor.name]
+            for expert, weights in enumerate(dequantize_tensor(tensor)):  # [E, N, K]
+                yield f"{prefix}.{expert}.{projection}.weight", torch.tensor(weights)
             continue
         if tensor.name not in names:
             raise ValueError(f"GGUF tensor {tensor.name!r} has no place in {type(model).__name__}")

@@ -89,8 +89,23 @@ def use_quantized_packed_layers(model: nn.Module, folder, quantization: dict, dt
               or name.endswith(".weight") and quantized_dtype(tensor) == torch.int8}
     source_of = {f"{prefix}.weight": prefix for prefix in packed}
     swap_in_quantized_layers(model, lambda name: weight_sources(model, name, source_of), dtype, kernel)
+    keep_packed_experts_quantized(model, packed, kernel)
     model.quantized_kept = f"{quantization['quant_method']} {kept_bits(quantization)}-bit"
     return checkpoint_receivers(model)
+
+
+def keep_packed_experts_quantized(model: nn.Module, packed: set[str], kernel: str) -> None:
+    """Keep quantized the experts of every MoE layer whose every expert's projections are among the
+    checkpoint's `packed` modules (FusedMoE.keep_quantized); each then loads into its own part."""
+    from engine.models.moe import FusedMoE  # noqa: PLC0415
+
+    roles = {"gate": 0, "up": 1, "down": 2}
+    for prefix, experts in [(n, m) for n, m in model.named_modules() if isinstance(m, FusedMoE)]:
+        parts = {f"{prefix}.{expert}.{name}": (expert, roles[role]) for expert in range(experts.num_experts)
+                 for name, role in getattr(model, "expert_projections", {}).items()}
+        if parts and set(parts) <= packed and not experts.w13_weight.shape[-1] % 32 \
+                and not experts.w2_weight.shape[-1] % 32:
+            experts.keep_quantized(kernel).checkpoint_parts = parts
 
 
 def split_fused(model: nn.Module, name: str, tensor) -> list[tuple[str, object, int | None]]:

@@ -38,7 +38,7 @@ from engine.models.layers import (
     use_triton_layers,
 )
 from engine.models.moe import active_parameter_fraction
-from engine.quantized_linear import finish_quantized_load, quantized_bytes, quantized_values
+from engine.quantized_linear import add_quantized_counts, finish_quantized_load, quantized_bytes
 from engine.sampler import Sampler, SamplerOutput, SamplerRow, first_argmax, token_seed
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
@@ -204,7 +204,7 @@ class ModelRunner:
         counts = load_weights(model, model_weights(self.config.model, model, hf_config, self.dtype,
                                                    keep_quantized=self._keeps_quantized()))
         finish_quantized_load(model, self.device)
-        counts.total += quantized_values(model)  # weights kept quantized bypass load_weights
+        add_quantized_counts(counts, model)  # weights kept quantized bypass load_weights
         self.quantized_weight_bytes = quantized_bytes(model)
         # What one token reads: all but the experts, and top_k / num_experts of those.
         self.num_params = counts.total

@@ -180,6 +180,50 @@ class QuantizedEmbedding(nn.Module):
         return kernels.dequantize_rows(self.weight, ids).to(self.dtype)
 
 
+class QuantizedExperts(nn.Module):
+    """The experts of an MoE layer kept quantized (engine/models/moe.py's FusedMoE holds it): per
+    expert, one QuantizedLinear of its gate and up parts (w13, gate's features first, as the stacked
+    layout's) and one of its down projection (w2), each packed apart. Its checkpoint sources are
+    each expert's own modules (AWQ, GPTQ, compressed-tensors) or tensors that stack every expert's
+    rows of one projection (GGUF's `ffn_gate_exps`, [E * N, K] once read), split here."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, kernel: str = "cpu") -> None:
+        super().__init__()
+        self.w13 = nn.ModuleList(QuantizedLinear(hidden_size, [intermediate_size] * 2, None, kernel)
+                                 for _ in range(num_experts))
+        self.w2 = nn.ModuleList(QuantizedLinear(intermediate_size, [hidden_size], None, kernel)
+                                for _ in range(num_experts))
+        self.checkpoint_parts: dict[str, int | tuple[int, int]] = {}
+
+    def load_part(self, part: int | tuple[int, int], weight: kernels.QuantizedWeight) -> None:
+        """part 0 / 1 / 2: every expert's gate / up / down rows stacked; (expert, 0 / 1 / 2): one
+        expert's own tensor (a Hugging Face checkpoint's `experts.3.gate_proj`)."""
+        if isinstance(part, tuple):
+            expert, role = part
+            linear = self.w2[expert] if role == 2 else self.w13[expert]
+            linear.load_part(0 if role == 2 else role, weight)
+            return
+        linears = self.w2 if part == 2 else self.w13
+        rows = linears[0].part_sizes[0 if part == 2 else part]
+        if weight.shape != (rows * len(linears), linears[0].in_features):
+            raise ValueError(f"shape {weight.shape}, the model expects {len(linears)} experts of "
+                             f"{(rows, linears[0].in_features)}")
+        for expert, linear in enumerate(linears):
+            own = slice(expert * rows, (expert + 1) * rows)
+            linear.load_part(0 if part == 2 else part, kernels.QuantizedWeight(
+                weight.codes[own], weight.scale[own], weight.offset[own], weight.bits, weight.input_order))
+
+    def missing_parts(self) -> list[int]:
+        return sorted({*(p for linear in self.w13 for p in linear.missing_parts()),
+                       *(2 for linear in self.w2 if linear.missing_parts())})
+
+
+def quantized_expert_linear(x: torch.Tensor, linear: QuantizedLinear, bias: torch.Tensor | None) -> torch.Tensor:
+    """One expert's matmul on its quantized weight (kvfleet_kernels/reference.py's fused_moe `linear`)."""
+    out = linear(x)
+    return out if bias is None else out + bias.to(out.dtype)
+
+
 def quantized_modules(model: nn.Module) -> list[QuantizedLinear | QuantizedEmbedding]:
     return [m for m in model.modules() if isinstance(m, QuantizedLinear | QuantizedEmbedding)]
 
@@ -204,16 +248,25 @@ def quantized_values(model: nn.Module) -> int:
     return sum(weight.out_features * weight.in_features for weight in packed_weights(model))
 
 
+def add_quantized_counts(counts, model: nn.Module) -> None:
+    """The weights kept quantized, which engine/loader.py never saw, into its ParameterCounts:
+    every one in `total`, an MoE's experts also in `experts`."""
+    counts.total += quantized_values(model)
+    counts.experts += sum(part.out_features * part.in_features for module in model.modules()
+                          if isinstance(module, QuantizedExperts) for linear in [*module.w13, *module.w2]
+                          for part in linear.parts if part is not None)
+
+
 def finish_quantized_load(model: nn.Module, device: torch.device) -> None:
     """Once the checkpoint is read: every quantized module must have all its parts, and the Triton
     modules' packed weights go to the model's device (the loaders read them on the host; a tied
     head's table moves once)."""
     moved = {}
-    for module in quantized_modules(model):
+    for module in [m for m in model.modules() if isinstance(m, QuantizedExperts)] + quantized_modules(model):
         if module.missing_parts():
             raise ValueError(f"checkpoint is missing weights for a quantized {type(module).__name__} "
                              f"(parts {module.missing_parts()} of {sorted(module.checkpoint_parts)})")
-        if module.kernel != "triton":
+        if isinstance(module, QuantizedExperts) or module.kernel != "triton":
             continue
         weights = module.parts if isinstance(module, QuantizedLinear) else [module.weight]
         for index, weight in enumerate(weights):
@@ -226,7 +279,8 @@ def finish_quantized_load(model: nn.Module, device: torch.device) -> None:
 
 def checkpoint_receivers(model: nn.Module) -> dict[str, tuple[QuantizedLinear | QuantizedEmbedding, int]]:
     """Checkpoint source -> (the quantized module that takes it, its part), for the loaders."""
-    return {source: (module, part) for module in quantized_modules(model)
+    return {source: (module, part) for module in model.modules()
+            if isinstance(module, QuantizedLinear | QuantizedEmbedding | QuantizedExperts)
             for source, part in module.checkpoint_parts.items()}
 
 

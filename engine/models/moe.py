@@ -26,6 +26,7 @@ from torch import nn
 from engine import parallel
 from engine.models.layers import onednn_linear, packed_bf16_kernel
 from engine.models.parallel_layers import copy_checked, set_loader
+from engine.quantized_linear import QuantizedExperts, quantized_expert_linear
 from kvfleet_kernels import cpu_linear, reference
 
 # softmax_topk: softmax over all experts in fp32, then the top k (Mixtral, Qwen3-MoE);
@@ -97,6 +98,14 @@ class FusedMoE(nn.Module):
         self.kernel = reference.fused_moe
         self.packed: tuple[list, list] | None = None  # pack_for_onednn(): per expert, oneDNN's or PackedExpertWeight
         self.linear = onednn_linear  # what runs a packed expert's matmul
+        self.quantized: QuantizedExperts | None = None  # keep_quantized(): the experts as the checkpoint holds them
+
+    def keep_quantized(self, kernel: str) -> QuantizedExperts:
+        """The experts kept quantized (engine/quantized_linear.py), computed on by `kernel`'s
+        matmuls, in place of the stacked weights, which are dropped before any is read."""
+        self.quantized = QuantizedExperts(self.num_experts, self.w13_weight.shape[-1], self.end - self.start, kernel)
+        self.w13_weight = self.w2_weight = None
+        return self.quantized
 
     def use_triton_kernel(self) -> None:
         from kvfleet_kernels.fused_moe import fused_moe  # noqa: PLC0415 (imports triton)
@@ -108,7 +117,9 @@ class FusedMoE(nn.Module):
         says why): a few rows per expert is the common case, where repacking on every call
         doubled the expert matmuls' time. bf16 experts go to the CPU's packed bf16 kernel
         (PackedBf16Linear's), the rest to oneDNN's blocked layout. The stacked weights are
-        dropped: the packed copies replace them."""
+        dropped: the packed copies replace them. Experts kept quantized are packed already."""
+        if self.quantized is not None:
+            return
         kernels = {packed_bf16_kernel(self.w13_weight), packed_bf16_kernel(self.w2_weight)}
         kernel = kernels.pop() if len(kernels) == 1 else None
 
@@ -152,7 +163,11 @@ class FusedMoE(nn.Module):
         """hidden [T, H], topk_* [T, k] -> [T, H]"""
         # The down bias belongs to the whole sum: rank 0 adds it, the all-reduce spreads it.
         w2_bias = self.w2_bias if parallel.tp_rank() == 0 else None
-        if self.packed is not None:
+        if self.quantized is not None:
+            out = reference.fused_moe(hidden, self.quantized.w13, self.quantized.w2, topk_weights, topk_ids,
+                                      self.activation, self.w13_bias, w2_bias, linear=quantized_expert_linear,
+                                      **self.activation_args)
+        elif self.packed is not None:
             out = reference.fused_moe(hidden, *self.packed, topk_weights, topk_ids, self.activation, self.w13_bias,
                                       w2_bias, linear=self.linear, **self.activation_args)
         else:

@@ -10,6 +10,7 @@ checkpoint's weights. Either way the oracle is gguf's own dequantizer on what wa
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +25,7 @@ Q = GGMLQuantizationType
 K_QUANTS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 # Byte offsets of the fp16 scale fields inside one 256-value block of each K-quant.
 K_SCALE_OFFSETS = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
-ARCH_OF_MODEL_TYPE = {"gemma3_text": "gemma3"}
+ARCH_OF_MODEL_TYPE = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe"}
 
 
 def random_k_quant(rows: int, cols: int, qtype: GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray:
@@ -79,8 +80,28 @@ def write_metadata(writer: GGUFWriter, config) -> None:
     writer.add_vocab_size(config.vocab_size)
     if getattr(config, "sliding_window", None):
         writer.add_sliding_window(config.sliding_window)
+    if getattr(config, "num_experts", None):  # Qwen3-MoE
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+
+
+def stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert tensors (`...experts.<e>.gate_proj.weight`) stacked as llama.cpp's converter
+    stacks them, [E, N, K] under `...experts.gate_proj.weight` (GGUF's ffn_gate_exps); the
+    rest as they are."""
+    stacked, experts = {}, {}
+    for name, tensor in tensors.items():
+        match = re.match(r"^(.*\.experts)\.(\d+)\.(\w+\.weight)$", name)
+        if match is None:
+            stacked[name] = tensor
+        else:
+            experts.setdefault(f"{match[1]}.{match[3]}", {})[int(match[2])] = tensor
+    for name, by_expert in experts.items():
+        stacked[name] = torch.stack([by_expert[e] for e in sorted(by_expert)])
+    return stacked
 
 
 def write_gguf(hf_dir: str | Path, out: str | Path, qtype_of=lambda name, shape: Q.F32, seed: int = 0) -> dict:
@@ -94,12 +115,13 @@ def write_gguf(hf_dir: str | Path, out: str | Path, qtype_of=lambda name, shape:
     writer = GGUFWriter(str(out), arch)
     write_metadata(writer, config)
     written = {}
-    for hf_name, tensor in load_file(str(Path(hf_dir) / "model.safetensors")).items():
+    for hf_name, tensor in stack_experts(load_file(str(Path(hf_dir) / "model.safetensors"))).items():
         base, _, suffix = hf_name.rpartition(".")
         gguf_name = f"{name_map.get_name(base)}.{suffix}"
         weights = to_gguf_layout(arch, gguf_name, tensor.float().numpy(), config)
-        qtype = qtype_of(gguf_name, weights.shape) if weights.ndim == 2 else Q.F32
-        data = encode(weights, qtype, rng)
+        qtype = qtype_of(gguf_name, weights.shape) if weights.ndim >= 2 else Q.F32
+        matrix = weights.reshape(-1, weights.shape[-1])  # stacked experts [E, N, K]: their rows one after another
+        data = encode(matrix, qtype, rng).reshape(*weights.shape[:-1], -1)
         writer.add_tensor(gguf_name, data, raw_dtype=None if qtype in (Q.F32, Q.F16) else qtype)
         with np.errstate(invalid="ignore", over="ignore"):  # random IQ bytes may hold NaN scales
             written[gguf_name] = (qtype, dequantize(data, qtype).reshape(weights.shape))

@@ -40,10 +40,14 @@ GGUF_CONFIGS = {
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=512, sliding_window=48, initializer_range=0.1,
         architectures=["Phi3ForCausalLM"]),
+    # Every layer sparse (a GGUF of qwen3moe has no dense ones), each expert's tensors stacked in
+    # one (ffn_gate_exps ...); top 4 of 8, renormalised, as llama.cpp always does.
+    "qwen3_moe": lambda: TINY_CONFIGS["qwen3_moe"]().__class__(**{
+        **TINY_CONFIGS["qwen3_moe"]().to_dict(), "mlp_only_layers": [], "num_hidden_layers": 2}),
 }
 # Mixed as llama.cpp's mixes are: embeddings and attention wider, the MLP narrower.
-MIXED_TYPES = {"token_embd": Q.F16, "output": Q.Q8_0, "attn": Q.Q8_0, "ffn_gate": Q.Q4_0, "ffn_up": Q.Q4_1,
-               "ffn_down": Q.Q5_1}
+MIXED_TYPES = {"token_embd": Q.F16, "output": Q.Q8_0, "attn": Q.Q8_0, "ffn_gate_inp": Q.F32, "ffn_gate": Q.Q4_0,
+               "ffn_up": Q.Q4_1, "ffn_down": Q.Q5_1}
 
 
 def mixed_type(name: str, shape) -> Q:

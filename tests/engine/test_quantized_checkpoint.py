@@ -282,3 +282,35 @@ def test_a_packed_module_keeps_its_codes_and_its_values(layout, bits, desc_act):
     assert kept.codes.dtype == torch.uint8 and kept.scale.shape == (48, 4) and kept.bits == bits
     assert (kept.input_order is not None) == desc_act
     assert torch.allclose(kept.dequantize(), reference.float(), rtol=0, atol=2 ** -10 * reference.abs().max())
+
+
+@pytest.mark.parametrize("layout", ["awq", "gptq 8 bits, desc_act", "compressed-tensors w4a16 asymmetric"])
+def test_a_moe_s_packed_experts_stay_packed_on_the_quantized_kernels(tiny_models, tmp_path, layout):
+    """Qwen3-MoE with every expert's projections packed: each expert keeps its codes, its gate and
+    up parts in one QuantizedLinear and its down projection in another (GPTQ's desc_act order each
+    its own), the parameter counts are the dequantized load's, and greedy answers stay within a
+    near-tie of it."""
+    from engine.quantized_linear import QuantizedExperts  # noqa: PLC0415
+    from tests.engine.test_tensor_parallel import close_or_identical, top5  # noqa: PLC0415
+
+    quantization, quantize = LAYOUTS[layout]
+    quantized, _ = write_pair(tiny_models["qwen3_moe"], tmp_path, quantization, quantize)
+    kept = LLM(quantized, num_kv_blocks=64, quantized_kernels=True)
+    dense = LLM(quantized, num_kv_blocks=64, quantized_kernels=False)
+    sparse = [layer.mlp.experts for layer in kept.engine.model_runner.model.model.layers if hasattr(layer.mlp, "experts")]
+    assert len(sparse) == 2  # layer 1 is dense (mlp_only_layers)
+    bits = 8 if "8 bits" in layout else 4
+    for experts in sparse:
+        assert isinstance(experts.quantized, QuantizedExperts) and experts.w13_weight is None
+        assert {(part.bits, part.in_features) for linear in experts.quantized.w13 for part in linear.parts} == {(bits, 64)}
+        assert {(part.bits, part.in_features) for linear in experts.quantized.w2 for part in linear.parts} == {(bits, 32)}
+        ordered = [part.input_order is not None for linear in experts.quantized.w13 for part in linear.parts]
+        assert all(ordered) == ("desc_act" in layout)
+    runners = kept.engine.model_runner, dense.engine.model_runner
+    assert len({(runner.num_params, runner.num_active_params) for runner in runners}) == 1
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=5)
+    for a, b in zip(kept.generate(PROMPTS, params), dense.generate(PROMPTS, params)):
+        a, b = a.outputs[0], b.outputs[0]
+        close, _ = close_or_identical(a.token_ids, [top5(e) for e in a.logprobs], b.token_ids,
+                                      [top5(e) for e in b.logprobs])
+        assert close

@@ -143,3 +143,57 @@ def test_lora_adapters_add_beside_weights_kept_quantized(wide_llama, tmp_path): 
     base = quantized.generate(prompts, params, use_tqdm=False)
     changed = sum(a.token_ids != b.token_ids for a, b, w in zip(ours, base, which) if w >= 0)
     assert changed >= 0.8 * sum(w >= 0 for w in which), "the adapters barely changed the output"
+
+
+# A Qwen3-MoE GGUF's experts in three kernel widths: 4-bit gates, 6-bit up projections, 8-bit downs.
+MOE_TYPES = {"ffn_gate_inp": Q.F32, "ffn_gate_exps": Q.Q4_0, "ffn_up_exps": Q.Q5_1, "ffn_down_exps": Q.Q8_0,
+             "token_embd": Q.Q8_0, "output": Q.Q8_0, "attn": Q.Q4_1}
+
+
+def test_moe_experts_stay_quantized_and_generate_as_dequantized(tiny_tokenizer, tmp_path):
+    """Each expert's slice of GGUF's stacked expert tensors packed apart: the layer's output is the
+    expert sum over gguf's own dequantization of the file, the bytes held are the experts' codes and
+    scales, the parameter counts (active ones too) are the dequantized load's, and greedy answers stay
+    within a near-tie of that load's."""
+    from engine.demo_model import write_checkpoint  # noqa: PLC0415
+    from engine.quantized_linear import QuantizedExperts  # noqa: PLC0415
+    from kvfleet_kernels import reference  # noqa: PLC0415
+    from tests.engine.test_gguf import GGUF_CONFIGS  # noqa: PLC0415
+
+    hf_dir = write_checkpoint(GGUF_CONFIGS["qwen3_moe"](), tmp_path / "hf", seed=3, tokenizer=tiny_tokenizer)
+    written = write_gguf(hf_dir, tmp_path / "model.gguf",
+                         lambda name, shape: next(t for part, t in MOE_TYPES.items() if name.startswith(part)
+                                                  or f".{part}" in name))
+    options = {"skip_tokenizer_init": True, "num_kv_blocks": 256}
+    quantized = LLM(str(tmp_path / "model.gguf"), quantized_kernels=True, **options)
+    dequantized = LLM(str(tmp_path / "model.gguf"), quantized_kernels=False, **options)
+    runner, dense_runner = quantized.engine.model_runner, dequantized.engine.model_runner
+    layers = runner.model.model.layers
+    for index, layer in enumerate(layers):
+        experts = layer.mlp.experts.quantized
+        assert isinstance(experts, QuantizedExperts) and layer.mlp.experts.w13_weight is None
+        assert [[p.bits for p in linear.parts] for linear in experts.w13] == [[4, 6]] * 8
+        assert [[p.bits for p in linear.parts] for linear in experts.w2] == [[8]] * 8
+        w13 = np.concatenate([written[f"blk.{index}.ffn_{p}_exps.weight"][1] for p in ("gate", "up")], axis=1)
+        w2 = written[f"blk.{index}.ffn_down_exps.weight"][1]
+        for rows in (3, 200):  # the integer products; the dense path of long steps
+            hidden = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+            with torch.inference_mode():
+                weights, ids = layer.mlp.gate(hidden)
+                expected = reference.fused_moe(hidden, torch.from_numpy(w13), torch.from_numpy(w2), weights, ids)
+                got = layer.mlp.experts(hidden, weights, ids)
+            assert (got - expected).abs().max() <= 1e-3 * expected.abs().max(), (index, rows)
+    # per expert: gate (32 x 64, 4 bits, a) and up (6 bits, a and b), down (64 x 32, 8 bits, a); groups of 32
+    expert_bytes = 32 * (64 // 2 + 2 * 2) + 32 * (64 * 6 // 8 + 2 * 4) + 64 * (32 + 1 * 2)
+    assert sum(linear.nbytes for layer in layers for linear in [*layer.mlp.experts.quantized.w13,
+                                                                 *layer.mlp.experts.quantized.w2]) \
+        == len(layers) * 8 * expert_bytes
+    assert (runner.num_params, runner.num_active_params) == (dense_runner.num_params, dense_runner.num_active_params)
+    prompts, params = workload(VOCAB)
+    params = [SamplingParams(**{**vars(p), "logprobs": 5}) for p in params]
+    ours = quantized.generate(prompts, params, use_tqdm=False)
+    theirs = dequantized.generate(prompts, params, use_tqdm=False)
+    for index, (a, b) in enumerate(zip(ours, theirs)):
+        close, _ = close_or_identical(a.token_ids, [top5(e) for e in a.logprobs], b.token_ids,
+                                      [top5(e) for e in b.logprobs])
+        assert close, f"prompt {index}: quantized and dequantized experts diverge beyond a near-tie"
