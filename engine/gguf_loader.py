@@ -209,6 +209,12 @@ def load_quantized(tensor, target, arch: str, hf_config) -> None:
     from engine.quantized_weights import gguf_quantized_weight  # noqa: PLC0415
 
     module, part = target
+    if isinstance(part, int) and len(tensor.data.shape) == 3:  # stacked experts [E, N, bytes]: one at a time
+        if len(tensor.data) != module.num_experts:
+            raise ValueError(f"GGUF tensor {tensor.name!r}: {len(tensor.data)} experts, the model has {module.num_experts}")
+        for expert, blocks in enumerate(tensor.data):
+            module.load_part((expert, part), gguf_quantized_weight(blocks, tensor.tensor_type, int(tensor.shape[0])))
+        return
     weight = gguf_quantized_weight(tensor.data, tensor.tensor_type, int(tensor.shape[0]))
     if arch == "llama" and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
         heads = hf_config.num_attention_heads if ".attn_q." in tensor.name else hf_config.num_key_value_heads

@@ -185,33 +185,25 @@ class QuantizedExperts(nn.Module):
     expert, one QuantizedLinear of its gate and up parts (w13, gate's features first, as the stacked
     layout's) and one of its down projection (w2), each packed apart. Its checkpoint sources are
     each expert's own modules (AWQ, GPTQ, compressed-tensors) or tensors that stack every expert's
-    rows of one projection (GGUF's `ffn_gate_exps`, [E * N, K] once read), split here."""
+    weight of one projection (GGUF's `ffn_gate_exps`), which engine/gguf_loader.py reads an expert
+    at a time."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, kernel: str = "cpu") -> None:
         super().__init__()
+        self.num_experts = num_experts
         self.w13 = nn.ModuleList(QuantizedLinear(hidden_size, [intermediate_size] * 2, None, kernel)
                                  for _ in range(num_experts))
         self.w2 = nn.ModuleList(QuantizedLinear(intermediate_size, [hidden_size], None, kernel)
                                 for _ in range(num_experts))
-        self.checkpoint_parts: dict[str, int | tuple[int, int]] = {}
+        self.checkpoint_parts: dict[str, int | tuple[int, int]] = {}  # source -> (expert, role), or role: every expert
 
-    def load_part(self, part: int | tuple[int, int], weight: kernels.QuantizedWeight) -> None:
-        """part 0 / 1 / 2: every expert's gate / up / down rows stacked; (expert, 0 / 1 / 2): one
-        expert's own tensor (a Hugging Face checkpoint's `experts.3.gate_proj`)."""
-        if isinstance(part, tuple):
-            expert, role = part
-            linear = self.w2[expert] if role == 2 else self.w13[expert]
-            linear.load_part(0 if role == 2 else role, weight)
-            return
-        linears = self.w2 if part == 2 else self.w13
-        rows = linears[0].part_sizes[0 if part == 2 else part]
-        if weight.shape != (rows * len(linears), linears[0].in_features):
-            raise ValueError(f"shape {weight.shape}, the model expects {len(linears)} experts of "
-                             f"{(rows, linears[0].in_features)}")
-        for expert, linear in enumerate(linears):
-            own = slice(expert * rows, (expert + 1) * rows)
-            linear.load_part(0 if part == 2 else part, kernels.QuantizedWeight(
-                weight.codes[own], weight.scale[own], weight.offset[own], weight.bits, weight.input_order))
+    def load_part(self, part: tuple[int, int], weight: kernels.QuantizedWeight) -> None:
+        """part (expert, 0 / 1 / 2): that expert's gate / up / down weight."""
+        expert, role = part
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert}: the model has {self.num_experts} experts a layer")
+        linear = self.w2[expert] if role == 2 else self.w13[expert]
+        linear.load_part(0 if role == 2 else role, weight)
 
     def missing_parts(self) -> list[int]:
         return sorted({*(p for linear in self.w13 for p in linear.missing_parts()),
