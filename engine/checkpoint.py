@@ -42,6 +42,7 @@ GGUF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
 }
@@ -128,11 +129,12 @@ def load_hf_config(model: str):
 
 
 def gguf_config(checkpoint: Checkpoint):
-    from engine.gguf_loader import complete_config  # noqa: PLC0415 (imports gguf)
+    from engine.gguf_loader import as_mixtral_if_experts, complete_config  # noqa: PLC0415 (imports gguf)
 
     path, kwargs = checkpoint.from_pretrained_args()
     config = AutoConfig.from_pretrained(path, **kwargs)
     complete_config(config, checkpoint.gguf_path)
+    config = as_mixtral_if_experts(config, checkpoint.gguf_path)
     if config.model_type not in GGUF_ARCHITECTURES:
         raise ValueError(f"model: GGUF architecture {config.model_type!r} is not supported; "
                          f"supported: {sorted(GGUF_ARCHITECTURES)}")

@@ -84,6 +84,22 @@ def complete_config(config, path: Path) -> None:
         config.original_max_position_embeddings = config.rope_parameters["original_max_position_embeddings"]
 
 
+def as_mixtral_if_experts(config, path: Path):
+    """llama.cpp writes Mixtral as a `llama` with experts (`llama.expert_count`), which transformers
+    reads as a plain Llama: that config as the MixtralConfig it stands for (its feed-forward length
+    is the experts'); any other config as it is."""
+    reader = open_reader(Path(path))
+    experts = read_field(reader, "llama.expert_count")
+    if config.model_type != "llama" or not experts:
+        return config
+    from transformers import MixtralConfig  # noqa: PLC0415
+
+    fields = {key: value for key, value in config.to_dict().items()
+              if key not in ("model_type", "architectures", "transformers_version")}
+    return MixtralConfig(**{**fields, "num_local_experts": int(experts),
+                            "num_experts_per_tok": int(read_field(reader, "llama.expert_used_count"))})
+
+
 def check_types(reader: GGUFReader) -> None:
     """One line naming the first tensor whose quantization kvfleet cannot load."""
     for tensor in reader.tensors:
@@ -141,8 +157,8 @@ def stacked_expert_names(model: nn.Module, arch: str, num_layers: int) -> dict[s
     name_map = get_tensor_name_map(arch_enum, num_layers)
     names = {}
     for prefix, _ in [(n, m) for n, m in model.named_modules() if isinstance(m, FusedMoE)]:
-        for projection in projections:
-            gguf_name = name_map.get_name(f"{prefix}.{projection}")
+        for projection, role in projections.items():  # Mixtral's w1 is known to the map as gate_proj
+            gguf_name = name_map.get_name(f"{prefix}.{projection}") or name_map.get_name(f"{prefix}.{role}_proj")
             if gguf_name is not None:
                 names[f"{gguf_name}.weight"] = (prefix, projection)
     return names

@@ -25,7 +25,7 @@ Q = GGMLQuantizationType
 K_QUANTS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 # Byte offsets of the fp16 scale fields inside one 256-value block of each K-quant.
 K_SCALE_OFFSETS = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
-ARCH_OF_MODEL_TYPE = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe"}
+ARCH_OF_MODEL_TYPE = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
 
 
 def random_k_quant(rows: int, cols: int, qtype: GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray:
@@ -80,9 +80,11 @@ def write_metadata(writer: GGUFWriter, config) -> None:
     writer.add_vocab_size(config.vocab_size)
     if getattr(config, "sliding_window", None):
         writer.add_sliding_window(config.sliding_window)
-    if getattr(config, "num_experts", None):  # Qwen3-MoE
-        writer.add_expert_count(config.num_experts)
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if experts:  # Qwen3-MoE; Mixtral, whose feed-forward length is its experts'
+        writer.add_expert_count(experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
+    if getattr(config, "moe_intermediate_size", None):
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)

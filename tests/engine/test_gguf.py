@@ -116,6 +116,28 @@ def test_greedy_matches_transformers_reading_the_same_gguf(tmp_path, tiny_tokeni
             assert output.token_ids == expected[0, len(prompt):].tolist(), f"{name}: prompt {index} diverged"
 
 
+def test_a_mixtral_gguf_written_as_a_llama_with_experts_runs_as_mixtral(tmp_path, tiny_tokenizer, monkeypatch):
+    """llama.cpp writes Mixtral as a `llama` with experts (stacked ffn_*_exps, llama.expert_count),
+    which transformers reads as a plain Llama: kvfleet reads it as the Mixtral it is, and its F32
+    file runs token-identical to transformers on the checkpoint it was written from."""
+    monkeypatch.setenv("KVFLEET_CACHE", str(tmp_path / "cache"))
+    hf_dir = write_checkpoint(TINY_CONFIGS["mixtral"](), tmp_path / "hf", seed=1, tokenizer=tiny_tokenizer)
+    write_gguf(hf_dir, tmp_path / "model.gguf")  # every tensor F32: the checkpoint's own values
+    llm = LLM(str(tmp_path / "model.gguf"), skip_tokenizer_init=True, quantized_kernels=False, num_kv_blocks=256)
+    config = llm.engine.hf_config
+    assert config.architectures == ["MixtralForCausalLM"]
+    assert (config.num_local_experts, config.num_experts_per_tok, config.intermediate_size) == (8, 2, 96)
+    prompts, params = workload(VOCAB)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        for index, (prompt, p, output) in enumerate(zip(prompts, params, outputs)):
+            ids = torch.tensor([prompt])
+            expected = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                      max_new_tokens=p.max_tokens, eos_token_id=2, pad_token_id=0)
+            assert output.token_ids == expected[0, len(prompt):].tolist(), f"prompt {index} diverged"
+
+
 def test_k_quants_under_tp2_match_one_device(wide_llama, tmp_path):
     write_gguf(wide_llama, tmp_path / "model.gguf",
                lambda name, shape: Q.Q6_K if "attn" in name else Q.Q4_K if "ffn" in name else Q.Q5_K)

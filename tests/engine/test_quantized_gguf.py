@@ -150,8 +150,10 @@ MOE_TYPES = {"ffn_gate_inp": Q.F32, "ffn_gate_exps": Q.Q4_0, "ffn_up_exps": Q.Q5
              "token_embd": Q.Q8_0, "output": Q.Q8_0, "attn": Q.Q4_1}
 
 
-def test_moe_experts_stay_quantized_and_generate_as_dequantized(tiny_tokenizer, tmp_path):
-    """Each expert's slice of GGUF's stacked expert tensors packed apart: the layer's output is the
+@pytest.mark.parametrize("architecture", ["qwen3_moe", "mixtral"])  # mixtral: written as a llama with experts
+def test_moe_experts_stay_quantized_and_generate_as_dequantized(tiny_tokenizer, tmp_path, architecture):
+    """Each expert's slice of GGUF's stacked expert tensors packed apart (Qwen3-MoE; Mixtral, which
+    llama.cpp writes as a llama with experts): the layer's output is the
     expert sum over gguf's own dequantization of the file, the bytes held are the experts' codes and
     scales, the parameter counts (active ones too) are the dequantized load's, and greedy answers stay
     within a near-tie of that load's."""
@@ -159,8 +161,10 @@ def test_moe_experts_stay_quantized_and_generate_as_dequantized(tiny_tokenizer, 
     from engine.quantized_linear import QuantizedExperts  # noqa: PLC0415
     from kvfleet_kernels import reference  # noqa: PLC0415
     from tests.engine.test_gguf import GGUF_CONFIGS  # noqa: PLC0415
+    from tests.tiny_models import TINY_CONFIGS  # noqa: PLC0415
 
-    hf_dir = write_checkpoint(GGUF_CONFIGS["qwen3_moe"](), tmp_path / "hf", seed=3, tokenizer=tiny_tokenizer)
+    config = (GGUF_CONFIGS | {"mixtral": TINY_CONFIGS["mixtral"]})[architecture]()
+    hf_dir = write_checkpoint(config, tmp_path / "hf", seed=3, tokenizer=tiny_tokenizer)
     written = write_gguf(hf_dir, tmp_path / "model.gguf",
                          lambda name, shape: next(t for part, t in MOE_TYPES.items() if name.startswith(part)
                                                   or f".{part}" in name))
@@ -177,14 +181,16 @@ def test_moe_experts_stay_quantized_and_generate_as_dequantized(tiny_tokenizer, 
         w13 = np.concatenate([written[f"blk.{index}.ffn_{p}_exps.weight"][1] for p in ("gate", "up")], axis=1)
         w2 = written[f"blk.{index}.ffn_down_exps.weight"][1]
         for rows in (3, 200):  # the integer products; the dense path of long steps
-            hidden = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+            hidden = torch.randn(rows, config.hidden_size, generator=torch.Generator().manual_seed(rows))
             with torch.inference_mode():
                 weights, ids = layer.mlp.gate(hidden)
                 expected = reference.fused_moe(hidden, torch.from_numpy(w13), torch.from_numpy(w2), weights, ids)
                 got = layer.mlp.experts(hidden, weights, ids)
             assert (got - expected).abs().max() <= 1e-3 * expected.abs().max(), (index, rows)
-    # per expert: gate (32 x 64, 4 bits, a) and up (6 bits, a and b), down (64 x 32, 8 bits, a); groups of 32
-    expert_bytes = 32 * (64 // 2 + 2 * 2) + 32 * (64 * 6 // 8 + 2 * 4) + 64 * (32 + 1 * 2)
+    # per expert, groups of 32: gate (I x H, 4 bits, a) and up (6 bits, a and b), down (H x I, 8 bits, a)
+    width, size = getattr(config, "moe_intermediate_size", config.intermediate_size), config.hidden_size
+    expert_bytes = width * (size // 2 + size // 32 * 2) + width * (size * 6 // 8 + size // 32 * 4) \
+        + size * (width + width // 32 * 2)
     assert sum(linear.nbytes for layer in layers for linear in [*layer.mlp.experts.quantized.w13,
                                                                  *layer.mlp.experts.quantized.w2]) \
         == len(layers) * 8 * expert_bytes
