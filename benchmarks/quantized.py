@@ -12,7 +12,10 @@ moe (Qwen3-30B-A3B's layer, 128 experts of which 8 a token, 4 layers). smollm2 i
 Q4_1 file.
 
 Workloads, per concurrency C: C=1 and 4, 2C requests of a 256-token prompt and 128 output tokens;
-C=32, the chat shape (32 requests, prompts of 32-512 tokens, outputs of 64-128). kvfleet runs
+C=32, the chat shape (32 requests, prompts of 32-512 tokens, outputs of 64-128); `document`,
+benchmarks/common.py's document workload (24 requests at once, a shared 256-token instruction and a
+600-1,800-token document each, answers of 16-128; kvfleet with prefix caching). `--quant Q8_0`
+quantizes the random models to Q8_0 instead of Q4_K_M. kvfleet runs
 LLM.generate with max_num_seqs C in a child process; llama-server runs C slots with continuous
 batching on every core, driven by C client threads. Reported: output tokens/s, the ratio to
 llama-server, each process's CPU seconds over the timed run and its peak resident memory (VmHWM),
@@ -32,30 +35,48 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.common import WORKLOADS
 from benchmarks.llama_cpp import LlamaServer, build_llama_cpp
 from benchmarks.random_gguf import SHAPES, write_random_model
 
 GOAL_AT_1_AND_4 = 1.2  # kvfleet on the file over llama-server on the file, output tokens/s
 
 
-def workload(concurrency: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+def workload(run: str, seed: int = 0) -> tuple[list[list[int]], list[int], int]:
+    """(prompts, output lengths, requests at once) of one run: "1", "4" (2C requests of a 256-token
+    prompt and 128 output tokens), "32" (the chat shape), or "document" (benchmarks/common.py's: 24
+    requests sharing a 256-token instruction before a 600-1,800-token document, all at once)."""
+    if run == "document":
+        work = WORKLOADS["document"](49152)
+        return work.prompts, work.output_lens, len(work.prompts)
+    concurrency = int(run)
     rng = random.Random(seed + concurrency)
     if concurrency >= 32:
         prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(32, 512))] for _ in range(concurrency)]
-        return prompts, [rng.randint(64, 128) for _ in prompts]
+        return prompts, [rng.randint(64, 128) for _ in prompts], concurrency
     prompts = [[rng.randrange(3, 49152) for _ in range(256)] for _ in range(2 * concurrency)]
-    return prompts, [128] * len(prompts)
+    return prompts, [128] * len(prompts), concurrency
 
 
-def run_kvfleet_child(model: str, quantized: bool, concurrency: int) -> dict:
+def warm_up_prompt(prompts: list[list[int]], run: str) -> list[int]:
+    """A first request's prompt, before the timed run: the first one's, or for the document run its
+    last 64 tokens, so that no system caches the shared instruction beforehand."""
+    return prompts[0][-64:] if run == "document" else prompts[0]
+
+
+def context_length(prompts: list[list[int]], lens: list[int]) -> int:
+    return max(map(len, prompts)) + max(lens)
+
+
+def run_kvfleet_child(model: str, quantized: bool, run: str) -> dict:
     """In this (child) process: the workload through LLM.generate; seconds and peak memory."""
     from engine import LLM, SamplingParams  # noqa: PLC0415 (the child only)
 
-    prompts, lens = workload(concurrency)
-    llm = LLM(model, dtype="auto", max_num_seqs=concurrency, max_model_len=1024, quantized_kernels=quantized,
-              enable_prefix_caching=False)
+    prompts, lens, concurrency = workload(run)
+    llm = LLM(model, dtype="auto", max_num_seqs=concurrency, max_model_len=max(1024, context_length(prompts, lens)),
+              quantized_kernels=quantized, enable_prefix_caching=run == "document")
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
-    llm.generate(prompts[:1], params[:1], use_tqdm=False)  # warm-up: the first step's one-time costs
+    llm.generate([warm_up_prompt(prompts, run)], params[:1], use_tqdm=False)  # the first step's one-time costs
     cpu_start, start = cpu_seconds(), time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds, cpu = time.perf_counter() - start, cpu_seconds() - cpu_start
@@ -96,14 +117,15 @@ def run_child(module: str, *args: str) -> dict:
     return result
 
 
-def run_kvfleet(model: str, quantized: bool, concurrency: int) -> dict:
-    return run_child("benchmarks.quantized", model, str(int(quantized)), str(concurrency))
+def run_kvfleet(model: str, quantized: bool, run: str) -> dict:
+    return run_child("benchmarks.quantized", model, str(int(quantized)), run)
 
 
-def run_llama_server(bin_dir: Path, model: str, concurrency: int) -> dict:
-    prompts, lens = workload(concurrency)
-    with LlamaServer(bin_dir, model, slots=concurrency, context_per_slot=1024) as server:
-        server.complete(prompts[0], 1)  # warm-up
+def run_llama_server(bin_dir: Path, model: str, run: str) -> dict:
+    prompts, lens, concurrency = workload(run)
+    with LlamaServer(bin_dir, model, slots=concurrency,
+                     context_per_slot=max(1024, context_length(prompts, lens))) as server:
+        server.complete(warm_up_prompt(prompts, run), 1)
         cpu_start, start = cpu_seconds(server.pid), time.perf_counter()
         tokens = server.run_all(prompts, lens, concurrency)
         seconds, cpu = time.perf_counter() - start, cpu_seconds(server.pid) - cpu_start
@@ -122,7 +144,7 @@ def models(args, bin_dir: Path) -> dict[str, dict[str, str]]:
         if name == "smollm2":
             found[name] = {"quantized": str(demo_model_path())}
         elif name in SHAPES:
-            found[name] = write_random_model(name, Path(args.cache), bin_dir)
+            found[name] = write_random_model(name, Path(args.cache), bin_dir, args.quant)
         else:
             raise SystemExit(f"--models: unknown model {name!r}; known: smollm2, {', '.join(SHAPES)}")
     return found
@@ -135,14 +157,14 @@ def file_tensor_mib(path: str) -> float:
     return sum(int(tensor.n_bytes) for tensor in GGUFReader(path).tensors) / 2**20
 
 
-def bench_model(bin_dir: Path, name: str, files: dict, concurrencies: list[int], rounds: int) -> dict:
+def bench_model(bin_dir: Path, name: str, files: dict, runs_wanted: list[str], rounds: int) -> dict:
     results: dict = {"file_tensor_mib": file_tensor_mib(files["quantized"])}
-    for concurrency in concurrencies:
+    for wanted in runs_wanted:
         best: dict[str, dict] = {}
         for _ in range(rounds):
-            runs = {"kvfleet_quantized": lambda c=concurrency: run_kvfleet(files["quantized"], True, c),
-                    "kvfleet_dense": lambda c=concurrency: run_kvfleet(files["quantized"], False, c),
-                    "llama_server": lambda c=concurrency: run_llama_server(bin_dir, files["quantized"], c)}
+            runs = {"kvfleet_quantized": lambda w=wanted: run_kvfleet(files["quantized"], True, w),
+                    "kvfleet_dense": lambda w=wanted: run_kvfleet(files["quantized"], False, w),
+                    "llama_server": lambda w=wanted: run_llama_server(bin_dir, files["quantized"], w)}
             for system, run in runs.items():
                 result = run()
                 if system not in best or result["output_tokens_per_s"] > best[system]["output_tokens_per_s"]:
@@ -151,32 +173,40 @@ def bench_model(bin_dir: Path, name: str, files: dict, concurrencies: list[int],
         for system, result in best.items():
             result["vs_llama_server"] = result["output_tokens_per_s"] / peer
             held = f"  weights {result['quantized_weight_mib']:.0f} MiB" if result.get("quantized_weight_mib") else ""
-            print(f"{name} C={concurrency:>2} {system:18s} {result['output_tokens_per_s']:8.1f} tok/s  "
+            print(f"{name} {label(wanted):>8} {system:18s} {result['output_tokens_per_s']:8.1f} tok/s  "
                   f"{result['vs_llama_server']:5.2f}x llama-server  CPU {result['cpu_seconds']:6.1f} s  "
                   f"peak RSS {result['peak_rss_mib']:7.0f} MiB{held}  {result.get('dtype', '')}")
-        results[str(concurrency)] = best
+        results[wanted] = best
         held = best["kvfleet_quantized"]["quantized_weight_mib"]
         print(f"{name}: weights held in {held:.0f} MiB, {held / results['file_tensor_mib']:.3f}x the file's "
               f"{results['file_tensor_mib']:.0f} MiB of tensors ({best['kvfleet_quantized']['weights']})")
     return results
 
 
+def label(run: str) -> str:
+    return run if run == "document" else f"C={run}"
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        model, quantized, concurrency = sys.argv[2], bool(int(sys.argv[3])), int(sys.argv[4])
-        print("KVFLEET_RESULT " + json.dumps(run_kvfleet_child(model, quantized, concurrency)))
+        model, quantized, run = sys.argv[2], bool(int(sys.argv[3])), sys.argv[4]
+        print("KVFLEET_RESULT " + json.dumps(run_kvfleet_child(model, quantized, run)))
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="smollm2,1b")
-    parser.add_argument("--concurrency", default="1,4,32")
+    parser.add_argument("--concurrency", default="1,4,32",
+                        help="runs: concurrent requests (1, 4, 32), and/or 'document'")
+    parser.add_argument("--quant", default="Q4_K_M", help="llama-quantize's type for the random models (Q4_K_M, Q8_0)")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--cache", default=".bench-llama")
     args = parser.parse_args()
     bin_dir = build_llama_cpp(Path(args.cache))
-    concurrencies = [int(c) for c in args.concurrency.split(",")]
-    summary = {name: bench_model(bin_dir, name, files, concurrencies, args.rounds)
+    runs_wanted = args.concurrency.split(",")
+    if any(run != "document" and not run.isdigit() for run in runs_wanted):
+        raise SystemExit(f"--concurrency: {args.concurrency!r}: numbers of requests, or 'document'")
+    summary = {name: bench_model(bin_dir, name, files, runs_wanted, args.rounds)
                for name, files in models(args, bin_dir).items()}
-    goals = {f"{name} C={c}": best["kvfleet_quantized"]["vs_llama_server"] >= GOAL_AT_1_AND_4
+    goals = {f"{name} {label(c)}": best["kvfleet_quantized"]["vs_llama_server"] >= GOAL_AT_1_AND_4
              for name, by_c in summary.items() for c, best in by_c.items() if c.isdigit() and int(c) <= 4}
     print(json.dumps({"results": summary, "goal_at_1_and_4": GOAL_AT_1_AND_4, "goals_met": goals}, indent=1))
 

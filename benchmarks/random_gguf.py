@@ -26,15 +26,16 @@ SHAPES = {
 FILE_NAMES = {"1b": "llama-1b-random", "moe": "qwen3-moe-4l-random"}
 
 
-def write_random_model(name: str, cache: Path, bin_dir: Path) -> dict[str, str]:
-    """{"f16": the random F16 GGUF of SHAPES[name], "quantized": its Q4_K_M by llama-quantize}."""
-    f16, q4 = cache / f"{FILE_NAMES[name]}.F16.gguf", cache / f"{FILE_NAMES[name]}.Q4_K_M.gguf"
+def write_random_model(name: str, cache: Path, bin_dir: Path, quant: str = "Q4_K_M") -> dict[str, str]:
+    """{"f16": the random F16 GGUF of SHAPES[name], "quantized": its `quant` (Q4_K_M, Q8_0, ...) by
+    llama-quantize}."""
+    f16, quantized = cache / f"{FILE_NAMES[name]}.F16.gguf", cache / f"{FILE_NAMES[name]}.{quant}.gguf"
     if not f16.exists():
         write_f16(f16, SHAPES[name])
-    if not q4.exists():
-        subprocess.run([str(bin_dir / "llama-quantize"), str(f16), str(q4), "Q4_K_M"], check=True,
+    if not quantized.exists():
+        subprocess.run([str(bin_dir / "llama-quantize"), str(f16), str(quantized), quant], check=True,
                        capture_output=True)
-    return {"f16": str(f16), "quantized": str(q4)}
+    return {"f16": str(f16), "quantized": str(quantized)}
 
 
 def write_f16(path: Path, shape: dict) -> None:
