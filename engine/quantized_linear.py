@@ -62,6 +62,10 @@ class QuantizedLinear(nn.Module):
         self.parts: list[kernels.PackedQuantizedWeight | None] = [None] * len(part_sizes)
         self.bias = bias  # the replaced linear's parameter, still filled by engine/loader.py
         self.checkpoint_parts: dict[str, int] = {}  # checkpoint source -> part, set by swap_in_quantized_layers
+        # None: x's dtype (bf16, else fp32). fp32 for a head: its sums are fp32, and logits rounded to
+        # bf16 tie at an eighth of a logit, where greedy picks by token id (SmolLM2's "The capital"
+        # and "L'Étoile" fell on one bf16 value once a prompt's prefix came from the cache).
+        self.out_dtype: torch.dtype | None = None
 
     def load_part(self, part: int, weight: kernels.QuantizedWeight) -> None:
         expected = (self.part_sizes[part], self.in_features)
@@ -80,7 +84,7 @@ class QuantizedLinear(nn.Module):
         """x [T, in_features] -> [T, out_features] in x's dtype (bf16, else fp32)"""
         if self.kernel == "triton":
             return self._triton(x)
-        dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+        dtype = self.out_dtype or (torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32)
         bias = None if self.bias is None else self.bias.detach().float()
         rows, amx_host = x.shape[0], kernels.amx_available()
         if rows >= (AMX_DENSE_ROWS if amx_host else DENSE_ROWS):
@@ -294,6 +298,8 @@ def swap_in_quantized_layers(model: nn.Module, sources_of, dtype: torch.dtype, k
                                           [module.out_features], module.bias, kernel,  # one checkpoint tensor: one part
                                           lora_part_sizes=sizes)
         replacement.checkpoint_parts = sources
+        if name.rpartition(".")[2] == "lm_head":
+            replacement.out_dtype = torch.float32  # logits
         swapped[id(module.weight)] = replacement
         model.set_submodule(name, replacement)
         kept.update(sources)
@@ -301,6 +307,7 @@ def swap_in_quantized_layers(model: nn.Module, sources_of, dtype: torch.dtype, k
         table = swapped.get(id(module.weight))  # a head tied to a table swapped above
         if isinstance(table, QuantizedEmbedding):
             head = QuantizedLinear(module.in_features, [module.out_features], module.bias, kernel)
+            head.out_dtype = torch.float32  # logits
             table.tie(head)
             model.set_submodule(name, head)
     return kept

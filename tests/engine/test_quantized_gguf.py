@@ -89,6 +89,7 @@ def test_the_demo_model_answers_from_its_q4_1_weights_kept_quantized():
     from engine.models.layers import RMSNorm  # noqa: PLC0415
     from kvfleet_kernels import reference  # noqa: PLC0415
     from kvfleet_kernels.cpu_layers import add_rms_norm, rotary_in_place  # noqa: PLC0415
+    from kvfleet_kernels.cpu_quantized_linear import dequantize_weight  # noqa: PLC0415
     from tests.engine.test_real_model import MAX_TOKENS, QUESTIONS, chat_prompts  # noqa: PLC0415
 
     quantized = LLM("demo", num_kv_blocks=256, quantized_kernels=True)
@@ -96,6 +97,15 @@ def test_the_demo_model_answers_from_its_q4_1_weights_kept_quantized():
                       dtype=str(quantized.engine.model_runner.dtype).removeprefix("torch."))
     model = quantized.engine.model_runner.model
     assert model.lm_head.parts[0] is model.model.embed_tokens.weight
+    # Logits in fp32 whatever the model's dtype: rounded to bf16 they tie at an eighth of a logit,
+    # and "The capital" / "L'Étoile" did once this prompt's prefix came from the cache.
+    hidden = torch.randn(3, model.lm_head.in_features).to(quantized.engine.model_runner.dtype)
+    with torch.inference_mode():
+        logits = model.compute_logits(hidden)
+    table = model.lm_head.parts[0]
+    expected = hidden.float() @ dequantize_weight(table, torch.empty(table.out_features, table.in_features)).T
+    assert logits.dtype == torch.float32 and (logits - expected).abs().max() <= 1e-3 * expected.abs().max()
+    assert not torch.equal(logits, logits.bfloat16().float())  # not rounded to bf16 on the way
     # The native norm, rotary and SiLU-and-mul around weights kept quantized, in fp32 too; a dense
     # fp32 model keeps torch's ops, which its exact-token tests pin.
     norms = {llm: {m.kernel for m in llm.engine.model_runner.model.modules() if isinstance(m, RMSNorm)}
