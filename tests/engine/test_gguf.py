@@ -159,6 +159,26 @@ def test_k_quants_under_tp2_match_one_device(wide_llama, tmp_path):
     assert identical >= 12
 
 
+def test_a_moe_gguf_under_tp2_matches_one_device(tmp_path, tiny_tokenizer):
+    """Qwen3-MoE's stacked experts, dequantized and split per expert, then each expert's
+    intermediate features sliced over two ranks."""
+    hf_dir = write_checkpoint(GGUF_CONFIGS["qwen3_moe"](), tmp_path / "hf", seed=2, tokenizer=tiny_tokenizer)
+    write_gguf(hf_dir, tmp_path / "model.gguf", mixed_type)
+    prompts = [workload(VOCAB)[0][i] for i in range(3, 11)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    one = LLM(str(tmp_path / "model.gguf"), skip_tokenizer_init=True, quantized_kernels=False,
+              num_kv_blocks=128).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(tmp_path / "model.gguf"), skip_tokenizer_init=True, num_kv_blocks=128, tensor_parallel_size=2)
+    try:
+        two = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for index, (a, b) in enumerate(zip(one, two)):
+        close, _ = close_or_identical(a.token_ids, [top5(e) for e in a.logprobs],
+                                      b.token_ids, [top5(e) for e in b.logprobs])
+        assert close, f"prompt {index}: TP=2 diverges beyond a near-tie"
+
+
 def test_an_unsupported_type_is_one_line_naming_it(wide_llama, tmp_path):
     write_gguf(wide_llama, tmp_path / "model.gguf", lambda name, shape: Q.IQ4_NL if "ffn_up" in name else Q.Q8_0)
     with pytest.raises(ValueError) as raised:
