@@ -32,7 +32,7 @@ from pathlib import Path
 
 from benchmarks.common import WORKLOADS, Workload
 from benchmarks.llama_cpp import LlamaServer, build_llama_cpp
-from benchmarks.quantized import peak_rss_mib, run_child
+from benchmarks.quantized import context_length, peak_rss_mib, run_child
 from benchmarks.random_gguf import write_random_model
 
 KV_MEMORY = "1GiB"
@@ -56,7 +56,7 @@ def run_kvfleet_child(model: str, kv_cache_dtype: str, workload_name: str) -> di
     work = workload(workload_name)
     llm = LLM(model, dtype="auto", quantized_kernels=True, kv_cache_dtype=kv_cache_dtype,
               kv_cache_memory=KV_MEMORY, max_num_seqs=len(work.prompts),
-              max_model_len=max(map(len, work.prompts)) + max(work.output_lens),
+              max_model_len=context_length(work.prompts, work.output_lens),
               enable_prefix_caching=workload_name == "document")
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in work.output_lens]
     llm.generate([work.prompts[0][:64]], [SamplingParams(max_tokens=2)], use_tqdm=False)  # one-time costs

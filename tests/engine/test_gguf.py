@@ -95,6 +95,16 @@ def test_q_and_k_rows_come_back_in_transformers_order_and_bf16_is_a_cast(wide_ll
     assert torch.equal(bf16["model.layers.0.mlp.down_proj.weight"], down.to(torch.bfloat16))
 
 
+def assert_greedy_as_transformers(model, prompts, params, outputs, name: str) -> None:
+    """Each of kvfleet's greedy outputs token for token what transformers' `model` generates."""
+    with torch.inference_mode():
+        for index, (prompt, p, output) in enumerate(zip(prompts, params, outputs, strict=True)):
+            ids = torch.tensor([prompt])
+            expected = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                      max_new_tokens=p.max_tokens, eos_token_id=2, pad_token_id=0)
+            assert output.token_ids == expected[0, len(prompt):].tolist(), f"{name}: prompt {index} diverged"
+
+
 @pytest.mark.parametrize("name", sorted(GGUF_CONFIGS))
 def test_greedy_matches_transformers_reading_the_same_gguf(tmp_path, tiny_tokenizer, name, monkeypatch):
     monkeypatch.setenv("KVFLEET_CACHE", str(tmp_path / "cache"))
@@ -108,12 +118,7 @@ def test_greedy_matches_transformers_reading_the_same_gguf(tmp_path, tiny_tokeni
     # transformers' GGUF config drops head_dim (Qwen3) and Phi-3's window: give it the checkpoint's.
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="model.gguf", dtype=torch.float32,
                                                  config=AutoConfig.from_pretrained(hf_dir)).eval()
-    with torch.inference_mode():
-        for index, (prompt, p, output) in enumerate(zip(prompts, params, outputs)):
-            ids = torch.tensor([prompt])
-            expected = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                      max_new_tokens=p.max_tokens, eos_token_id=2, pad_token_id=0)
-            assert output.token_ids == expected[0, len(prompt):].tolist(), f"{name}: prompt {index} diverged"
+    assert_greedy_as_transformers(model, prompts, params, outputs, name)
 
 
 def test_a_mixtral_gguf_written_as_a_llama_with_experts_runs_as_mixtral(tmp_path, tiny_tokenizer, monkeypatch):
@@ -130,12 +135,7 @@ def test_a_mixtral_gguf_written_as_a_llama_with_experts_runs_as_mixtral(tmp_path
     prompts, params = workload(VOCAB)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        for index, (prompt, p, output) in enumerate(zip(prompts, params, outputs)):
-            ids = torch.tensor([prompt])
-            expected = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                      max_new_tokens=p.max_tokens, eos_token_id=2, pad_token_id=0)
-            assert output.token_ids == expected[0, len(prompt):].tolist(), f"prompt {index} diverged"
+    assert_greedy_as_transformers(model, prompts, params, outputs, "mixtral")
 
 
 def test_k_quants_under_tp2_match_one_device(wide_llama, tmp_path):

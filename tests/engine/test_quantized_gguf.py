@@ -38,6 +38,15 @@ def test_every_kernel_type_holds_the_values_ggufs_dequantizer_reads(qtype):
         assert np.array_equal(got, expected)
 
 
+def assert_within_near_ties(ours, theirs, labels) -> None:
+    """Each pair of greedy outputs (with logprobs) within a near-tie of each other (vLLM's close
+    rule), the failure naming the request by `labels`."""
+    for label, a, b in zip(labels, ours, theirs, strict=True):
+        close, _ = close_or_identical(a.token_ids, [top5(e) for e in a.logprobs], b.token_ids,
+                                      [top5(e) for e in b.logprobs])
+        assert close, f"{label}: quantized and dequantized diverge beyond a near-tie"
+
+
 def q4_k_m_like(name: str, shape) -> Q:
     return next((qtype for part, qtype in Q4_K_M_LIKE.items() if name.startswith(part) or f".{part}" in name), Q.Q4_K)
 
@@ -77,10 +86,7 @@ def test_a_q4_k_m_mix_stays_quantized_in_its_own_bytes_and_generates_as_dequanti
     theirs = dequantized.generate(prompts, params, use_tqdm=False)
     # Only the close rule: on this random model even bf16 and fp32 weights part at a near-tie in
     # 12 of the 22 answers, so the count of identical ones says nothing.
-    for index, (a, b) in enumerate(zip(ours, theirs)):
-        close, _ = close_or_identical(a.token_ids, [top5(e) for e in a.logprobs], b.token_ids,
-                                      [top5(e) for e in b.logprobs])
-        assert close, f"prompt {index}: quantized and dequantized diverge beyond a near-tie"
+    assert_within_near_ties(ours, theirs, [f"prompt {index}" for index in range(len(prompts))])
 
 
 def test_the_demo_model_answers_from_its_q4_1_weights_kept_quantized():
@@ -118,10 +124,7 @@ def test_the_demo_model_answers_from_its_q4_1_weights_kept_quantized():
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=5)
     ours = quantized.generate(prompts, params, use_tqdm=False)
     theirs = dequantized.generate(prompts, params, use_tqdm=False)
-    for question, a, b in zip(QUESTIONS, ours, theirs):
-        close, _ = close_or_identical(a.token_ids, [top5(e) for e in a.logprobs], b.token_ids,
-                                      [top5(e) for e in b.logprobs])
-        assert close, f"{question!r}: quantized and dequantized diverge beyond a near-tie"
+    assert_within_near_ties(ours, theirs, [repr(question) for question in QUESTIONS])
     assert "Paris" in ours[0].text
 
 
@@ -146,10 +149,7 @@ def test_lora_adapters_add_beside_weights_kept_quantized(wide_llama, tmp_path): 
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=5)
     ours = quantized.generate(prompts, params, use_tqdm=False, lora_request=requests)
     theirs = dequantized.generate(prompts, params, use_tqdm=False, lora_request=requests)
-    for index, (a, b) in enumerate(zip(ours, theirs)):
-        close, _ = close_or_identical(a.token_ids, [top5(e) for e in a.logprobs], b.token_ids,
-                                      [top5(e) for e in b.logprobs])
-        assert close, f"prompt {index} (adapter {which[index]}): quantized and dequantized diverge beyond a near-tie"
+    assert_within_near_ties(ours, theirs, [f"prompt {index} (adapter {w})" for index, w in enumerate(which)])
     base = quantized.generate(prompts, params, use_tqdm=False)
     changed = sum(a.token_ids != b.token_ids for a, b, w in zip(ours, base, which) if w >= 0)
     assert changed >= 0.8 * sum(w >= 0 for w in which), "the adapters barely changed the output"
@@ -209,7 +209,4 @@ def test_moe_experts_stay_quantized_and_generate_as_dequantized(tiny_tokenizer, 
     params = [SamplingParams(**{**vars(p), "logprobs": 5}) for p in params]
     ours = quantized.generate(prompts, params, use_tqdm=False)
     theirs = dequantized.generate(prompts, params, use_tqdm=False)
-    for index, (a, b) in enumerate(zip(ours, theirs)):
-        close, _ = close_or_identical(a.token_ids, [top5(e) for e in a.logprobs], b.token_ids,
-                                      [top5(e) for e in b.logprobs])
-        assert close, f"prompt {index}: quantized and dequantized experts diverge beyond a near-tie"
+    assert_within_near_ties(ours, theirs, [f"{architecture} prompt {index}" for index in range(len(prompts))])
