@@ -66,12 +66,20 @@ class QuantizedLinear(nn.Module):
         # bf16 tie at an eighth of a logit, where greedy picks by token id (SmolLM2's "The capital"
         # and "L'Étoile" fell on one bf16 value once a prompt's prefix came from the cache).
         self.out_dtype: torch.dtype | None = None
+        # The parts' arguments as the kernels take them, built once (a decode step makes ~120 calls of
+        # ~15-40 us on a small model, where rebuilding five lists a call cost a few us each), or None
+        # while not built or where a part reorders its inputs (GPTQ desc_act: a call a part).
+        self._arguments: tuple | None = None
 
     def load_part(self, part: int, weight: kernels.QuantizedWeight) -> None:
         expected = (self.part_sizes[part], self.in_features)
         if tuple(weight.shape) != expected:
             raise ValueError(f"shape {tuple(weight.shape)}, the model expects {expected}")
-        self.parts[part] = pack_for(self.kernel, weight)
+        self.set_packed_part(part, pack_for(self.kernel, weight))
+
+    def set_packed_part(self, part: int, packed: kernels.PackedQuantizedWeight) -> None:
+        self.parts[part] = packed
+        self._arguments = None  # the kernel's per-part arguments, rebuilt at the next call
 
     def missing_parts(self) -> list[int]:
         return [index for index, part in enumerate(self.parts) if part is None]
@@ -91,8 +99,17 @@ class QuantizedLinear(nn.Module):
             return self._dense(x.to(dtype), bias)
         amx = amx_host and rows >= AMX_ROWS
         out = x.new_empty((rows, self.out_features), dtype=dtype)
-        if not amx and all(weight.input_order is None for weight in self.parts):  # every part in one call
-            return kernels.linear_parts(kernels.quantize_activations(x), self.parts, bias, out)
+        if self._arguments is None and all(weight.input_order is None for weight in self.parts):
+            self._arguments = kernels.parts_arguments(self.parts)
+        if self._arguments is not None:  # every part in one call
+            if amx:
+                return kernels.linear_amx_parts(x.to(torch.bfloat16).contiguous(), self.parts, bias, out,
+                                                self._arguments)
+            return kernels.linear_parts(kernels.quantize_activations(x), self.parts, bias, out, self._arguments)
+        return self._part_by_part(x, bias, out, amx)
+
+    def _part_by_part(self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, amx: bool) -> torch.Tensor:
+        """Parts whose inputs come reordered (GPTQ desc_act), each in its own call."""
         inputs = {}  # id(input order) -> x in that order, as the kernel takes it: once for every part
         start = 0
         for weight in self.parts:
@@ -166,7 +183,7 @@ class QuantizedEmbedding(nn.Module):
             raise ValueError(f"shape {tuple(weight.shape)}, the model expects {expected}")
         self.weight = pack_for(self.kernel, weight)
         for head in self._tied_heads:
-            head.parts[0] = self.weight
+            head.set_packed_part(0, self.weight)
 
     def missing_parts(self) -> list[int]:
         return [0] if self.weight is None else []

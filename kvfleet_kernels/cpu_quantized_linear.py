@@ -123,14 +123,20 @@ def linear(activations: tuple[torch.Tensor, torch.Tensor], weight: PackedQuantiz
     return linear_parts(activations, [weight], bias, out)
 
 
+def parts_arguments(weights: list[PackedQuantizedWeight]) -> tuple[list, ...]:
+    """The kernels' per-part arguments of weights side by side (packed, scales, bits, group, zero
+    point, out features): a caller that makes many calls on the same weights builds them once."""
+    return ([w.packed for w in weights], [w.scales for w in weights], [w.bits for w in weights],
+            [w.group_size for w in weights], [w.zero_point_arg for w in weights], [w.out_features for w in weights])
+
+
 def linear_parts(activations: tuple[torch.Tensor, torch.Tensor], weights: list[PackedQuantizedWeight],
-                 bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+                 bias: torch.Tensor | None, out: torch.Tensor, arguments: tuple[list, ...] | None = None) -> torch.Tensor:
     """out [rows, sum of the weights' N] = x @ [W_0; W_1; ...]^T + bias, the weights' columns side by
-    side, in one call (a merged projection's parts, each with its own bits and group); bias fp32 or None."""
+    side, in one call (a merged projection's parts, each with its own bits and group); bias fp32 or
+    None; arguments: parts_arguments(weights), if the caller keeps them."""
     xq, xmeta = activations
-    torch.ops.kvfleet_cpu.quantized_linear_parts(
-        out, xq, xmeta, [w.packed for w in weights], [w.scales for w in weights], [w.bits for w in weights],
-        [w.group_size for w in weights], [w.zero_point_arg for w in weights], [w.out_features for w in weights], bias)
+    torch.ops.kvfleet_cpu.quantized_linear_parts(out, xq, xmeta, *(arguments or parts_arguments(weights)), bias)
     return out
 
 
@@ -138,8 +144,14 @@ def linear_amx(x: torch.Tensor, weight: PackedQuantizedWeight, bias: torch.Tenso
                out: torch.Tensor) -> torch.Tensor:
     """out [rows, N] (bf16 or fp32, may be a column slice) = x [rows, K] bf16 @ W^T + bias on AMX
     tiles, W dequantized a panel at a time to bf16 (csrc/quantized_linear_amx.cpp)."""
-    torch.ops.kvfleet_cpu.quantized_linear_amx(out, x, weight.packed, weight.scales, weight.bits, weight.group_size, bias,
-                                               weight.zero_point_arg)
+    return linear_amx_parts(x, [weight], bias, out)
+
+
+def linear_amx_parts(x: torch.Tensor, weights: list[PackedQuantizedWeight], bias: torch.Tensor | None,
+                     out: torch.Tensor, arguments: tuple[list, ...] | None = None) -> torch.Tensor:
+    """linear_amx over the weights' columns side by side, in one call (a merged projection's parts,
+    each with its own bits and group), as linear_parts is for the integer products."""
+    torch.ops.kvfleet_cpu.quantized_linear_amx_parts(out, x, *(arguments or parts_arguments(weights)), bias)
     return out
 
 

@@ -167,34 +167,66 @@ void panel_rows_amx(const AmxArgs& a, int64_t panel, uint32_t* pairs, int64_t& c
 }
 #endif
 
-// out [M, N] (bf16 or fp32, rows dense) = x [M, K] bf16 @ W^T + bias, W as pack_quantized_weight
-// packed it; an fp32 bias of N or none. Threads take whole panels.
-void quantized_linear_amx(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                          int64_t bits, int64_t group, const std::optional<at::Tensor>& bias, int64_t zero_point) {
-  TORCH_CHECK(quantized_amx_available(), "quantized_linear_amx needs a CPU with amx_bf16 (and the kernel's permission)");
-  const int64_t n = out.size(1), k = x.size(1);
-  check_weight(packed, scales, bits, group, n, k, zero_point);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x must be [M, K] bf16, contiguous");
-  check_output(out, x.size(0), bias);
+// Every part's panels (their columns side by side in out) in one parallel region, threads taking
+// whole panels: a merged projection's q, k and v, or gate and up, in one call and one fork and join
+// rather than one each over panels too few to share out well (SmolLM2's k: 4 panels of 16).
+void run_parts_amx(const std::vector<AmxArgs>& parts) {
 #if defined(KVFLEET_DECODE_AMX) && defined(__AVX512BF16__)
-  const AmxArgs a{x.const_data_ptr<at::BFloat16>(), packed.const_data_ptr<uint8_t>(), scales.const_data_ptr<at::Half>(),
-                  bias ? bias->const_data_ptr<float>() : nullptr, out.data_ptr(), out.scalar_type() == at::kBFloat16,
-                  x.size(0), k, n, group, bits, out.stride(0), zero_point};
-  at::parallel_for(0, (n + kColumns - 1) / kColumns, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint32_t> pairs(k / 2 * kColumns);
+  std::vector<int64_t> first_panel{0};  // part p's panels are [first_panel[p], first_panel[p + 1])
+  for (const AmxArgs& a : parts) first_panel.push_back(first_panel.back() + (a.n + kColumns - 1) / kColumns);
+  at::parallel_for(0, first_panel.back(), 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint32_t> pairs(parts.front().k / 2 * kColumns);
     int64_t configured_rows = 0;
-    for (int64_t panel = begin; panel < end; ++panel) panel_rows_amx(a, panel, pairs.data(), configured_rows);
+    for (int64_t panel = begin; panel < end; ++panel) {
+      const int64_t part = std::upper_bound(first_panel.begin() + 1, first_panel.end(), panel) - first_panel.begin() - 1;
+      panel_rows_amx(parts[part], panel - first_panel[part], pairs.data(), configured_rows);
+    }
     at::native::cpublas::brgemm_release();  // this thread's tiles, as torch's brgemm callers end
   });
 #endif
 }
 
+// out [M, sum N_p] (bf16 or fp32, rows dense) = x [M, K] bf16 @ [W_0; W_1; ...]^T + bias, each W_p
+// as pack_quantized_weight packed it (bits, group, zero_point and N_p its own); an fp32 bias of
+// sum N_p or none.
+void quantized_linear_amx_parts(const at::Tensor& out, const at::Tensor& x, at::TensorList packed,
+                                at::TensorList scales, at::IntArrayRef bits, at::IntArrayRef group,
+                                at::IntArrayRef zero_point, at::IntArrayRef out_features,
+                                const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(quantized_amx_available(), "quantized_linear_amx needs a CPU with amx_bf16 (and the kernel's permission)");
+  const int64_t count = static_cast<int64_t>(packed.size()), k = x.size(1);
+  TORCH_CHECK(count > 0 && static_cast<int64_t>(scales.size()) == count && static_cast<int64_t>(bits.size()) == count &&
+                  static_cast<int64_t>(group.size()) == count && static_cast<int64_t>(zero_point.size()) == count &&
+                  static_cast<int64_t>(out_features.size()) == count, "one packed, scales, bits, group, zero_point "
+              "and out_features a part");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x must be [M, K] bf16, contiguous");
+  int64_t total = 0;
+  for (int64_t n : out_features) {
+    TORCH_CHECK(n > 0, "out_features must be positive");
+    total += n;
+  }
+  TORCH_CHECK(out.dim() == 2 && out.size(1) == total, "out must have the parts' ", total, " columns");
+  check_output(out, x.size(0), bias);
+  std::vector<AmxArgs> parts;
+  int64_t start = 0;
+  for (int64_t p = 0; p < count; ++p) {
+    check_weight(packed[p], scales[p], bits[p], group[p], out_features[p], k, zero_point[p]);
+    void* part_out = static_cast<char*>(out.data_ptr()) + start * out.element_size();
+    parts.push_back({x.const_data_ptr<at::BFloat16>(), packed[p].const_data_ptr<uint8_t>(),
+                     scales[p].const_data_ptr<at::Half>(), bias ? bias->const_data_ptr<float>() + start : nullptr,
+                     part_out, out.scalar_type() == at::kBFloat16, x.size(0), k, out_features[p], group[p], bits[p],
+                     out.stride(0), zero_point[p]});
+    start += out_features[p];
+  }
+  run_parts_amx(parts);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvfleet_cpu, m) {
-  m.def("quantized_linear_amx(Tensor(a!) out, Tensor x, Tensor packed, Tensor scales, int bits, int group, "
-        "Tensor? bias=None, int zero_point=-1) -> ()");
+  m.def("quantized_linear_amx_parts(Tensor(a!) out, Tensor x, Tensor[] packed, Tensor[] scales, int[] bits, "
+        "int[] group, int[] zero_point, int[] out_features, Tensor? bias=None) -> ()");
   m.def("quantized_amx_available() -> bool", &quantized_amx_available);
 }
 
-TORCH_LIBRARY_IMPL(kvfleet_cpu, CPU, m) { m.impl("quantized_linear_amx", &quantized_linear_amx); }
+TORCH_LIBRARY_IMPL(kvfleet_cpu, CPU, m) { m.impl("quantized_linear_amx_parts", &quantized_linear_amx_parts); }

@@ -115,11 +115,16 @@ def test_activations_round_to_their_two_digits_exactly(dtype, rows, k):
     torch.testing.assert_close(xmeta, meta, rtol=1e-6, atol=0)  # s * sum: the same fp32 products
 
 
+PATHS = ["integer", pytest.param("amx", marks=pytest.mark.skipif(not kernels.amx_available(),
+                                                                 reason="the AMX path needs amx_bf16"))]
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("rows", [1, 3, 70])  # 70: two blocks of rows
-def test_parts_in_one_call_are_each_part_alone_side_by_side(rows):
+def test_parts_in_one_call_are_each_part_alone_side_by_side(rows, path):
     """A merged projection's parts of mixed bits, groups, widths and held offsets (a Q4_K_M qkv:
     4-bit q and k, 6-bit v) in one call: each part's columns are what it computes alone, bit for
-    bit, and the bias lands on the right columns."""
+    bit, and the bias lands on the right columns; on the integer products and on AMX tiles."""
     generator = torch.Generator().manual_seed(rows)
     weights = [random_weight(4, 32, 48, 128, generator), random_weight(4, 16, 20, 128, generator),
                random_weight(6, 16, 33, 128, generator), random_weight(8, 32, 16, 128, generator)]
@@ -128,17 +133,18 @@ def test_parts_in_one_call_are_each_part_alone_side_by_side(rows):
     packed = [kernels.pack_weight(weight) for weight in weights]
     assert packed[3].zero_point == 128 and packed[0].zero_point is None
     x, bias = torch.randn(rows, 128, generator=generator), torch.randn(117, generator=generator)
-    activations = kernels.quantize_activations(x)
+    activations, parts, alone_linear = (kernels.quantize_activations(x), kernels.linear_parts, kernels.linear) \
+        if path == "integer" else (x.bfloat16(), kernels.linear_amx_parts, kernels.linear_amx)
     for dtype in (torch.float32, torch.bfloat16):
-        together = kernels.linear_parts(activations, packed, bias, torch.empty(rows, 117, dtype=dtype))
+        together = parts(activations, packed, bias, torch.empty(rows, 117, dtype=dtype))
         alone, start = torch.full((rows, 117), float("nan"), dtype=dtype), 0
         for weight in packed:
             end = start + weight.out_features
-            kernels.linear(activations, weight, bias[start:end], alone[:, start:end])
+            alone_linear(activations, weight, bias[start:end], alone[:, start:end])
             start = end
         assert torch.equal(together, alone)
     with pytest.raises(RuntimeError, match="out must have the parts' 117 columns"):
-        kernels.linear_parts(activations, packed, None, torch.empty(rows, 116))
+        parts(activations, packed, None, torch.empty(rows, 116))
 
 
 @pytest.mark.parametrize(("bits", "group"), [(4, 32), (8, 16), (4, 128), (6, 16), (6, 32)])
