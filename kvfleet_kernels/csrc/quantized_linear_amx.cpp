@@ -172,14 +172,14 @@ void panel_rows_amx(const AmxArgs& a, int64_t panel, uint32_t* pairs, int64_t& c
 // rather than one each over panels too few to share out well (SmolLM2's k: 4 panels of 16).
 void run_parts_amx(const std::vector<AmxArgs>& parts) {
 #if defined(KVFLEET_DECODE_AMX) && defined(__AVX512BF16__)
-  std::vector<int64_t> first_panel{0};  // part p's panels are [first_panel[p], first_panel[p + 1])
-  for (const AmxArgs& a : parts) first_panel.push_back(first_panel.back() + (a.n + kColumns - 1) / kColumns);
-  at::parallel_for(0, first_panel.back(), 1, [&](int64_t begin, int64_t end) {
+  PartPanels panels_of;
+  for (const AmxArgs& a : parts) panels_of.add(a.n);
+  at::parallel_for(0, panels_of.total(), 1, [&](int64_t begin, int64_t end) {
     std::vector<uint32_t> pairs(parts.front().k / 2 * kColumns);
     int64_t configured_rows = 0;
     for (int64_t panel = begin; panel < end; ++panel) {
-      const int64_t part = std::upper_bound(first_panel.begin() + 1, first_panel.end(), panel) - first_panel.begin() - 1;
-      panel_rows_amx(parts[part], panel - first_panel[part], pairs.data(), configured_rows);
+      const int64_t part = panels_of.part_of(panel);
+      panel_rows_amx(parts[part], panel - panels_of.first[part], pairs.data(), configured_rows);
     }
     at::native::cpublas::brgemm_release();  // this thread's tiles, as torch's brgemm callers end
   });
@@ -195,22 +195,11 @@ void quantized_linear_amx_parts(const at::Tensor& out, const at::Tensor& x, at::
                                 const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(quantized_amx_available(), "quantized_linear_amx needs a CPU with amx_bf16 (and the kernel's permission)");
   const int64_t count = static_cast<int64_t>(packed.size()), k = x.size(1);
-  TORCH_CHECK(count > 0 && static_cast<int64_t>(scales.size()) == count && static_cast<int64_t>(bits.size()) == count &&
-                  static_cast<int64_t>(group.size()) == count && static_cast<int64_t>(zero_point.size()) == count &&
-                  static_cast<int64_t>(out_features.size()) == count, "one packed, scales, bits, group, zero_point "
-              "and out_features a part");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x must be [M, K] bf16, contiguous");
-  int64_t total = 0;
-  for (int64_t n : out_features) {
-    TORCH_CHECK(n > 0, "out_features must be positive");
-    total += n;
-  }
-  TORCH_CHECK(out.dim() == 2 && out.size(1) == total, "out must have the parts' ", total, " columns");
-  check_output(out, x.size(0), bias);
+  check_parts(packed, scales, bits, group, zero_point, out_features, k, out, x.size(0), bias);
   std::vector<AmxArgs> parts;
   int64_t start = 0;
   for (int64_t p = 0; p < count; ++p) {
-    check_weight(packed[p], scales[p], bits[p], group[p], out_features[p], k, zero_point[p]);
     void* part_out = static_cast<char*>(out.data_ptr()) + start * out.element_size();
     parts.push_back({x.const_data_ptr<at::BFloat16>(), packed[p].const_data_ptr<uint8_t>(),
                      scales[p].const_data_ptr<at::Half>(), bias ? bias->const_data_ptr<float>() + start : nullptr,

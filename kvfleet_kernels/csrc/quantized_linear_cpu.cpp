@@ -320,15 +320,15 @@ PartRows part_rows(int64_t bits, int64_t group) {
 // parallel region: a merged projection's q, k and v, or gate and up, are one call, not three or
 // two, each with its own fork and join over panels too few to share out well (SmolLM2's k: 12).
 void run_parts(const std::vector<QuantArgs>& parts, const std::vector<PartRows>& rows_of) {
-  std::vector<int64_t> first_panel{0};  // part p's panels are [first_panel[p], first_panel[p + 1])
-  for (const QuantArgs& a : parts) first_panel.push_back(first_panel.back() + (a.n + kColumns - 1) / kColumns);
-  const int64_t panels = first_panel.back(), rows = parts.front().rows;
+  PartPanels panels_of;
+  for (const QuantArgs& a : parts) panels_of.add(a.n);
+  const int64_t panels = panels_of.total(), rows = parts.front().rows;
   const int64_t row_blocks = (rows + kBlockRows - 1) / kBlockRows;
   at::parallel_for(0, row_blocks * panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t row0 = item / panels * kBlockRows, panel = item % panels;
-      const int64_t part = std::upper_bound(first_panel.begin() + 1, first_panel.end(), panel) - first_panel.begin() - 1;
-      rows_of[part](parts[part], row0, std::min(kBlockRows, rows - row0), panel - first_panel[part]);
+      const int64_t part = panels_of.part_of(panel);
+      rows_of[part](parts[part], row0, std::min(kBlockRows, rows - row0), panel - panels_of.first[part]);
     }
   });
 }
@@ -341,26 +341,15 @@ void quantized_linear_parts(const at::Tensor& out, const at::Tensor& xq, const a
                             at::IntArrayRef zero_point, at::IntArrayRef out_features,
                             const std::optional<at::Tensor>& bias) {
   const int64_t count = static_cast<int64_t>(packed.size()), k = xq.size(1) / 2;
-  TORCH_CHECK(count > 0 && static_cast<int64_t>(scales.size()) == count && static_cast<int64_t>(bits.size()) == count &&
-                  static_cast<int64_t>(group.size()) == count && static_cast<int64_t>(zero_point.size()) == count &&
-                  static_cast<int64_t>(out_features.size()) == count, "one packed, scales, bits, group, zero_point "
-              "and out_features a part");
   TORCH_CHECK(xq.scalar_type() == at::kChar && xq.is_contiguous() && xmeta.scalar_type() == at::kFloat &&
                   xmeta.is_contiguous() && xmeta.size(0) == xq.size(0) && xmeta.size(1) == k / 8,
               "xq and xmeta must come from quantize_activations");
-  int64_t total = 0;
-  for (int64_t n : out_features) {
-    TORCH_CHECK(n > 0, "out_features must be positive");
-    total += n;
-  }
-  TORCH_CHECK(out.dim() == 2 && out.size(1) == total, "out must have the parts' ", total, " columns");
-  check_output(out, xq.size(0), bias);
+  check_parts(packed, scales, bits, group, zero_point, out_features, k, out, xq.size(0), bias);
   const bool out_bf16 = out.scalar_type() == at::kBFloat16;
   std::vector<QuantArgs> parts;
   std::vector<PartRows> rows_of;
   int64_t start = 0;
   for (int64_t p = 0; p < count; ++p) {
-    check_weight(packed[p], scales[p], bits[p], group[p], out_features[p], k, zero_point[p]);
     void* part_out = static_cast<char*>(out.data_ptr()) + start * out.element_size();
     parts.push_back({xq.const_data_ptr<int8_t>(), xmeta.const_data_ptr<float>(), packed[p].const_data_ptr<uint8_t>(),
                      scales[p].const_data_ptr<at::Half>(), bias ? bias->const_data_ptr<float>() + start : nullptr,

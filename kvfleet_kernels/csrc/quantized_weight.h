@@ -7,9 +7,11 @@
 
 #include "cpu_vec.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -122,6 +124,37 @@ inline void check_output(const at::Tensor& out, int64_t rows, const std::optiona
   TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == out.size(1)),
               "bias must be [N] fp32");
 }
+
+// A merged projection's parts side by side in out (csrc/quantized_linear_cpu.cpp and
+// csrc/quantized_linear_amx.cpp): one packed, scales, bits, group, zero_point and out_features a part,
+// each part's weight as check_weight wants it for K features, and out [rows, sum N_p] with its bias.
+inline void check_parts(at::TensorList packed, at::TensorList scales, at::IntArrayRef bits, at::IntArrayRef group,
+                        at::IntArrayRef zero_point, at::IntArrayRef out_features, int64_t k, const at::Tensor& out,
+                        int64_t rows, const std::optional<at::Tensor>& bias) {
+  const int64_t count = static_cast<int64_t>(packed.size());
+  TORCH_CHECK(count > 0 && static_cast<int64_t>(scales.size()) == count && static_cast<int64_t>(bits.size()) == count &&
+                  static_cast<int64_t>(group.size()) == count && static_cast<int64_t>(zero_point.size()) == count &&
+                  static_cast<int64_t>(out_features.size()) == count, "one packed, scales, bits, group, zero_point "
+              "and out_features a part");
+  int64_t total = 0;
+  for (int64_t n : out_features) {
+    TORCH_CHECK(n > 0, "out_features must be positive");
+    total += n;
+  }
+  TORCH_CHECK(out.dim() == 2 && out.size(1) == total, "out must have the parts' ", total, " columns");
+  check_output(out, rows, bias);
+  for (int64_t p = 0; p < count; ++p) check_weight(packed[p], scales[p], bits[p], group[p], out_features[p], k, zero_point[p]);
+}
+
+// The panels of parts side by side: part p's are [first[p], first[p + 1]) of them all.
+struct PartPanels {
+  std::vector<int64_t> first{0};
+  void add(int64_t n) { first.push_back(first.back() + (n + kColumns - 1) / kColumns); }
+  int64_t total() const { return first.back(); }
+  int64_t part_of(int64_t panel) const {
+    return std::upper_bound(first.begin() + 1, first.end(), panel) - first.begin() - 1;
+  }
+};
 
 // cols sums of one row (+ bias from column col0) into out at element `at` (bf16, rounded once, or fp32).
 inline void store_columns(void* out, bool out_bf16, int64_t at, const float* sums, int64_t col0, int64_t cols,
