@@ -40,6 +40,18 @@ bool quantized_amx_available() {
 #endif
 }
 
+// Declared on every host: quantized_linear_amx_parts builds them wherever it compiles.
+struct AmxArgs {
+  const at::BFloat16* x;  // [rows, K]
+  const uint8_t* packed;
+  const at::Half* scales;
+  const float* bias;  // [N] or nullptr
+  void* out;  // [rows, N], row stride out_stride
+  bool out_bf16;
+  int64_t rows, k, n, group, bits, out_stride;
+  int64_t zero_point;  // B = zero_point * A, or -1: B stored
+};
+
 #if defined(KVFLEET_DECODE_AMX) && defined(__AVX512BF16__)
 using u32x16 = uint32_t __attribute__((vector_size(64)));
 
@@ -107,17 +119,6 @@ void dequantize_panel(uint32_t* pairs, const uint8_t* panel, const at::Half* sca
     store_step_pairs(pairs, s + 1, second);
   }
 }
-
-struct AmxArgs {
-  const at::BFloat16* x;  // [rows, K]
-  const uint8_t* packed;
-  const at::Half* scales;
-  const float* bias;  // [N] or nullptr
-  void* out;  // [rows, N], row stride out_stride
-  bool out_bf16;
-  int64_t rows, k, n, group, bits, out_stride;
-  int64_t zero_point;  // B = zero_point * A, or -1: B stored
-};
 
 // One C tile's sums (+ bias) into out's rows [row0, row0 + rows) and the panel's columns.
 void store_sums(const AmxArgs& a, int tile, int64_t row0, int64_t rows, int64_t col0, int64_t cols) {

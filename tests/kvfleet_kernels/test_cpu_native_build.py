@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -89,3 +90,33 @@ def test_builds_from_scratch_with_only_the_venv_on_hand(tmp_path):
                           timeout=300, env=env)
     assert done.stdout.strip() == "[0, 2, 4]", done.stdout + done.stderr
     assert list((tmp_path / "cache").glob("kvfleet_probe-torch*/kvfleet_probe*.so"))
+
+
+# The sources whose code differs between AMX hosts and the rest (csrc/decode_amx.h's
+# KVFLEET_DECODE_AMX). A host builds its own -march=native only, and the suite runs on one kind of host
+# at a time: a declaration left inside the AMX branch once broke the whole library on every host
+# without AMX while an AMX host's suite passed. So each host also compiles them for the other kind:
+# an AVX2-only CPU where it has AMX, a Xeon with AMX where it has none.
+AMX_GATED_SOURCES = ["quantized_linear_amx.cpp", "paged_prefill_amx.cpp"]
+
+
+def other_kind_of_host() -> str:
+    flags = Path("/proc/cpuinfo").read_text().split()
+    return "-march=x86-64-v3" if "amx_tile" in flags else "-march=sapphirerapids"
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64" or not Path("/proc/cpuinfo").exists(), reason="x86-64 Linux")
+def test_amx_gated_sources_compile_for_the_other_kind_of_host():
+    from torch.utils import cpp_extension
+
+    from kvfleet_kernels import cpu_paged_attention
+
+    includes = [flag for path in [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
+                for flag in ("-isystem", path)]
+    flags = [flag for flag in cpu_paged_attention._CFLAGS if flag not in ("-march=native", "-O3")]
+    compiles = {name: subprocess.Popen(
+        ["c++", "-fsyntax-only", "-std=c++20", other_kind_of_host(), *flags, *includes,
+         str(Path(cpu_paged_attention.__file__).parent / "csrc" / name)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for name in AMX_GATED_SOURCES}
+    errors = {name: process.communicate(timeout=300)[1] for name, process in compiles.items()}
+    assert all(process.returncode == 0 for process in compiles.values()), errors
