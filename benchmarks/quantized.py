@@ -185,7 +185,8 @@ def systems(args, bin_dir: Path, files: dict, run: str) -> dict:
              "llama_server": lambda: run_llama_server(bin_dir, files["quantized"], run)}
     if args.vllm_python:
         found["vllm_cpu"] = lambda: run_vllm(args.vllm_python, files["safetensors"], run)
-    return found
+    wanted = args.systems.split(",") if args.systems else list(found)
+    return {system: run_it for system, run_it in found.items() if system in wanted}
 
 
 def bench_model(args, bin_dir: Path, name: str, files: dict, runs_wanted: list[str]) -> dict:
@@ -230,12 +231,21 @@ def main() -> None:
                         help="runs: concurrent requests (1, 4, 32), and/or 'document'")
     parser.add_argument("--quant", default="Q4_K_M", help="llama-quantize's type for the random models (Q4_K_M, Q8_0)")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--systems", default="",
+                        help="a subset to run, comma-separated (kvfleet_quantized and llama_server at least): "
+                             "kvfleet_quantized, kvfleet_dense, llama_server, vllm_cpu; default: all")
     parser.add_argument("--cache", default=".bench-llama")
     parser.add_argument("--vllm-python", default=".bench-venv/bin/python",
                         help="the interpreter of the virtualenv holding vllm-cpu ('' to leave vLLM out)")
     args = parser.parse_args()
     if args.vllm_python and not Path(args.vllm_python).exists():
         print(f"vLLM peer skipped: {args.vllm_python} not found (`make bench` creates it)")
+        args.vllm_python = ""
+    known = {"kvfleet_quantized", "kvfleet_dense", "llama_server", "vllm_cpu"}
+    chosen = set(args.systems.split(",")) if args.systems else known
+    if not chosen <= known or not {"kvfleet_quantized", "llama_server"} <= chosen:
+        raise SystemExit(f"--systems: {args.systems!r}: kvfleet_quantized and llama_server, and any of {sorted(known)}")
+    if "vllm_cpu" not in chosen:
         args.vllm_python = ""
     bin_dir = build_llama_cpp(Path(args.cache))
     runs_wanted = args.concurrency.split(",")

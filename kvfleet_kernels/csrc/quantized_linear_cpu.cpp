@@ -126,8 +126,12 @@ inline void unit_dots(const QuantArgs& a, int64_t row0, const uint8_t* weights, 
 // codes too, widened every two steps (2 x 2 x 63 x 128 fits). 8-bit codes would saturate a single
 // vpmaddubsw (2 x 255 x 128), so they are widened to int16 and multiplied by the whole int16
 // activation with vpmaddwd (255 x 32512 x 2 fits int32). All exact, as the digits are.
-// 2 rows a pass: 4 accumulators a row besides the codes fill the 16 registers.
-constexpr int kMaxRows = 2;
+// 3 rows a pass: 4 accumulators a row and the codes overfill the 16 registers by a few, yet on a
+// 2-core Zen 3 at 64 and 256 rows 3 rows ran ~8% faster than 2 (38 against 35 GMAC/s). That is
+// ~60% of what two digits can reach there: a core's peak, measured with independent vpmaddubsw
+// and adds, is 2 G of them a second, 32 GMAC/s on two digits, against 43 GMAC/s of fp32 FMA; so on
+// Zen 3 prefill stays on the dense path (engine/quantized_linear.py's DENSE_ROWS).
+constexpr int kMaxRows = 3;
 
 inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 
@@ -139,13 +143,14 @@ inline __m256i digits4(const QuantArgs& a, int64_t row, int64_t f, bool low) {
 }
 
 template <int BITS, int UNIT, int R>
-inline void unit_dots(const QuantArgs& a, int64_t row0, const uint8_t* weights, int64_t u, i32x16 (&dot)[R])
+inline void unit_dots(const QuantArgs& a, int64_t row0, const uint8_t* weights, int64_t u, __m256i (&dot)[R][2])
   requires(BITS == 4)
 {
   constexpr int kSteps = UNIT / 4;
   const __m256i mask = _mm256_set1_epi8(0x0F);
   __m256i high[R][2], low[R][2];  // int16 pair sums of columns 0-7 and 8-15
   for (int r = 0; r < R; ++r) high[r][0] = high[r][1] = low[r][0] = low[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
   for (int s = 0; s < kSteps; ++s) {
     const uint8_t* pair = weights + (u * kSteps + (s & ~1)) * 32;  // steps 2j and 2j + 1 share 64 bytes
     __m256i codes[2] = {load256(pair), load256(pair + 32)};
@@ -161,11 +166,9 @@ inline void unit_dots(const QuantArgs& a, int64_t row0, const uint8_t* weights, 
   }
   const __m256i ones = _mm256_set1_epi16(1);
   for (int r = 0; r < R; ++r) {
-    __m256i columns[2];
     for (int half = 0; half < 2; ++half)
-      columns[half] = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(high[r][half], ones), 8),
-                                       _mm256_madd_epi16(low[r][half], ones));
-    std::memcpy(&dot[r], columns, sizeof dot[r]);
+      dot[r][half] = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(high[r][half], ones), 8),
+                                      _mm256_madd_epi16(low[r][half], ones));
   }
 }
 
@@ -183,7 +186,7 @@ inline __m256i six_bit_codes(const uint8_t* half_block, int q) {
 // 6-bit codes (< 64) on the digits too, as 4-bit codes are: a pair sum reaches 2 x 63 x 128 =
 // 16,128, so two steps add in int16 before each widening.
 template <int BITS, int UNIT, int R>
-inline void unit_dots(const QuantArgs& a, int64_t row0, const uint8_t* weights, int64_t u, i32x16 (&dot)[R])
+inline void unit_dots(const QuantArgs& a, int64_t row0, const uint8_t* weights, int64_t u, __m256i (&dot)[R][2])
   requires(BITS == 6)
 {
   constexpr int kSteps = UNIT / 4, kBlocks = kSteps / 4;
@@ -210,7 +213,7 @@ inline void unit_dots(const QuantArgs& a, int64_t row0, const uint8_t* weights, 
       }
     }
   }
-  for (int r = 0; r < R; ++r) std::memcpy(&dot[r], acc[r], sizeof dot[r]);
+  for (int r = 0; r < R; ++r) dot[r][0] = acc[r][0], dot[r][1] = acc[r][1];
 }
 
 // The unit's int16 activations q = 256 h + l of one row (UNIT of them), rebuilt from the digits.
@@ -230,7 +233,7 @@ inline __m256i join_pairs(__m256i first, __m256i second) {
 }
 
 template <int BITS, int UNIT, int R>
-inline void unit_dots(const QuantArgs& a, int64_t row0, const uint8_t* weights, int64_t u, i32x16 (&dot)[R])
+inline void unit_dots(const QuantArgs& a, int64_t row0, const uint8_t* weights, int64_t u, __m256i (&dot)[R][2])
   requires(BITS == 8)
 {
   constexpr int kSteps = UNIT / 4;
@@ -252,12 +255,62 @@ inline void unit_dots(const QuantArgs& a, int64_t row0, const uint8_t* weights, 
       for (int r = 0; r < R; ++r) acc[r][i] = _mm256_add_epi32(acc[r][i], _mm256_madd_epi16(codes, x[r]));
     }
   }
+  for (int r = 0; r < R; ++r) dot[r][0] = join_pairs(acc[r][0], acc[r][1]), dot[r][1] = join_pairs(acc[r][2], acc[r][3]);
+}
+
+inline __m256 fused_multiply_add(__m256 x, __m256 y, __m256 z) {  // x * y + z
+#if defined(__FMA__)
+  return _mm256_fmadd_ps(x, y, z);
+#else
+  return _mm256_add_ps(_mm256_mul_ps(x, y), z);
+#endif
+}
+
+// 8 fp16 scales widened (vcvtph2ps, F16C: every AVX2 CPU has it).
+inline __m256 load_scales8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// panel_pass on AVX2 (the same sums, in the same order): its 16 columns as two __m256 halves. The
+// 64-byte g++ vectors of the generic pass went through the stack and general registers every unit
+// here, which with a division a unit (the group test) cost more than the dot products themselves.
+template <int BITS, int UNIT, int R>
+void panel_pass(const QuantArgs& a, int64_t row0, int64_t panel) {
+  const uint8_t* weights = a.packed + panel * a.k * kColumns * BITS / 8;
+  const int64_t planes = scale_planes(a.zero_point);
+  const at::Half* scales = a.scales + panel * (a.k / a.group) * planes * kColumns;
+  const int64_t meta = a.k / 8, units_per_group = a.group / UNIT;
+  const int64_t sums = UNIT == 32 ? a.k / 32 : 2 * (a.k / 32);  // where xmeta's s * sum(xq) per unit start
+  const __m256 zero_point = _mm256_set1_ps(static_cast<float>(a.zero_point));
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0, u = 0; g < a.k / a.group; ++g) {
+    const at::Half* group = scales + g * planes * kColumns;
+    __m256 scale_a[2], scale_b[2];
+    for (int half = 0; half < 2; ++half) {
+      scale_a[half] = load_scales8(group + 8 * half);
+      scale_b[half] = a.zero_point >= 0 ? _mm256_mul_ps(scale_a[half], zero_point) : load_scales8(group + kColumns + 8 * half);
+    }
+    for (const int64_t end = u + units_per_group; u < end; ++u) {
+      __m256i dot[R][2];
+      unit_dots<BITS, UNIT, R>(a, row0, weights, u, dot);
+      for (int r = 0; r < R; ++r) {
+        const float* xm = a.xmeta + (row0 + r) * meta;
+        const __m256 s = _mm256_set1_ps(xm[u * UNIT / 32]), minus_c = _mm256_set1_ps(-xm[sums + u]);
+        for (int half = 0; half < 2; ++half)
+          acc[r][half] = fused_multiply_add(_mm256_cvtepi32_ps(dot[r][half]), _mm256_mul_ps(scale_a[half], s),
+                                            fused_multiply_add(scale_b[half], minus_c, acc[r][half]));
+      }
+    }
+  }
+  const int64_t col0 = panel * kColumns, cols = std::min<int64_t>(kColumns, a.n - col0);
   for (int r = 0; r < R; ++r) {
-    const __m256i columns[2] = {join_pairs(acc[r][0], acc[r][1]), join_pairs(acc[r][2], acc[r][3])};
-    std::memcpy(&dot[r], columns, sizeof dot[r]);
+    float row[kColumns];
+    _mm256_storeu_ps(row, acc[r][0]), _mm256_storeu_ps(row + 8, acc[r][1]);
+    store_columns(a.out, a.out_bf16, (row0 + r) * a.out_stride + col0, row, col0, cols, a.bias);
   }
 }
 #endif
+
+#if KVFLEET_NATIVE_DOT || !defined(__AVX2__)
 
 // Output columns of one panel for R rows from row0: units of UNIT features (32, or 16 for
 // groups of 16), each unit's integer dot products scaled once into the fp32 sums.
@@ -266,18 +319,20 @@ void panel_pass(const QuantArgs& a, int64_t row0, int64_t panel) {
   const uint8_t* weights = a.packed + panel * a.k * kColumns * BITS / 8;
   const int64_t planes = scale_planes(a.zero_point);
   const at::Half* scales = a.scales + panel * (a.k / a.group) * planes * kColumns;
-  const int64_t meta = a.k / 8, units = a.k / UNIT, units_per_group = a.group / UNIT;
+  const int64_t meta = a.k / 8, units_per_group = a.group / UNIT;
   const int64_t sums = UNIT == 32 ? a.k / 32 : 2 * (a.k / 32);  // where xmeta's s * sum(xq) per unit start
   vfloat acc[R] = {};
   vfloat scale_a{}, scale_b{};
-  for (int64_t u = 0; u < units; ++u) {
-    if (u % units_per_group == 0) load_group(scales + (u / units_per_group) * planes * kColumns, a.zero_point, scale_a, scale_b);
-    i32x16 dot[R];
-    unit_dots<BITS, UNIT, R>(a, row0, weights, u, dot);
-    for (int r = 0; r < R; ++r) {
-      const float* xm = a.xmeta + (row0 + r) * meta;
-      const float s = xm[u * UNIT / 32], c = xm[sums + u];
-      acc[r] += to_float(dot[r]) * (scale_a * s) - scale_b * c;
+  for (int64_t g = 0, u = 0; g < a.k / a.group; ++g) {
+    load_group(scales + g * planes * kColumns, a.zero_point, scale_a, scale_b);
+    for (const int64_t end = u + units_per_group; u < end; ++u) {
+      i32x16 dot[R];
+      unit_dots<BITS, UNIT, R>(a, row0, weights, u, dot);
+      for (int r = 0; r < R; ++r) {
+        const float* xm = a.xmeta + (row0 + r) * meta;
+        const float s = xm[u * UNIT / 32], c = xm[sums + u];
+        acc[r] += to_float(dot[r]) * (scale_a * s) - scale_b * c;
+      }
     }
   }
   const int64_t col0 = panel * kColumns, cols = std::min<int64_t>(kColumns, a.n - col0);
@@ -287,6 +342,7 @@ void panel_pass(const QuantArgs& a, int64_t row0, int64_t panel) {
     store_columns(a.out, a.out_bf16, (row0 + r) * a.out_stride + col0, row, col0, cols, a.bias);
   }
 }
+#endif
 
 // One pass of `rows` (1 .. R) rows against a panel, with the instance for that count.
 template <int BITS, int UNIT, int R = kMaxRows>
