@@ -70,6 +70,8 @@ class QuantizedLinear(nn.Module):
         # ~15-40 us on a small model, where rebuilding five lists a call cost a few us each), or None
         # while not built or where a part reorders its inputs (GPTQ desc_act: a call a part).
         self._arguments: tuple | None = None
+        # _dense's slices of each part, for the element size they were cut for
+        self._chunks: tuple[int, list[list[kernels.PackedQuantizedWeight]]] | None = None
 
     def load_part(self, part: int, weight: kernels.QuantizedWeight) -> None:
         expected = (self.part_sizes[part], self.in_features)
@@ -80,6 +82,7 @@ class QuantizedLinear(nn.Module):
     def set_packed_part(self, part: int, packed: kernels.PackedQuantizedWeight) -> None:
         self.parts[part] = packed
         self._arguments = None  # the kernel's per-part arguments, rebuilt at the next call
+        self._chunks = None  # the dense path's column slices of each part, too
 
     def missing_parts(self) -> list[int]:
         return [index for index, part in enumerate(self.parts) if part is None]
@@ -137,17 +140,36 @@ class QuantizedLinear(nn.Module):
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def _dense(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """Each part dequantized a slice of columns at a time (DENSE_CHUNK_BYTES) into a scratch
+        buffer, each slice multiplied as soon as it is written, while it sits in the cache."""
+        if self._chunks is None or self._chunks[0] != x.element_size():
+            self._chunks = (x.element_size(), [
+                kernels.column_chunks(weight, dense_chunk_columns(weight.in_features, x.element_size()))
+                for weight in self.parts])
         outs = []
-        for weight in self.parts:
-            scratch = dense_scratch(weight.out_features * weight.in_features, x.dtype)
-            dense = kernels.dequantize_weight(weight, scratch.view(weight.out_features, weight.in_features))
-            outs.append(F.linear(x if weight.input_order is None else x.index_select(1, weight.input_order), dense))
+        for weight, chunks in zip(self.parts, self._chunks[1], strict=True):
+            inputs = x if weight.input_order is None else x.index_select(1, weight.input_order)
+            for chunk in chunks:
+                scratch = dense_scratch(chunk.out_features * chunk.in_features, x.dtype)
+                outs.append(F.linear(inputs, kernels.dequantize_weight(chunk, scratch.view(chunk.out_features, -1))))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         return out if bias is None else out + bias.to(out.dtype)
 
     def extra_repr(self) -> str:
         kinds = sorted({f"{part.bits}-bit/{part.group_size}" for part in self.parts if part is not None})
         return f"in_features={self.in_features}, out_features={self.out_features}, parts={self.part_sizes}, {kinds}"
+
+
+# The dense path's slice of a weight, dequantized then multiplied while it is still in the cache:
+# on a 2-core Zen 3 (32 MiB L3, fp32), 256 rows of a 1B model's gate_up (16384x2048, Q4) took 267 ms
+# dequantized whole (134 MB written to memory, then read back) and 213 ms in 8 MiB slices; qkv
+# (3072x2048) 45 -> 37 ms; down (2048x8192) the same either way. The outputs are identical.
+DENSE_CHUNK_BYTES = 8 * 2**20
+
+
+def dense_chunk_columns(in_features: int, element_size: int) -> int:
+    """Output columns of a DENSE_CHUNK_BYTES slice, a multiple of 16 (a panel), at least one panel."""
+    return max(16, DENSE_CHUNK_BYTES // (in_features * element_size) // 16 * 16)
 
 
 _SCRATCH: dict[torch.dtype, torch.Tensor] = {}

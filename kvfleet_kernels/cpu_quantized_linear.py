@@ -9,6 +9,7 @@ tensors) to it, exactly but for rounding a and b to fp16."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -175,6 +176,18 @@ def dequantize_rows(weight: PackedQuantizedWeight, ids: torch.Tensor) -> torch.T
     scale = scales[..., 0].repeat_interleave(group, dim=1)
     offset = scale * weight.zero_point if weight.zero_point is not None else scales[..., 1].repeat_interleave(group, dim=1)
     return scale * codes.float() - offset
+
+
+def column_chunks(weight: PackedQuantizedWeight, max_columns: int) -> list[PackedQuantizedWeight]:
+    """The weight as consecutive slices of at most max_columns output features (a multiple of 16),
+    each a view of its panels: a weight dequantized a slice at a time."""
+    panels = -(-weight.out_features // 16)
+    packed, scales = weight.packed.view(panels, -1), weight.scales.view(panels, -1)
+    step = max(1, max_columns // 16)
+    return [dataclasses.replace(weight, packed=packed[first:first + step].reshape(-1),
+                                scales=scales[first:first + step].reshape((-1, *weight.scales.shape[1:])),
+                                out_features=min(weight.out_features, 16 * (first + step)) - 16 * first)
+            for first in range(0, panels, step)]
 
 
 def dequantize_weight(weight: PackedQuantizedWeight, out: torch.Tensor) -> torch.Tensor:

@@ -214,3 +214,30 @@ def test_moe_experts_stay_quantized_and_generate_as_dequantized(tiny_tokenizer, 
     ours = quantized.generate(prompts, params, use_tqdm=False)
     theirs = dequantized.generate(prompts, params, use_tqdm=False)
     assert_within_near_ties(ours, theirs, [f"{architecture} prompt {index}" for index in range(len(prompts))])
+
+
+def test_steps_of_many_rows_dequantize_each_part_a_slice_at_a_time(monkeypatch):
+    # The dense path (steps of DENSE_ROWS rows or more) dequantizes each part in slices of
+    # DENSE_CHUNK_BYTES; 3 panels a slice here cut a 100-column part into 3 + 3 + 1 panels (the last
+    # of 4 columns) and a 48-column one, its inputs reordered as GPTQ's desc_act has them, into 3.
+    import torch.nn.functional as F  # noqa: PLC0415, N812
+
+    from engine import quantized_linear  # noqa: PLC0415
+    from kvfleet_kernels import cpu_quantized_linear as kernels  # noqa: PLC0415
+    from tests.kvfleet_kernels.test_cpu_quantized_linear import random_weight  # noqa: PLC0415
+
+    generator = torch.Generator().manual_seed(5)
+    k = 64
+    weights = [random_weight(4, 32, 100, k, generator), random_weight(8, 16, 48, k, generator)]
+    weights[1].input_order = torch.randperm(k, generator=generator)
+    layer = QuantizedLinear(k, [100, 48], torch.nn.Parameter(torch.randn(148, generator=generator)))
+    for part, weight in enumerate(weights):
+        layer.load_part(part, weight)
+    monkeypatch.setattr(quantized_linear, "DENSE_CHUNK_BYTES", 3 * 16 * k * 4)
+    sliced = []
+    monkeypatch.setattr(kernels, "dequantize_weight", lambda weight, out, whole=kernels.dequantize_weight:
+                        sliced.append(weight.out_features) or whole(weight, out))
+    x = torch.randn(max(quantized_linear.DENSE_ROWS, quantized_linear.AMX_DENSE_ROWS), k, generator=generator)
+    expected = F.linear(x.double(), torch.cat([w.dequantize() for w in weights]).double(), layer.bias.double())
+    torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-5)
+    assert sliced == [48, 48, 4, 48]
