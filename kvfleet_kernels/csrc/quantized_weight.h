@@ -116,6 +116,20 @@ inline void load_group(const at::Half* g, int64_t zero_point, vfloat& a, vfloat&
   b = zero_point >= 0 ? a * static_cast<float>(zero_point) : load_scales(g + kColumns);
 }
 
+// The integer path's arguments (csrc/quantized_linear_cpu.cpp, csrc/quantized_linear_avx2.h): x as
+// quantize_activations left it, one part's packed weight, and where its columns go.
+struct QuantArgs {
+  const int8_t* xq;  // [rows, 2, K]: the high digits of each row's int16s, then the low ones
+  const float* xmeta;  // [rows, K / 8]: s per 32 | s * sum(xq) per 32 | s * sum(xq) per 16
+  const uint8_t* packed;  // [panels, K * 16 * bits / 8]
+  const at::Half* scales;  // [panels, K / G, 2, 16]
+  const float* bias;  // [N] or nullptr
+  void* out;  // [rows, N] bf16 or fp32, row stride out_stride
+  bool out_bf16;
+  int64_t rows, k, n, group, out_stride;
+  int64_t zero_point;  // B = zero_point * A, or -1: B stored
+};
+
 // out [rows, N] of a linear (bf16 or fp32 on the CPU, rows dense) and its fp32 bias of N or none.
 inline void check_output(const at::Tensor& out, int64_t rows, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(out.dim() == 2 && out.size(0) == rows && out.stride(1) == 1 && out.device().is_cpu() &&

@@ -92,12 +92,13 @@ def test_builds_from_scratch_with_only_the_venv_on_hand(tmp_path):
     assert list((tmp_path / "cache").glob("kvfleet_probe-torch*/kvfleet_probe*.so"))
 
 
-# The sources whose code differs between AMX hosts and the rest (csrc/decode_amx.h's
-# KVFLEET_DECODE_AMX). A host builds its own -march=native only, and the suite runs on one kind of host
-# at a time: a declaration left inside the AMX branch once broke the whole library on every host
-# without AMX while an AMX host's suite passed. So each host also compiles them for the other kind:
-# an AVX2-only CPU where it has AMX, a Xeon with AMX where it has none.
-AMX_GATED_SOURCES = ["quantized_linear_amx.cpp", "paged_prefill_amx.cpp"]
+# The sources whose code differs most between CPUs: AMX hosts and the rest (csrc/decode_amx.h's
+# KVFLEET_DECODE_AMX), avx512_vnni, AVX2 and generic integer products (csrc/quantized_linear_cpu.cpp).
+# A host builds its own -march=native only, and the suite runs on one kind of host at a time: a
+# declaration left inside the AMX branch once broke the whole library on every host without AMX while
+# an AMX host's suite passed. So each host also compiles them for the other kind: an AVX2-only CPU
+# where it has AMX, a Xeon with AMX (and avx512_vnni) where it has none.
+ISA_GATED_SOURCES = ["quantized_linear_amx.cpp", "paged_prefill_amx.cpp", "quantized_linear_cpu.cpp"]
 
 
 def other_kind_of_host() -> str:
@@ -106,7 +107,7 @@ def other_kind_of_host() -> str:
 
 
 @pytest.mark.skipif(os.uname().machine != "x86_64" or not Path("/proc/cpuinfo").exists(), reason="x86-64 Linux")
-def test_amx_gated_sources_compile_for_the_other_kind_of_host():
+def test_isa_gated_sources_compile_for_the_other_kind_of_host():
     from torch.utils import cpp_extension
 
     from kvfleet_kernels import cpu_paged_attention
@@ -117,6 +118,6 @@ def test_amx_gated_sources_compile_for_the_other_kind_of_host():
     compiles = {name: subprocess.Popen(
         ["c++", "-fsyntax-only", "-std=c++20", other_kind_of_host(), *flags, *includes,
          str(Path(cpu_paged_attention.__file__).parent / "csrc" / name)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for name in AMX_GATED_SOURCES}
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for name in ISA_GATED_SOURCES}
     errors = {name: process.communicate(timeout=300)[1] for name, process in compiles.items()}
     assert all(process.returncode == 0 for process in compiles.values()), errors
