@@ -95,6 +95,18 @@ def peer_checkpoint(model: str, out_dir: str | Path) -> str:
     return str(out_dir)
 
 
+RESULT_MARK = "KVFLEET_RESULT "  # a peer process's last stdout line so marked is its JSON result
+
+
+def child_result(done: subprocess.CompletedProcess, who: str) -> dict:
+    """The JSON on the last RESULT_MARK line of a finished peer process's stdout (its logs may share
+    stdout: vLLM's do); a RuntimeError naming `who` with the end of its output where it failed."""
+    marked = [line for line in done.stdout.splitlines() if line.startswith(RESULT_MARK)]
+    if done.returncode != 0 or not marked:
+        raise RuntimeError(f"{who} failed (exit {done.returncode}):\n{(done.stderr or done.stdout)[-3000:]}")
+    return json.loads(marked[-1].removeprefix(RESULT_MARK))
+
+
 def matmul_probe_flops(size: int = 2048, repeats: int = 10, device: str = "cpu",
                        dtype: torch.dtype = torch.float32) -> float:
     """FLOP/s of a square matmul in `dtype` on `device`, right now."""

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import print_summary
+from benchmarks.common import child_result, print_summary
 from engine import EngineConfig, PoolingParams, create_engine
 from engine.checkpoint import EMBEDDING_DEMO_MODEL, resolve_checkpoint
 from engine.demo_model import CORPUS
@@ -130,10 +130,7 @@ def run_vllm(folder: str, texts: list[str], dtype: str, max_num_batched_tokens: 
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
         done = subprocess.run([python, str(Path(__file__).with_name("vllm_embed_peer.py")), folder, str(workload),
                                str(out)], capture_output=True, text=True, env=env, timeout=3600)
-        marked = [line for line in done.stdout.splitlines() if line.startswith("KVFLEET_RESULT ")]
-        if done.returncode != 0 or not marked:
-            raise RuntimeError(f"vLLM peer failed (exit {done.returncode}):\n{(done.stderr or done.stdout)[-3000:]}")
-        result = json.loads(marked[-1].removeprefix("KVFLEET_RESULT "))
+        result = child_result(done, "vLLM peer")
         return {"seconds": result["seconds"], "embeddings": torch.from_numpy(np.load(out))}
 
 

@@ -45,6 +45,7 @@ from benchmarks.common import (
     SLOW_PROBE_SHARE,
     WORKLOADS,
     Workload,
+    child_result,
     decode_step_roofline_seconds,
     matmul_probe_flops,
     peer_checkpoint,
@@ -81,10 +82,7 @@ def run_process(command: list[str], run: dict, allocator: str = "glibc") -> dict
             after = resource.getrusage(resource.RUSAGE_CHILDREN)  # before the sampler is reaped: not its seconds
     finally:
         os.unlink(handle.name)
-    marked = [line for line in done.stdout.splitlines() if line.startswith("KVFLEET_RESULT ")]
-    if done.returncode != 0 or not marked:
-        raise RuntimeError(f"{command[-2:]} failed (exit {done.returncode}):\n{(done.stderr or done.stdout)[-3000:]}")
-    result = json.loads(marked[-1].removeprefix("KVFLEET_RESULT "))
+    result = child_result(done, str(command[-2:]))
     expected = sum(run["output_lens"])
     assert result["output_tokens"] == expected, (command, result["output_tokens"], expected)
     result["output_tokens_per_s"] = result["output_tokens"] / result["seconds"]

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-from benchmarks.common import Workload
+from benchmarks.common import Workload, child_result
 
 # transformers continuous batching's tokens per forward on a CPU (a longer prompt is chunked). Its CPU
 # path fills an attention mask of about this many rows by the cache's width every step, so a
@@ -89,10 +89,7 @@ def run_vllm(model_dir: str, workload: Workload, max_batch_size: int, python: st
     done = subprocess.run([python, str(Path(__file__).with_name("vllm_peer.py")), model_dir, handle.name],
                           capture_output=True, text=True, env=env, timeout=3600)
     os.unlink(handle.name)
-    marked = [line for line in done.stdout.splitlines() if line.startswith("KVFLEET_RESULT ")]
-    if done.returncode != 0 or not marked:
-        raise RuntimeError(f"vLLM peer failed (exit {done.returncode}):\n{(done.stderr or done.stdout)[-3000:]}")
-    result = json.loads(marked[-1].removeprefix("KVFLEET_RESULT "))
+    result = child_result(done, "vLLM peer")
     assert result["output_tokens"] == workload.num_output_tokens, result
     return {"seconds": result["seconds"], "output_tokens_per_s": result["output_tokens"] / result["seconds"],
             "cpu_seconds": result["cpu_seconds"], "peak_rss_mib": result["peak_rss_mib"]}

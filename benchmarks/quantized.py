@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 from benchmarks import peers
-from benchmarks.common import WORKLOADS, Workload, peer_checkpoint
+from benchmarks.common import WORKLOADS, Workload, child_result, peer_checkpoint
 from benchmarks.llama_cpp import LlamaServer, build_llama_cpp
 from benchmarks.random_gguf import SHAPES, write_random_model
 
@@ -116,10 +116,7 @@ def run_child(module: str, *args: str) -> dict:
     carries, with output tokens/s."""
     done = subprocess.run([sys.executable, "-m", module, "--child", *args], capture_output=True, text=True,
                           timeout=3600)
-    marked = [line for line in done.stdout.splitlines() if line.startswith("KVFLEET_RESULT ")]
-    if done.returncode != 0 or not marked:
-        raise RuntimeError(f"kvfleet child failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    result = json.loads(marked[-1].removeprefix("KVFLEET_RESULT "))
+    result = child_result(done, "kvfleet child")
     result["output_tokens_per_s"] = result["output_tokens"] / result["seconds"]
     return result
 
