@@ -48,6 +48,12 @@ AMX_DENSE_ROWS = 256
 DENSE_ROWS = 128
 
 
+def integer_rows_below() -> int:
+    """Steps of fewer rows take the integer dot products (on AMX hosts, more take the tiles; elsewhere
+    the dense path)."""
+    return AMX_ROWS if kernels.amx_available() else DENSE_ROWS
+
+
 class QuantizedLinear(nn.Module):
     """x [T, in_features] @ W^T + bias for W quantized, in parts of `part_sizes` output features
     (one per checkpoint tensor), each packed once at load."""
@@ -100,7 +106,7 @@ class QuantizedLinear(nn.Module):
         rows, amx_host = x.shape[0], kernels.amx_available()
         if rows >= (AMX_DENSE_ROWS if amx_host else DENSE_ROWS):
             return self._dense(x.to(dtype), bias)
-        amx = amx_host and rows >= AMX_ROWS
+        amx = rows >= integer_rows_below()
         out = x.new_empty((rows, self.out_features), dtype=dtype)
         if self._arguments is None and all(weight.input_order is None for weight in self.parts):
             self._arguments = kernels.parts_arguments(self.parts)
@@ -233,12 +239,13 @@ class QuantizedExperts(nn.Module):
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, kernel: str = "cpu") -> None:
         super().__init__()
-        self.num_experts = num_experts
+        self.num_experts, self.kernel = num_experts, kernel
         self.w13 = nn.ModuleList(QuantizedLinear(hidden_size, [intermediate_size] * 2, None, kernel)
                                  for _ in range(num_experts))
         self.w2 = nn.ModuleList(QuantizedLinear(intermediate_size, [hidden_size], None, kernel)
                                 for _ in range(num_experts))
         self.checkpoint_parts: dict[str, int | tuple[int, int]] = {}  # source -> (expert, role), or role: every expert
+        self.inputs_in_order: bool | None = None  # no part reorders its inputs (engine/quantized_experts.py sets it)
 
     def load_part(self, part: tuple[int, int], weight: kernels.QuantizedWeight) -> None:
         """part (expert, 0 / 1 / 2): that expert's gate / up / down weight."""
@@ -251,12 +258,6 @@ class QuantizedExperts(nn.Module):
     def missing_parts(self) -> list[int]:
         return sorted({*(p for linear in self.w13 for p in linear.missing_parts()),
                        *(2 for linear in self.w2 if linear.missing_parts())})
-
-
-def quantized_expert_linear(x: torch.Tensor, linear: QuantizedLinear, bias: torch.Tensor | None) -> torch.Tensor:
-    """One expert's matmul on its quantized weight (kvfleet_kernels/reference.py's fused_moe `linear`)."""
-    out = linear(x)
-    return out if bias is None else out + bias.to(out.dtype)
 
 
 def quantized_modules(model: nn.Module) -> list[QuantizedLinear | QuantizedEmbedding]:

@@ -178,6 +178,17 @@ def dequantize_rows(weight: PackedQuantizedWeight, ids: torch.Tensor) -> torch.T
     return scale * codes.float() - offset
 
 
+def linear_grouped(activations: tuple[torch.Tensor, torch.Tensor], row_offsets: list[int],
+                   weights: list[list[PackedQuantizedWeight]], out: torch.Tensor) -> torch.Tensor:
+    """out [M, N]: rows [row_offsets[g], row_offsets[g + 1]) of x times weights[g] (its parts side by
+    side in N, as linear_parts), every group in one call: an MoE layer's experts over the rows routed
+    to each. x as `quantize_activations` left it; no bias."""
+    xq, xmeta = activations
+    flat = [weight for parts in weights for weight in parts]
+    torch.ops.kvfleet_cpu.quantized_linear_grouped(out, xq, xmeta, row_offsets, *parts_arguments(flat))
+    return out
+
+
 def column_chunks(weight: PackedQuantizedWeight, max_columns: int) -> list[PackedQuantizedWeight]:
     """The weight as consecutive slices of at most max_columns output features (a multiple of 16),
     each a view of its panels: a weight dequantized a slice at a time."""

@@ -26,7 +26,8 @@ from torch import nn
 from engine import parallel
 from engine.models.layers import onednn_linear, packed_bf16_kernel
 from engine.models.parallel_layers import copy_checked, set_loader
-from engine.quantized_linear import QuantizedExperts, quantized_expert_linear
+from engine.quantized_experts import quantized_fused_moe
+from engine.quantized_linear import QuantizedExperts
 from kvfleet_kernels import cpu_linear, reference
 
 # softmax_topk: softmax over all experts in fp32, then the top k (Mixtral, Qwen3-MoE);
@@ -164,9 +165,8 @@ class FusedMoE(nn.Module):
         # The down bias belongs to the whole sum: rank 0 adds it, the all-reduce spreads it.
         w2_bias = self.w2_bias if parallel.tp_rank() == 0 else None
         if self.quantized is not None:
-            out = reference.fused_moe(hidden, self.quantized.w13, self.quantized.w2, topk_weights, topk_ids,
-                                      self.activation, self.w13_bias, w2_bias, linear=quantized_expert_linear,
-                                      **self.activation_args)
+            out = quantized_fused_moe(self.quantized, hidden, topk_weights, topk_ids, self.activation, self.w13_bias,
+                                      w2_bias, **self.activation_args)
         elif self.packed is not None:
             out = reference.fused_moe(hidden, *self.packed, topk_weights, topk_ids, self.activation, self.w13_bias,
                                       w2_bias, linear=self.linear, **self.activation_args)

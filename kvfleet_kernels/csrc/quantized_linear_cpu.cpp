@@ -220,9 +220,74 @@ void quantized_linear_parts(const at::Tensor& out, const at::Tensor& xq, const a
   run_parts(parts, rows_of);
 }
 
+// Every group's parts in one parallel region, each group over rows of its own: an MoE layer's
+// experts, each over the rows routed to it (decode: 8 experts of a few rows, 16 calls and their
+// forks and joins before). Items (entry, block of rows, panel), entries group by group, so that a
+// thread's share is a run of whole panels of few experts.
+void run_groups(const std::vector<QuantArgs>& entries, const std::vector<PartRows>& rows_of) {
+  struct Item {
+    int64_t entry, row0, panel;
+  };
+  std::vector<Item> items;
+  for (int64_t e = 0; e < static_cast<int64_t>(entries.size()); ++e) {
+    const int64_t panels = (entries[e].n + kColumns - 1) / kColumns;
+    for (int64_t row0 = 0; row0 < entries[e].rows; row0 += kBlockRows)
+      for (int64_t panel = 0; panel < panels; ++panel) items.push_back({e, row0, panel});
+  }
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const Item& item = items[i];
+      const QuantArgs& a = entries[item.entry];
+      rows_of[item.entry](a, item.row0, std::min(kBlockRows, a.rows - item.row0), item.panel);
+    }
+  });
+}
+
+// out [M, N] (bf16 or fp32, rows dense): rows [row_offsets[g], row_offsets[g + 1]) of x times group
+// g's weight, whose P parts (packed and the rest listed group by group, P = len(packed) / G) lie
+// side by side in N; x as quantize_activations left it. An MoE layer's experts in one call.
+void quantized_linear_grouped(const at::Tensor& out, const at::Tensor& xq, const at::Tensor& xmeta,
+                              at::IntArrayRef row_offsets, at::TensorList packed, at::TensorList scales,
+                              at::IntArrayRef bits, at::IntArrayRef group, at::IntArrayRef zero_point,
+                              at::IntArrayRef out_features) {
+  const int64_t groups = static_cast<int64_t>(row_offsets.size()) - 1, k = xq.size(1) / 2, rows = xq.size(0);
+  TORCH_CHECK(xq.scalar_type() == at::kChar && xq.is_contiguous() && xmeta.scalar_type() == at::kFloat &&
+                  xmeta.is_contiguous() && xmeta.size(0) == rows && xmeta.size(1) == k / 8,
+              "xq and xmeta must come from quantize_activations");
+  TORCH_CHECK(groups > 0 && row_offsets.front() == 0 && row_offsets.back() == rows,
+              "row_offsets must run from 0 to x's ", rows, " rows");
+  const int64_t count = static_cast<int64_t>(packed.size()), per_group = count / groups;
+  TORCH_CHECK(per_group > 0 && per_group * groups == count, "as many parts for every group");
+  check_output(out, rows, std::nullopt);
+  const bool out_bf16 = out.scalar_type() == at::kBFloat16;
+  std::vector<QuantArgs> entries;
+  std::vector<PartRows> rows_of;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t row0 = row_offsets[g], group_rows = row_offsets[g + 1] - row0;
+    TORCH_CHECK(group_rows >= 0, "row_offsets must not decrease");
+    int64_t start = 0;
+    for (int64_t p = g * per_group; p < (g + 1) * per_group; ++p) {
+      check_weight(packed[p], scales[p], bits[p], group[p], out_features[p], k, zero_point[p]);
+      void* part_out = static_cast<char*>(out.data_ptr()) + (row0 * out.stride(0) + start) * out.element_size();
+      if (group_rows > 0) {
+        entries.push_back({xq.const_data_ptr<int8_t>() + row0 * 2 * k, xmeta.const_data_ptr<float>() + row0 * (k / 8),
+                           packed[p].const_data_ptr<uint8_t>(), scales[p].const_data_ptr<at::Half>(), nullptr,
+                           part_out, out_bf16, group_rows, k, out_features[p], group[p], out.stride(0),
+                           zero_point[p]});
+        rows_of.push_back(part_rows(bits[p], group[p]));
+      }
+      start += out_features[p];
+    }
+    TORCH_CHECK(start == out.size(1), "group ", g, "'s parts have ", start, " columns, out ", out.size(1));
+  }
+  run_groups(entries, rows_of);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvfleet_cpu, m) {
+  m.def("quantized_linear_grouped(Tensor(a!) out, Tensor xq, Tensor xmeta, int[] row_offsets, Tensor[] packed, "
+        "Tensor[] scales, int[] bits, int[] group, int[] zero_point, int[] out_features) -> ()");
   m.def("quantized_linear_parts(Tensor(a!) out, Tensor xq, Tensor xmeta, Tensor[] packed, Tensor[] scales, int[] bits, "
         "int[] group, int[] zero_point, int[] out_features, Tensor? bias=None) -> ()");
   m.def("quantized_dot_native() -> bool", &native_dot);
@@ -230,4 +295,5 @@ TORCH_LIBRARY_FRAGMENT(kvfleet_cpu, m) {
 
 TORCH_LIBRARY_IMPL(kvfleet_cpu, CPU, m) {
   m.impl("quantized_linear_parts", &quantized_linear_parts);
+  m.impl("quantized_linear_grouped", &quantized_linear_grouped);
 }

@@ -161,14 +161,16 @@ MOE_TYPES = {"ffn_gate_inp": Q.F32, "ffn_gate_exps": Q.Q4_0, "ffn_up_exps": Q.Q5
 
 
 @pytest.mark.parametrize("architecture", ["qwen3_moe", "mixtral"])  # mixtral: written as a llama with experts
-def test_moe_experts_stay_quantized_and_generate_as_dequantized(tiny_tokenizer, tmp_path, architecture):
+def test_moe_experts_stay_quantized_and_generate_as_dequantized(tiny_tokenizer, tmp_path, architecture, monkeypatch):
     """Each expert's slice of GGUF's stacked expert tensors packed apart (Qwen3-MoE; Mixtral, which
     llama.cpp writes as a llama with experts): the layer's output is the
     expert sum over gguf's own dequantization of the file, the bytes held are the experts' codes and
     scales, the parameter counts (active ones too) are the dequantized load's, and greedy answers stay
-    within a near-tie of that load's."""
+    within a near-tie of that load's. At a few rows an expert (decode) every expert's matmuls run as
+    one grouped call each, with the rows an expert at a time computes."""
     from engine.demo_model import write_checkpoint  # noqa: PLC0415
-    from engine.quantized_linear import AMX_ROWS, QuantizedExperts  # noqa: PLC0415
+    from engine.quantized_experts import quantized_expert_linear  # noqa: PLC0415
+    from engine.quantized_linear import AMX_ROWS, QuantizedExperts, integer_rows_below  # noqa: PLC0415
     from kvfleet_kernels import cpu_quantized_linear, reference  # noqa: PLC0415
     from tests.engine.test_gguf import GGUF_CONFIGS  # noqa: PLC0415
     from tests.tiny_models import TINY_CONFIGS  # noqa: PLC0415
@@ -192,10 +194,22 @@ def test_moe_experts_stay_quantized_and_generate_as_dequantized(tiny_tokenizer, 
         w2 = written[f"blk.{index}.ffn_down_exps.weight"][1]
         for rows in (3, 200):  # the integer products; AMX tiles or the dense path for an expert's many rows
             hidden = torch.randn(rows, config.hidden_size, generator=torch.Generator().manual_seed(rows))
+            grouped = []
+            monkeypatch.setattr(cpu_quantized_linear, "linear_grouped", lambda *args, seen=grouped,
+                                call=cpu_quantized_linear.linear_grouped: seen.append(len(args[1]) - 1) or call(*args))
             with torch.inference_mode():
                 weights, ids = layer.mlp.gate(hidden)
                 expected = reference.fused_moe(hidden, torch.from_numpy(w13), torch.from_numpy(w2), weights, ids)
                 got = layer.mlp.experts(hidden, weights, ids)
+                one_at_a_time = reference.fused_moe(hidden, experts.w13, experts.w2, weights, ids,
+                                                    linear=quantized_expert_linear)
+            monkeypatch.undo()
+            # grouped (gate_up, then down, over every routed expert) while each expert's rows take the
+            # integer path: 3 rows everywhere, 200 where no expert gets AMX_ROWS on an AMX host
+            routed, most = len(ids.unique()), int(torch.bincount(ids.flatten()).max())
+            assert grouped == ([routed, routed] if most < integer_rows_below() else []), rows
+            if grouped:
+                assert torch.equal(got, one_at_a_time)
             # AMX tiles multiply x and the weight rounded to bf16 (csrc/quantized_linear_amx.cpp): bf16's
             # precision, 4 units of its roundoff; the integer products keep ~1e-3 (int16 activations)
             amx = rows >= AMX_ROWS and cpu_quantized_linear.amx_available()

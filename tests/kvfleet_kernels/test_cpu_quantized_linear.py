@@ -222,3 +222,26 @@ def test_on_amx_tiles_the_product_is_the_weight_dequantized_to_bf16(bits, group,
     expected = x.double() @ dense.double().T + bias.double()
     assert out[:, n:].isnan().all()
     assert (out[:, :n].double() - expected).abs().max() <= 1e-6 * expected.abs().max()
+
+
+def test_groups_of_rows_each_times_its_own_weight_in_one_call():
+    # An MoE layer's experts: rows [0, 3) times group 0's two parts, none for group 1, [3, 70) (two
+    # blocks of 64 rows) times group 2's: each group's rows as linear_parts computes them alone.
+    generator = torch.Generator().manual_seed(11)
+    k, offsets = 96, [0, 3, 3, 70]
+    groups = [[kernels.pack_weight(random_weight(bits, group, n, k, generator)) for bits, group, n in parts]
+              for parts in ([(4, 32, 40), (6, 16, 24)], [(8, 32, 40), (4, 16, 24)], [(8, 16, 40), (4, 32, 24)])]
+    x = torch.randn(70, k, generator=generator)
+    activations = kernels.quantize_activations(x)
+    out = torch.full((70, 64), float("nan"))
+    kernels.linear_grouped(activations, offsets, groups, out)
+    for g, parts in enumerate(groups):
+        rows = slice(offsets[g], offsets[g + 1])
+        alone = torch.empty(offsets[g + 1] - offsets[g], 64)
+        kernels.linear_parts(kernels.quantize_activations(x[rows]), parts, None, alone)
+        assert torch.equal(out[rows], alone), g
+    with pytest.raises(RuntimeError, match="row_offsets must run from 0 to x's 70 rows"):
+        kernels.linear_grouped(activations, [0, 3, 3, 69], groups, out)
+    narrow = kernels.pack_weight(random_weight(4, 16, 16, k, generator))
+    with pytest.raises(RuntimeError, match="group 1's parts have 56 columns, out 64"):
+        kernels.linear_grouped(activations, offsets, [groups[0], [groups[1][0], narrow], groups[2]], out)
