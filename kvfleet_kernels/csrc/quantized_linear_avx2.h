@@ -163,38 +163,33 @@ inline __m256 load_scales8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu
 // here, which with a division a unit (the group test) cost more than the dot products themselves.
 template <int BITS, int UNIT, int R>
 void panel_pass(const QuantArgs& a, int64_t row0, int64_t panel) {
-  const uint8_t* weights = a.packed + panel * a.k * kColumns * BITS / 8;
-  const int64_t planes = scale_planes(a.zero_point);
-  const at::Half* scales = a.scales + panel * (a.k / a.group) * planes * kColumns;
-  const int64_t meta = a.k / 8, units_per_group = a.group / UNIT;
-  const int64_t sums = UNIT == 32 ? a.k / 32 : 2 * (a.k / 32);  // where xmeta's s * sum(xq) per unit start
+  const PanelReads<BITS, UNIT> reads(a, panel);
   const __m256 zero_point = _mm256_set1_ps(static_cast<float>(a.zero_point));
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t g = 0, u = 0; g < a.k / a.group; ++g) {
-    const at::Half* group = scales + g * planes * kColumns;
+    const at::Half* group = reads.group_scales(g);
     __m256 scale_a[2], scale_b[2];
     for (int half = 0; half < 2; ++half) {
       scale_a[half] = load_scales8(group + 8 * half);
       scale_b[half] = a.zero_point >= 0 ? _mm256_mul_ps(scale_a[half], zero_point) : load_scales8(group + kColumns + 8 * half);
     }
-    for (const int64_t end = u + units_per_group; u < end; ++u) {
+    for (const int64_t end = u + reads.units_per_group; u < end; ++u) {
       __m256i dot[R][2];
-      unit_dots<BITS, UNIT, R>(a, row0, weights, u, dot);
+      unit_dots<BITS, UNIT, R>(a, row0, reads.weights, u, dot);
       for (int r = 0; r < R; ++r) {
-        const float* xm = a.xmeta + (row0 + r) * meta;
-        const __m256 s = _mm256_set1_ps(xm[u * UNIT / 32]), minus_c = _mm256_set1_ps(-xm[sums + u]);
+        const float* xm = a.xmeta + (row0 + r) * reads.meta;
+        const __m256 s = _mm256_set1_ps(xm[u * UNIT / 32]), minus_c = _mm256_set1_ps(-xm[reads.sums + u]);
         for (int half = 0; half < 2; ++half)
           acc[r][half] = fused_multiply_add(_mm256_cvtepi32_ps(dot[r][half]), _mm256_mul_ps(scale_a[half], s),
                                             fused_multiply_add(scale_b[half], minus_c, acc[r][half]));
       }
     }
   }
-  const int64_t col0 = panel * kColumns, cols = std::min<int64_t>(kColumns, a.n - col0);
   for (int r = 0; r < R; ++r) {
     float row[kColumns];
     _mm256_storeu_ps(row, acc[r][0]), _mm256_storeu_ps(row + 8, acc[r][1]);
-    store_columns(a.out, a.out_bf16, (row0 + r) * a.out_stride + col0, row, col0, cols, a.bias);
+    store_panel_row(a, row0 + r, panel, row);
   }
 }
 

@@ -120,30 +120,25 @@ using avx2::panel_pass;
 // groups of 16), each unit's integer dot products scaled once into the fp32 sums.
 template <int BITS, int UNIT, int R>
 void panel_pass(const QuantArgs& a, int64_t row0, int64_t panel) {
-  const uint8_t* weights = a.packed + panel * a.k * kColumns * BITS / 8;
-  const int64_t planes = scale_planes(a.zero_point);
-  const at::Half* scales = a.scales + panel * (a.k / a.group) * planes * kColumns;
-  const int64_t meta = a.k / 8, units_per_group = a.group / UNIT;
-  const int64_t sums = UNIT == 32 ? a.k / 32 : 2 * (a.k / 32);  // where xmeta's s * sum(xq) per unit start
+  const PanelReads<BITS, UNIT> reads(a, panel);
   vfloat acc[R] = {};
   vfloat scale_a{}, scale_b{};
   for (int64_t g = 0, u = 0; g < a.k / a.group; ++g) {
-    load_group(scales + g * planes * kColumns, a.zero_point, scale_a, scale_b);
-    for (const int64_t end = u + units_per_group; u < end; ++u) {
+    load_group(reads.group_scales(g), a.zero_point, scale_a, scale_b);
+    for (const int64_t end = u + reads.units_per_group; u < end; ++u) {
       i32x16 dot[R];
-      unit_dots<BITS, UNIT, R>(a, row0, weights, u, dot);
+      unit_dots<BITS, UNIT, R>(a, row0, reads.weights, u, dot);
       for (int r = 0; r < R; ++r) {
-        const float* xm = a.xmeta + (row0 + r) * meta;
-        const float s = xm[u * UNIT / 32], c = xm[sums + u];
+        const float* xm = a.xmeta + (row0 + r) * reads.meta;
+        const float s = xm[u * UNIT / 32], c = xm[reads.sums + u];
         acc[r] += to_float(dot[r]) * (scale_a * s) - scale_b * c;
       }
     }
   }
-  const int64_t col0 = panel * kColumns, cols = std::min<int64_t>(kColumns, a.n - col0);
   for (int r = 0; r < R; ++r) {
     float row[kColumns];
     kvfleet_cpu::store16(row, acc[r]);
-    store_columns(a.out, a.out_bf16, (row0 + r) * a.out_stride + col0, row, col0, cols, a.bias);
+    store_panel_row(a, row0 + r, panel, row);
   }
 }
 #endif

@@ -130,6 +130,24 @@ struct QuantArgs {
   int64_t zero_point;  // B = zero_point * A, or -1: B stored
 };
 
+// Where an integer panel pass reads: one panel's codes and per-group scales, and where xmeta's
+// s * sum(xq) of its units of UNIT features start (csrc/quantized_linear_cpu.cpp's generic pass and
+// csrc/quantized_linear_avx2.h's).
+template <int BITS, int UNIT>
+struct PanelReads {
+  int64_t planes, meta, units_per_group, sums;
+  const uint8_t* weights;
+  const at::Half* scales;
+  PanelReads(const QuantArgs& a, int64_t panel)
+      : planes(scale_planes(a.zero_point)),
+        meta(a.k / 8),
+        units_per_group(a.group / UNIT),
+        sums(UNIT == 32 ? a.k / 32 : 2 * (a.k / 32)),
+        weights(a.packed + panel * a.k * kColumns * BITS / 8),
+        scales(a.scales + panel * (a.k / a.group) * planes * kColumns) {}
+  const at::Half* group_scales(int64_t g) const { return scales + g * planes * kColumns; }
+};
+
 // out [rows, N] of a linear (bf16 or fp32 on the CPU, rows dense) and its fp32 bias of N or none.
 inline void check_output(const at::Tensor& out, int64_t rows, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(out.dim() == 2 && out.size(0) == rows && out.stride(1) == 1 && out.device().is_cpu() &&
@@ -178,6 +196,12 @@ inline void store_columns(void* out, bool out_bf16, int64_t at, const float* sum
     if (out_bf16) static_cast<at::BFloat16*>(out)[at + c] = value;
     else static_cast<float*>(out)[at + c] = value;
   }
+}
+
+// A panel's 16 sums of row `row` into an integer pass's out (its columns past N left out).
+inline void store_panel_row(const QuantArgs& a, int64_t row, int64_t panel, const float* sums) {
+  const int64_t col0 = panel * kColumns, cols = std::min<int64_t>(kColumns, a.n - col0);
+  store_columns(a.out, a.out_bf16, row * a.out_stride + col0, sums, col0, cols, a.bias);
 }
 
 }  // namespace kvfleet_cpu::quantized
