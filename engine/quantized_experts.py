@@ -28,14 +28,10 @@ def quantized_fused_moe(experts: QuantizedExperts, hidden: torch.Tensor, topk_we
                         w2_bias: torch.Tensor | None, **activation_args) -> torch.Tensor:
     """hidden [T, H], topk_* [T, k] -> [T, H]: reference.fused_moe over the quantized experts, as
     two grouped calls where every expert's rows take the integer path (and there are no biases)."""
-    flat_ids = topk_ids.flatten()  # [T * k], row t * k + j
-    counts = torch.bincount(flat_ids, minlength=experts.num_experts)
+    order, token_of_row, counts = reference.rows_by_expert(topk_ids, experts.num_experts)
     if not groupable(experts, int(counts.max()), w13_bias, w2_bias):
         return reference.fused_moe(hidden, experts.w13, experts.w2, topk_weights, topk_ids, activation, w13_bias,
                                    w2_bias, linear=quantized_expert_linear, **activation_args)
-    top_k = topk_ids.shape[1]
-    order = torch.argsort(flat_ids, stable=True)  # rows grouped by expert, token order within
-    token_of_row = order // top_k
     rows = hidden[token_of_row]  # [T * k, H]
     routed = [expert for expert, count in enumerate(counts.tolist()) if count]
     offsets = [0, *torch.cumsum(counts[routed], 0).tolist()]
@@ -46,8 +42,7 @@ def quantized_fused_moe(experts: QuantizedExperts, hidden: torch.Tensor, topk_we
     out_rows = hidden.new_empty((len(rows), experts.w2[0].out_features), dtype=dtype)
     kernels.linear_grouped(kernels.quantize_activations(activated), offsets, [experts.w2[e].parts for e in routed],
                            out_rows)
-    weighted = (out_rows * topk_weights.flatten()[order, None]).to(hidden.dtype)
-    return torch.zeros_like(hidden).index_add_(0, token_of_row, weighted)
+    return reference.sum_expert_rows(hidden, out_rows, topk_weights, order, token_of_row)
 
 
 def groupable(experts: QuantizedExperts, most_rows: int, w13_bias, w2_bias) -> bool:

@@ -18,7 +18,13 @@ import torch.nn.functional as F
 from kvfleet_kernels import cdiv
 
 # The grouped matmuls' references (MoE experts, LoRA segments), kept under reference.* as well.
-from kvfleet_kernels.reference_grouped import fused_moe, gated_activation, sgmv  # noqa: F401
+from kvfleet_kernels.reference_grouped import (  # noqa: F401
+    fused_moe,
+    gated_activation,
+    rows_by_expert,
+    sgmv,
+    sum_expert_rows,
+)
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

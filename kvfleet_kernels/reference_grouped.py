@@ -42,15 +42,11 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     Rows sorted by expert, two matmuls per expert (a loop over experts, never tokens), added
     in expert order as transformers adds them; `linear(x, weight, bias)` runs each matmul
     (w13 and w2 may be lists of what it takes, e.g. oneDNN-packed weights)."""
-    num_tokens, top_k = topk_ids.shape
-    flat_ids = topk_ids.flatten()  # [T * k], row t * k + j
-    order = torch.argsort(flat_ids, stable=True)  # rows grouped by expert, token order within
-    counts = torch.bincount(flat_ids, minlength=len(w13)).tolist()
-    token_of_row = order // top_k
+    order, token_of_row, counts = rows_by_expert(topk_ids, len(w13))
     rows = hidden[token_of_row]  # [T * k, H]
     out_rows = torch.empty_like(rows)
     start = 0
-    for expert, count in enumerate(counts):
+    for expert, count in enumerate(counts.tolist()):
         if count == 0:
             continue
         part = slice(start, start + count)
@@ -58,6 +54,21 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
         out_rows[part] = linear(gated_activation(gate_up, activation, **activation_args), w2[expert],
                                 None if w2_bias is None else w2_bias[expert])
         start += count
+    return sum_expert_rows(hidden, out_rows, topk_weights, order, token_of_row)
+
+
+def rows_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """topk_ids [T, k] -> (order [T * k]: the routed rows grouped by expert, token order within;
+    token_of_row [T * k]: each sorted row's token; counts [num_experts]: rows an expert)."""
+    flat_ids = topk_ids.flatten()  # [T * k], row t * k + j
+    order = torch.argsort(flat_ids, stable=True)
+    return order, order // topk_ids.shape[1], torch.bincount(flat_ids, minlength=num_experts)
+
+
+def sum_expert_rows(hidden: torch.Tensor, out_rows: torch.Tensor, topk_weights: torch.Tensor, order: torch.Tensor,
+                    token_of_row: torch.Tensor) -> torch.Tensor:
+    """[T, H]: each token's expert outputs (out_rows, sorted as rows_by_expert left them) weighted by
+    its routing weights and added in expert order."""
     weighted = (out_rows * topk_weights.flatten()[order, None]).to(hidden.dtype)
     return torch.zeros_like(hidden).index_add_(0, token_of_row, weighted)
 
